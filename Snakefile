@@ -1,0 +1,31 @@
+# kvpool: does a shared KV-cache pool let vLLM replicas reuse each other's prefill?
+# The rules live in workflow/rules/, the logic in the kvpool package (src/kvpool).
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/workload.smk"
+include: "workflow/rules/fleet.smk"
+include: "workflow/rules/populate.smk"
+include: "workflow/rules/drop.smk"
+include: "workflow/rules/reuse.smk"
+include: "workflow/rules/validity.smk"
+include: "workflow/rules/summary.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "results/table1.csv",
+        "results/table1.md",
+        "results/validity.csv",
+        "results/gate.ok",

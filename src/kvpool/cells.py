@@ -1,0 +1,54 @@
+"""The experiment matrix: one cell per (backend, arm, chunk size, tier), and where each keeps its pool."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+CELL_PATTERN = "backend~{backend}/arm~{arm}/chunk~{chunk}/tier~{tier}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    backend: str
+    arm: str
+    chunk: int
+    tier: str
+
+    @property
+    def name(self) -> str:
+        return CELL_PATTERN.format(**self.__dict__)
+
+    @classmethod
+    def from_wildcards(cls, wildcards) -> "Cell":
+        return cls(wildcards.backend, wildcards.arm, int(wildcards.chunk), wildcards.tier)
+
+
+def cells(config: dict) -> list[Cell]:
+    """Every cell of the configured matrix, in a stable order."""
+    return [
+        Cell(backend, arm, chunk, tier)
+        for backend, chunk, tier, arm in itertools.product(
+            config["backends"], config["chunk_sizes"], config["tiers"], config["arms"]
+        )
+    ]
+
+
+def tier_root(config: dict, tier: str, workdir: Path | None = None) -> Path:
+    """The directory holding ``tier``'s pools; relative paths are under the working directory."""
+    path = Path(config["tiers"][tier])
+    return path if path.is_absolute() else (workdir or Path.cwd()) / path
+
+
+def pool_root(config: dict, cell: Cell, workdir: Path | None = None) -> Path:
+    """This cell's own folder inside its tier; nothing outside it is ever deleted."""
+    return tier_root(config, cell.tier, workdir) / "kvpool-pools" / cell.name
+
+
+def pool_dirs(config: dict, cell: Cell, workdir: Path | None = None) -> list[Path]:
+    """Pool directory per replica: one shared by all, or one each in the isolated arm."""
+    root = pool_root(config, cell, workdir)
+    if cell.arm == "shared":
+        return [root / "shared"] * config["replicas"]
+    return [root / f"replica-{i}" for i in range(config["replicas"])]

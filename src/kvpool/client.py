@@ -1,0 +1,64 @@
+"""One streamed completion request, timed on the client: TTFT is the first streamed chunk."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvpool.plan import SERVED_MODEL_NAME
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float = float("nan")
+    e2e_s: float = float("nan")
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_text: str = ""
+    error: str = ""
+    started_at: float = field(default_factory=time.time)  # wall clock, lines up with telemetry
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+async def complete(session: aiohttp.ClientSession, base_url: str, prompt: list[int], output_tokens: int,
+                   timeout_s: float) -> RequestResult:
+    """Send ``prompt`` (token ids) for a greedy streamed completion; failures come back as data."""
+    payload = {
+        "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": output_tokens, "min_tokens": output_tokens,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }
+    result = RequestResult()
+    start = time.perf_counter()
+    try:
+        async with session.post(f"{base_url}/v1/completions", json=payload,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:500]}"
+                return result
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line.removeprefix("data:").strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    if result.ttft_s != result.ttft_s:  # first streamed chunk (nan check)
+                        result.ttft_s = time.perf_counter() - start
+                    result.output_text += chunk["choices"][0].get("text") or ""
+                if usage := chunk.get("usage"):
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        result.e2e_s = time.perf_counter() - start
+        if result.ttft_s != result.ttft_s:
+            result.error = "stream ended without a token"
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result

@@ -1,0 +1,179 @@
+"""Starting and stopping a fleet of vLLM replicas: own process groups, health waits, nothing left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import yaml
+
+from kvpool.plan import with_port
+
+log = logging.getLogger(__name__)
+
+
+class FleetError(RuntimeError):
+    """A replica failed to start, died, or could not be reached."""
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(host: str, count: int, start: int = 18100, stop: int = 28100) -> list[int]:
+    """``count`` ports free on ``host`` right now, below the kernel's ephemeral range."""
+    found = [port for port in range(start, stop) if port_is_free(host, port)][:count] if count else []
+    if len(found) < count:
+        raise FleetError(f"no {count} free ports on {host} in {start}..{stop}")
+    return found
+
+
+def resolve_ports(plan: dict) -> dict:
+    """The plan with its ports checked free; auto ports that were taken since planning are replaced."""
+    replicas = plan["replicas"]
+    taken = [r for r in replicas if not port_is_free(r["host"], r["port"])]
+    if not taken:
+        return plan
+    names = ", ".join(f"replica {r['index']} port {r['port']}" for r in taken)
+    if plan["port_source"] != "auto":
+        raise FleetError(f"configured ports are in use on this machine: {names}; free them or set engine.ports")
+    in_use = {r["port"] for r in replicas}
+    fresh = iter(p for p in free_ports(replicas[0]["host"], len(taken) + len(in_use)) if p not in in_use)
+    moved = {r["index"]: next(fresh) for r in taken}
+    log.warning("planned ports taken since planning (%s); moved to %s", names, moved)
+    return {**plan, "replicas": [with_port(r, moved[r["index"]]) if r["index"] in moved else r for r in replicas]}
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class Replica:
+    """One vLLM server process (and its children) in a process group of its own."""
+
+    def __init__(self, entry: dict, log_path: Path):
+        self.entry = entry
+        self.index = entry["index"]
+        self.url = f"http://{entry['host']}:{entry['port']}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if self.entry["lmcache_config_file"]:
+            Path(self.entry["lmcache_config_file"]).write_text(yaml.safe_dump(self.entry["lmcache_config"]))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.entry["argv"], env={**os.environ, **self.entry["env"]}, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        log.info("replica %d started: pid %d, %s, log %s", self.index, self.proc.pid, self.url, self.log_path)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def died_error(self) -> FleetError:
+        code = self.proc.returncode if self.proc else None
+        return FleetError(f"replica {self.index} ({self.url}) exited with code {code}; "
+                          f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL whatever of it is left."""
+        if self.proc is None:
+            return
+        try:
+            members = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            members = []
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            for member in members:  # children that left the group are signalled one by one
+                try:
+                    member.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            _, members = psutil.wait_procs(members, timeout=wait_s)
+            if not members:
+                break
+        self.proc.wait(timeout=10)
+        log.info("replica %d stopped", self.index)
+
+
+def wait_healthy(replicas: list[Replica], timeout_s: float) -> None:
+    """Block until every replica answers /health; a dead or silent replica raises with its log tail."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(replicas)
+    while pending:
+        for replica in list(pending):
+            if not replica.alive():
+                raise replica.died_error()
+            if replica.healthy():
+                pending.remove(replica)
+        if pending and time.monotonic() > deadline:
+            worst = pending[0]
+            raise FleetError(f"replica {worst.index} ({worst.url}) not healthy after {timeout_s:.0f} s; "
+                             f"last lines of {worst.log_path}:\n{log_tail(worst.log_path)}")
+        if pending:
+            time.sleep(1.0)
+
+
+@contextmanager
+def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
+    """Start every replica of ``plan``, wait for health, yield them, and always stop them all."""
+    plan = resolve_ports(plan)
+    replicas = [Replica(entry, Path(log_dir) / f"replica-{entry['index']}.log") for entry in plan["replicas"]]
+    started = time.monotonic()
+    with _terminate_as_exit():
+        try:
+            for replica in replicas:
+                replica.start()
+                if replica.entry["sequential_start"]:
+                    wait_healthy([replica], timeout_s)
+            wait_healthy(replicas, timeout_s)
+            log.info("fleet of %d healthy after %.1f s", len(replicas), time.monotonic() - started)
+            yield replicas
+        finally:
+            for replica in replicas:
+                replica.stop()
+
+
+@contextmanager
+def _terminate_as_exit():
+    """Turn SIGTERM into SystemExit while a fleet runs, so the stop path runs on `kill` too."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

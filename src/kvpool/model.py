@@ -1,0 +1,74 @@
+"""A random-weights causal LM and a one-word-one-token tokenizer, built locally and deterministically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+
+
+def word(token_index: int) -> str:
+    """The text of the tokenizer's ``token_index``-th ordinary word."""
+    return f"w{token_index}"
+
+
+def build_tokenizer(vocab_words: int):
+    """A WordLevel tokenizer: words ``w0..w{n-1}`` split on whitespace, one word per token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({word(i): len(SPECIAL_TOKENS) + i for i in range(vocab_words)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
+    """Write a random-weights Llama of ``spec`` (layers, hidden, heads...) and its tokenizer to ``out_dir``.
+
+    The same spec and seed give the same bytes. Returns a summary (parameters, KV bytes per token).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec["vocab_words"])
+    head_dim = spec["head_dim"]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        head_dim=head_dim,
+        max_position_embeddings=spec["max_positions"],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(spec["seed"])
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    # A wider init than the default 0.02 keeps logits far from ties, so greedy decoding is stable
+    # across the tiny numeric differences between a reload and a recompute.
+    with torch.no_grad():
+        generator = torch.Generator(device=device).manual_seed(spec["seed"])
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, spec["init_std"], generator=generator)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    params = sum(p.numel() for p in model.parameters())
+    kv_bytes_per_token = 2 * spec["layers"] * spec["kv_heads"] * head_dim * 2  # K and V, bf16
+    summary = {"parameters": params, "kv_bytes_per_token": kv_bytes_per_token, "spec": spec}
+    (out_dir / "kvpool-model.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

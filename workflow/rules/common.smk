@@ -1,0 +1,43 @@
+from pathlib import Path
+
+from kvpool import config as kvpool_config
+from kvpool.cells import CELL_PATTERN, Cell, cells
+
+_problems = kvpool_config.problems(config, Path.cwd())
+if _problems:
+    raise ValueError("config cannot run:\n  " + "\n  ".join(_problems))
+
+CELLS = cells(config)
+CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'}.yaml"
+RANDOM_MODEL_DIR = "resources/model"
+
+
+wildcard_constraints:
+    backend="lmcache-fs|lmcache-local-disk",
+    arm="shared|isolated",
+    chunk=r"\d+",
+    tier="[A-Za-z0-9_-]+",
+
+
+def model_path():
+    """The engine's model: the configured one, or the random-weights model this workflow builds."""
+    return config["engine"]["model"] or RANDOM_MODEL_DIR
+
+
+def model_input(wildcards=None):
+    """The model directory as a rule input, when this workflow builds it."""
+    return [] if config["engine"]["model"] else [RANDOM_MODEL_DIR]
+
+
+def cell_path(name):
+    """``name`` inside the cell folder, as a pattern over the cell wildcards."""
+    return f"results/cells/{CELL_PATTERN}/{name}"
+
+
+def cell_files(name):
+    """``name`` in every cell folder of the matrix, in matrix order."""
+    return [f"results/cells/{cell.name}/{name}" for cell in CELLS]
+
+
+def cell_log(step):
+    return f"logs/{step}/{CELL_PATTERN}.log"

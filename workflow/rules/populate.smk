@@ -1,0 +1,20 @@
+rule populate:
+    """Start the fleet, check cross-replica key agreement, prefill each document once round robin."""
+    input:
+        plan=cell_path("plan.yaml"),
+        prompts="results/workload/prompts.jsonl",
+    output:
+        csv=cell_path("populate.csv"),
+        meta=cell_path("populate.json"),
+    params:
+        log_dir=lambda wc: f"logs/populate/{Cell.from_wildcards(wc).name}/replicas",
+    resources:
+        fleet=1,
+    conda:
+        CONDA_ENV
+    log:
+        cell_log("populate"),
+    benchmark:
+        cell_path("benchmarks/populate.tsv")
+    script:
+        "../scripts/run_populate.py"

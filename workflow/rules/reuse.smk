@@ -1,0 +1,22 @@
+rule reuse:
+    """Send every follow-up to a replica that did not prefill its document, reading the pool cold."""
+    input:
+        plan=cell_path("plan.yaml"),
+        prompts="results/workload/prompts.jsonl",
+        populate=cell_path("populate.csv"),
+        drop=cell_path("drop.json"),
+    output:
+        csv=cell_path("reuse.csv"),
+        meta=cell_path("reuse.json"),
+    params:
+        log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",
+    resources:
+        fleet=1,
+    conda:
+        CONDA_ENV
+    log:
+        cell_log("reuse"),
+    benchmark:
+        cell_path("benchmarks/reuse.tsv")
+    script:
+        "../scripts/run_reuse.py"

@@ -1,0 +1,46 @@
+rule validity:
+    """The validity gate of one cell: errors, cross-replica routing, pool size, cold reads, hits, outputs."""
+    input:
+        populate=cell_path("populate.csv"),
+        populate_meta=cell_path("populate.json"),
+        reuse=cell_path("reuse.csv"),
+        reuse_meta=cell_path("reuse.json"),
+        reference="results/reference/outputs.csv",
+    params:
+        gate={k: config[k] for k in ("min_pool_bytes", "min_hit_fraction", "max_resident_fraction")},
+    output:
+        cell_path("validity.json"),
+    conda:
+        CONDA_ENV
+    log:
+        cell_log("validity"),
+    script:
+        "../scripts/run_validity.py"
+
+
+rule validity_table:
+    """Every cell's verdict, with the reasons of the invalid ones."""
+    input:
+        cell_files("validity.json"),
+    output:
+        "results/validity.csv",
+    conda:
+        CONDA_ENV
+    log:
+        "logs/validity/table.log",
+    script:
+        "../scripts/validity_table.py"
+
+
+rule gate:
+    """Fails the run, naming each invalid cell and why; every measured file stays."""
+    input:
+        "results/validity.csv",
+    output:
+        "results/gate.ok",
+    conda:
+        CONDA_ENV
+    log:
+        "logs/validity/gate.log",
+    script:
+        "../scripts/gate.py"

@@ -1,0 +1,6 @@
+from kvpool import logs, steps
+from kvpool.cells import Cell
+
+logs.to_log(snakemake.log[0])
+steps.run_populate(snakemake.config, Cell.from_wildcards(snakemake.wildcards), snakemake.input.plan,
+                   snakemake.input.prompts, snakemake.output.csv, snakemake.output.meta, snakemake.params.log_dir)

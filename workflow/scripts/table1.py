@@ -1,0 +1,6 @@
+from kvpool import logs, steps
+from kvpool.cells import cells
+
+logs.to_log(snakemake.log[0])
+steps.run_summary(snakemake.config, cells(snakemake.config), snakemake.input.reuse, snakemake.input.reuse_meta,
+                  snakemake.input.validity, snakemake.output.csv, snakemake.output.md)
