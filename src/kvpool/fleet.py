@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from kvpool.plan import with_port
+from kvpool.plan import SERVED_MODEL_NAME, with_port
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,10 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_ports(host: str, count: int, start: int = 18100, stop: int = 28100) -> list[int]:
-    """``count`` ports free on ``host`` right now, below the kernel's ephemeral range."""
+def free_ports(host: str, count: int, start: int = 18100, span: int = 10000) -> list[int]:
+    """``count`` ports free on ``host`` right now, from ``start`` on (the default range sits below the
+    kernel's ephemeral ports, so client connections never take them)."""
+    stop = start + span
     found = [port for port in range(start, stop) if port_is_free(host, port)][:count] if count else []
     if len(found) < count:
         raise FleetError(f"no {count} free ports on {host} in {start}..{stop}")
@@ -92,10 +95,15 @@ class Replica:
         return self.proc is not None and self.proc.poll() is None
 
     def healthy(self) -> bool:
+        """Answers /health and serves our model: another server that took the port does not count."""
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
+                if response.status != 200:
+                    return False
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
+                served = [m.get("id") for m in json.loads(response.read()).get("data", [])]
+            return SERVED_MODEL_NAME in served
+        except (urllib.error.URLError, OSError, ValueError):
             return False
 
     def died_error(self) -> FleetError:

