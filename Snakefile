@@ -18,6 +18,7 @@ include: "workflow/rules/fleet.smk"
 include: "workflow/rules/populate.smk"
 include: "workflow/rules/drop.smk"
 include: "workflow/rules/reuse.smk"
+include: "workflow/rules/telemetry.smk"
 include: "workflow/rules/validity.smk"
 include: "workflow/rules/summary.smk"
 
@@ -27,5 +28,6 @@ rule all:
     input:
         "results/table1.csv",
         "results/table1.md",
+        "results/tier_compare.csv",
         "results/validity.csv",
         "results/gate.ok",

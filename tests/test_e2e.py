@@ -16,8 +16,9 @@ CELL = "results/cells/backend~{backend}/arm~{arm}/chunk~256/tier~disk"
 
 
 def snakemake(workdir, *configfiles, target="all"):
-    argv = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-            "--cores", "1", "--configfile", *map(str, configfiles), target]
+    # the target goes first: --configfile takes every value after it
+    argv = [sys.executable, "-m", "snakemake", target, "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+            "--cores", "1", "--configfile", *map(str, configfiles)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=3600)
 
 
@@ -95,6 +96,36 @@ def test_no_replica_survives(run):
     assert replicas_running_in(run) == []
 
 
+def test_telemetry_covers_the_reuse_phase(run):
+    cell = run / CELL.format(backend="lmcache-fs", arm="shared")
+    records = pd.read_csv(cell / "reuse.csv")
+    drive = pd.read_csv(cell / "telemetry" / "drive.csv")
+    power = pd.read_csv(cell / "telemetry" / "power.csv")
+    summary = json.loads((cell / "telemetry" / "summary.json").read_text())
+    during = drive[drive["phase"] == "reuse"]
+    assert during["t_s"].min() <= records["started_at"].min()
+    assert during["t_s"].max() >= (records["started_at"] + records["e2e_s"]).max()
+    reuse = summary["reuse"]
+    assert reuse["drive"]["available"], reuse["devices"]
+    # The page cache was dropped, so the KV each follow-up loaded came off the device:
+    # 4 KiB per token (float32, 4 layers, 1 KV head of 128).
+    loaded = records["external_hit_tokens"].sum() * 4096
+    assert reuse["drive"]["read_bytes"] >= 0.9 * loaded, (reuse["drive"], loaded)
+    assert {"replica0", "replica1"} <= set(power["source"])
+    assert all(r["cpu_s"] > 0 and r["peak_rss_bytes"] > 0 for r in reuse["power"]["replicas"].values())
+    if reuse["power"]["mean_power_w"] is None:  # no GPU here: said so, not zero
+        assert reuse["power"]["gpu_unavailable"]
+
+
+def test_tier_compare_has_a_column_per_tier(run):
+    table = pd.read_csv(run / "results" / "tier_compare.csv")
+    assert "disk" in table.columns
+    signals = table.set_index("signal")["disk"]
+    assert signals["ceiling_read_gb_per_s"] > 0
+    assert signals["ttft_p50_s"] > 0 and signals["avg_read_kb"] > 0
+
+
+# Last: it re-runs `all` in the same folder with another matrix, which rewrites the shared tables.
 def test_local_disk_shared_arm_is_marked_invalid(run):
     # Same folder: the model, prompts and reference of the first run are reused.
     result = snakemake(run, CONFIGS / "e2e.yaml", CONFIGS / "e2e-local-disk.yaml")

@@ -20,6 +20,7 @@ from kvpool.client import RequestResult, complete
 from kvpool.fleet import Replica, running_fleet
 from kvpool.pool import drop_from_page_cache
 from kvpool.routing import followup_route, populate_route
+from kvpool.telemetry import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,21 @@ async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], 
     return sorted(rows, key=lambda r: r["doc_id"]), preflight
 
 
-def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path):
-    """Start the fleet, run the preflight, send each document once round robin, stop the fleet."""
+def _sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
+    return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"], pids=lambda: {r.index: r.proc.pid for r in replicas})
+
+
+def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
+             disks: list[str]):
+    """Start the fleet, run the preflight, send each document once round robin, stop the fleet.
+
+    Returns the per-document records, the phase's meta data and its telemetry sampler.
+    """
     route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
     with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
         started = time.time()
-        rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe))
+        with _sampler(plan, "populate", disks, cfg, replicas) as sampler:
+            rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe))
         wall_s = time.time() - started
     if not preflight["ok"]:
         message = (f"preflight failed for {plan['cell']}: replica 1 loaded {preflight['hit_tokens']} of the "
@@ -98,7 +108,7 @@ def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int]
             raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
         log.error(message)
     frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
-    return frame, {"preflight": preflight, "wall_s": wall_s, "started_at": started}
+    return frame, {"preflight": preflight, "wall_s": wall_s, "started_at": started}, sampler
 
 
 async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], float, float]:
@@ -115,7 +125,7 @@ async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], f
     return rows, started, finished
 
 
-def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path):
+def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str]):
     """Start the fleet on the populated pool, drop it from the page cache again, send every follow-up
     to a replica that did not prefill its document, one at a time, and stop the fleet."""
     route = followup_route(prefill, len(plan["replicas"]))
@@ -123,10 +133,11 @@ def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, 
     with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
         # Starting the fleet may have touched the pool; the drop must hold right before the reads.
         drop = drop_from_page_cache(pool_dirs, cfg["drop_caches"])
-        rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg))
+        with _sampler(plan, "reuse", disks, cfg, replicas) as sampler:
+            rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg))
     frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
     return frame, {"drop_before_reuse": drop, "wall_s": finished - started, "started_at": started,
-                   "finished_at": finished}
+                   "finished_at": finished}, sampler
 
 
 async def _reference(replica: Replica, workload, cfg) -> list[dict]:

@@ -79,7 +79,7 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
 
 
 def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
-                 log_dir: str) -> None:
+                 drive_csv: str, power_csv: str, log_dir: str) -> None:
     plan = yaml.safe_load(Path(plan_path).read_text())
     root = pool_root(config, cell)
     if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
@@ -88,7 +88,10 @@ def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, cs
         Path(directory).mkdir(parents=True, exist_ok=True)
     workload = prompts.read_workload(Path(prompts_path))
     probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
-    frame, meta = phases.populate(plan, workload, {**config, "arm": cell.arm}, probe, Path(log_dir))
+    frame, meta = _run_sampled_phase(
+        plan,
+        lambda disks: phases.populate(plan, workload, {**config, "arm": cell.arm}, probe, Path(log_dir), disks),
+        drive_csv, power_csv)
     _archive(frame, Path(csv_out), "populate")
     frame.to_csv(csv_out, index=False)
     meta["pool"] = pool.residency([Path(r["pool_dir"]) for r in plan["replicas"]])
@@ -104,7 +107,7 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
 
 
 def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate_csv: str, csv_out: str,
-              json_out: str, log_dir: str) -> None:
+              json_out: str, drive_csv: str, power_csv: str, log_dir: str) -> None:
     plan = yaml.safe_load(Path(plan_path).read_text())
     workload = prompts.read_workload(Path(prompts_path))
     populated = pd.read_csv(populate_csv)
@@ -112,7 +115,9 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     missing = [item["doc_id"] for item in workload if item["doc_id"] not in prefill]
     if missing:
         raise RuntimeError(f"{populate_csv} has no prefill for documents {missing}; re-run populate for {cell.name}")
-    frame, meta = phases.reuse(plan, workload, prefill, config, Path(log_dir))
+    frame, meta = _run_sampled_phase(
+        plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks),
+        drive_csv, power_csv)
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
     write_json(json_out, meta)
@@ -141,11 +146,14 @@ def _records(path: str) -> pd.DataFrame:
 
 
 def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
-                validity_jsons: list[str], csv_out: str, md_out: str) -> None:
+                validity_jsons: list[str], telemetry_jsons: list[str], csv_out: str, md_out: str) -> None:
     per_cell = []
-    for cell, reuse_csv, reuse_json, validity_json in zip(cells, reuse_csvs, reuse_jsons, validity_jsons, strict=True):
+    for cell, reuse_csv, reuse_json, validity_json, telemetry_json in zip(
+            cells, reuse_csvs, reuse_jsons, validity_jsons, telemetry_jsons, strict=True):
+        power = read_json(telemetry_json)["reuse"]["power"]
         metrics = summary.arm_metrics(_records(reuse_csv), read_json(reuse_json)["wall_s"], config["warm_s"],
-                                      config["slo_s"], config["workload"]["doc_tokens"])
+                                      config["slo_s"], config["workload"]["doc_tokens"],
+                                      mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
         per_cell.append({"backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
                          "valid": read_json(validity_json)["valid"], "metrics": metrics})
     table = summary.table1(per_cell)
@@ -171,3 +179,90 @@ def gate(validity_csv: str, out: str) -> None:
         lines = "\n".join(f"  {row.cell}: {row.reasons}" for row in invalid.itertuples())
         raise SystemExit(f"{len(invalid)} of {len(table)} cells failed the validity gate (data kept):\n{lines}")
     Path(out).write_text(f"{len(table)} cells valid\n")
+
+
+def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
+    """The whole disks behind a plan's pool directories, and how each directory resolved."""
+    from kvpool.drive import block_devices
+
+    resolved = [block_devices(Path(d)) for d in dict.fromkeys(r["pool_dir"] for r in plan["replicas"])]
+    return sorted({disk for record in resolved for disk in record["disks"]}), resolved
+
+
+def _run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str) -> tuple:
+    """Run one timed phase with telemetry; record drive health before and after it."""
+    from kvpool.drive import drive_health
+
+    disks, resolved = tier_disks(plan)
+    health_before = [drive_health(d) for d in disks]
+    frame, meta, sampler = run(disks)
+    drive, power = sampler.frames()
+    drive.to_csv(drive_csv, index=False)
+    power.to_csv(power_csv, index=False)
+    meta["telemetry"] = {**sampler.meta, "devices": resolved, "health_before": health_before,
+                         "health_after": [drive_health(d) for d in disks]}
+    return frame, meta
+
+
+def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary: str) -> None:
+    """Merge a cell's per-phase samples into drive.csv / power.csv and summarize each phase.
+
+    ``phase_files`` maps phase -> {"meta": json, "drive": csv, "power": csv, "records": csv}.
+    drive.csv keeps every raw sample, with iostat's derived columns for the interval it closes.
+    """
+    from kvpool.drive import iostat
+    from kvpool.telemetry import summarize_drive, summarize_power
+
+    drives, powers, summary = [], [], {}
+    for phase, files in phase_files.items():
+        meta = read_json(files["meta"])["telemetry"]
+        raw = _frame_or_empty(files["drive"])
+        derived = iostat(raw) if not raw.empty else pd.DataFrame()
+        if not raw.empty:
+            raw = raw.merge(derived.drop(columns=["phase", "cell"], errors="ignore"), on=["t_s", "device"], how="left")
+        power = _frame_or_empty(files["power"])
+        drives.append(raw)
+        powers.append(power)
+        summary[phase] = {
+            "started_at": meta["started_at"], "finished_at": meta["finished_at"], "duration_s": meta["duration_s"],
+            "hz": meta["hz"], "devices": meta["devices"], "disks": meta["disks"],
+            "drive": summarize_drive(derived, meta["duration_s"]),
+            "power": summarize_power(power, meta, len(_records(files["records"]))),
+            "health_before": meta["health_before"], "health_after": meta["health_after"],
+        }
+    pd.concat(drives, ignore_index=True).to_csv(out_drive, index=False)
+    pd.concat(powers, ignore_index=True).to_csv(out_power, index=False)
+    write_json(out_summary, summary)
+
+
+def _frame_or_empty(path: str) -> pd.DataFrame:
+    try:
+        return pd.read_csv(path)
+    except pd.errors.EmptyDataError:  # a phase on a memory tier samples no drive
+        return pd.DataFrame()
+
+
+def run_ceiling(config: dict, tier: str, out: str) -> None:
+    from kvpool.cells import tier_root
+    from kvpool.drive import block_devices, sequential_read_ceiling
+
+    root = tier_root(config, tier)
+    result = sequential_read_ceiling(root / "kvpool-ceiling", config["drive_ceiling_bytes"])
+    result["rated_gb_per_s"] = config["tier_rated_read_gbps"].get(tier)
+    result["devices"] = block_devices(root)
+    write_json(out, result)
+    log.info("tier %s: sequential read %.2f GB/s (%s)", tier, result["gb_per_s"], result["method"])
+
+
+def run_tier_compare(config: dict, shared_cells: list[Cell], summaries: list[str], reuse_csvs: list[str],
+                     ceilings: list[str], csv_out: str, md_out: str) -> None:
+    ceiling_by_tier = {path.split("/")[-2]: read_json(path) for path in ceilings}
+    entries = []
+    for cell, summary_path, reuse_csv in zip(shared_cells, summaries, reuse_csvs, strict=True):
+        entries.append({"backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier,
+                        "reuse": read_json(summary_path)["reuse"], "records": _records(reuse_csv),
+                        "ceiling": ceiling_by_tier[cell.tier]})
+    table = summary.tier_compare(entries)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text("# Table 2: drive tiers during the shared arm's reuse phase\n\n"
+                            + summary.tier_compare_markdown(table))

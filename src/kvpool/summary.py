@@ -90,3 +90,91 @@ def table1_markdown(table: pd.DataFrame) -> str:
                          f"{_fmt(row['shared'], row['unit'])} | {ratio} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+TIER_SIGNALS = [
+    ("drive_read_gb_per_s", "GB/s", "pool bytes read from the drive over the reuse phase's length"),
+    ("drive_read_active_gb_per_s", "GB/s", "mean read rate over the samples that saw reads"),
+    ("rated_read_gb_per_s", "GB/s", "the drive's rated sequential read (config tier_rated_read_gbps)"),
+    ("ceiling_read_gb_per_s", "GB/s", "sequential read measured on this tier in the same run"),
+    ("reload_efficiency", "fraction", "active read rate over the measured ceiling"),
+    ("avg_read_kb", "kB", "average read request size"),
+    ("queue_depth_p95", "requests", "p95 of aqu-sz"),
+    ("r_await_p50_ms", "ms", "p50 of r_await over samples with reads"),
+    ("r_await_p95_ms", "ms", "p95 of r_await over samples with reads"),
+    ("ttft_p50_s", "s", "cross-replica TTFT p50 of the shared arm"),
+    ("ttft_p95_s", "s", "cross-replica TTFT p95 of the shared arm"),
+    ("temperature_c", "C", "drive temperature after reuse (hwmon, else SMART)"),
+    ("percent_used", "%", "NVMe wear after reuse"),
+    ("avail_spare", "%", "NVMe available spare after reuse"),
+]
+
+
+def _health_value(health: list[dict], key: str):
+    for disk in health:
+        if key == "temperature_c" and disk.get("hwmon_temperature_c") is not None:
+            return disk["hwmon_temperature_c"]
+        if disk.get("smart_log", {}).get(key) is not None:
+            return disk["smart_log"][key]
+    return np.nan
+
+
+def tier_signals(reuse_summary: dict, records: pd.DataFrame, ceiling: dict) -> dict:
+    """Table 2's signals for one tier from its reuse-phase telemetry, request records and read ceiling.
+
+    Drive signals are NaN on a tier without a drive (memory-backed), never zero.
+    """
+    drive = reuse_summary["drive"]
+    get = (lambda *keys: _dig(drive, *keys)) if drive.get("available") else (lambda *keys: np.nan)
+    ok = records[records["error"].fillna("") == ""]["ttft_s"].astype(float)
+    active_gb = get("read_active_gb_per_s")
+    health = reuse_summary["health_after"]
+    return {
+        "drive_read_gb_per_s": get("read_gb_per_s"),
+        "drive_read_active_gb_per_s": active_gb,
+        "rated_read_gb_per_s": ceiling.get("rated_gb_per_s") or np.nan,
+        "ceiling_read_gb_per_s": ceiling["gb_per_s"],
+        "reload_efficiency": active_gb / ceiling["gb_per_s"] if pd.notna(active_gb) else np.nan,
+        "avg_read_kb": get("avg_read_kb"),
+        "queue_depth_p95": get("aqu_sz", "p95"),
+        "r_await_p50_ms": get("r_await_ms", "p50"),
+        "r_await_p95_ms": get("r_await_ms", "p95"),
+        "ttft_p50_s": float(np.percentile(ok, 50)) if len(ok) else np.nan,
+        "ttft_p95_s": float(np.percentile(ok, 95)) if len(ok) else np.nan,
+        "temperature_c": _health_value(health, "temperature_c"),
+        "percent_used": _health_value(health, "percent_used"),
+        "avail_spare": _health_value(health, "avail_spare"),
+    }
+
+
+def _dig(data: dict, *keys):
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    return np.nan if data is None else data
+
+
+def tier_compare(entries: list[dict]) -> pd.DataFrame:
+    """Long rows (backend, chunk, signal, unit, meaning) with one column per tier."""
+    rows = []
+    frame = pd.DataFrame(entries)
+    tiers = list(dict.fromkeys(frame["tier"]))
+    for (backend, chunk), group in frame.groupby(["backend", "chunk"], sort=False):
+        signals = {e["tier"]: tier_signals(e["reuse"], e["records"], e["ceiling"]) for _, e in group.iterrows()}
+        for name, unit, meaning in TIER_SIGNALS:
+            rows.append({"backend": backend, "chunk": chunk, "signal": name, "unit": unit, "meaning": meaning,
+                         **{tier: signals.get(tier, {}).get(name, np.nan) for tier in tiers}})
+    return pd.DataFrame(rows)
+
+
+def tier_compare_markdown(table: pd.DataFrame) -> str:
+    fixed = ["backend", "chunk", "signal", "unit", "meaning"]
+    tiers = [c for c in table.columns if c not in fixed]
+    parts = []
+    for (backend, chunk), group in table.groupby(["backend", "chunk"], sort=False):
+        lines = [f"### backend {backend}, chunk {chunk}", "", "| Signal | " + " | ".join(tiers) + " |",
+                 "|---" * (len(tiers) + 1) + "|"]
+        for _, row in group.iterrows():
+            cells = [_fmt(row[t], "fraction" if row["unit"] == "fraction" else row["unit"]) for t in tiers]
+            lines.append(f"| {row['signal']} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n\nn/a: not measurable on that tier (a memory-backed tier has no drive) or no source.\n"

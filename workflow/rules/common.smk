@@ -39,5 +39,10 @@ def cell_files(name):
     return [f"results/cells/{cell.name}/{name}" for cell in CELLS]
 
 
+def shared_cell_files(name):
+    """``name`` in every shared-arm cell folder (the tier comparison reads only those)."""
+    return [f"results/cells/{cell.name}/{name}" for cell in CELLS if cell.arm == "shared"]
+
+
 def cell_log(step):
     return f"logs/{step}/{CELL_PATTERN}.log"

@@ -6,7 +6,10 @@ rule populate:
     output:
         csv=cell_path("populate.csv"),
         meta=cell_path("populate.json"),
+        drive=cell_path("telemetry/populate-drive.csv"),
+        power=cell_path("telemetry/populate-power.csv"),
     params:
+        telemetry_hz=config["telemetry_hz"],
         log_dir=lambda wc: f"logs/populate/{Cell.from_wildcards(wc).name}/replicas",
     resources:
         fleet=1,

@@ -8,7 +8,10 @@ rule reuse:
     output:
         csv=cell_path("reuse.csv"),
         meta=cell_path("reuse.json"),
+        drive=cell_path("telemetry/reuse-drive.csv"),
+        power=cell_path("telemetry/reuse-power.csv"),
     params:
+        telemetry_hz=config["telemetry_hz"],
         log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",
     resources:
         fleet=1,

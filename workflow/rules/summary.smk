@@ -4,6 +4,7 @@ rule table1:
         reuse=cell_files("reuse.csv"),
         reuse_meta=cell_files("reuse.json"),
         validity=cell_files("validity.json"),
+        telemetry=cell_files("telemetry/summary.json"),
     params:
         thresholds={k: config[k] for k in ("warm_s", "slo_s")},
     output:

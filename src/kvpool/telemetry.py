@@ -1,0 +1,228 @@
+"""What the drive, the GPUs and the host did during a phase, sampled alongside it.
+
+A :class:`Sampler` runs a thread for the length of one phase: /proc/diskstats of the tier's disks,
+NVML board power per GPU, and each replica's CPU time and resident memory, every row stamped with
+wall-clock time (the same clock as ``started_at`` in the request records), phase and cell.
+Energy counters (NVML total energy, RAPL) are read at the phase's start and end. A source that is
+absent is recorded as unavailable, never as zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+
+from kvpool.drive import read_diskstats
+
+log = logging.getLogger(__name__)
+RAPL_ROOT = Path("/sys/class/powercap")
+FAMILY_REFRESH_S = 5.0  # vLLM's engine and worker processes appear at startup, before sampling begins
+
+
+class Nvml:
+    """NVML board power and total-energy counters per GPU; ``available`` is False without a GPU."""
+
+    def __init__(self):
+        self.handles, self.reason = [], None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception as exc:  # the library raises its own NVMLError subclasses, or is absent
+            self.reason = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def available(self) -> bool:
+        return bool(self.handles)
+
+    def power_w(self) -> list[float]:
+        return [self._nvml.nvmlDeviceGetPowerUsage(h) / 1000.0 for h in self.handles]
+
+    def energy_j(self) -> list[float]:
+        return [self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0 for h in self.handles]
+
+    def close(self) -> None:
+        if self.handles:
+            self._nvml.nvmlShutdown()
+
+
+def rapl_domains(root: Path = RAPL_ROOT) -> dict[str, Path]:
+    """Readable RAPL package domains: name -> folder holding energy_uj."""
+    found = {}
+    for folder in sorted(root.glob("intel-rapl:*")):
+        energy = folder / "energy_uj"
+        try:
+            energy.read_text()
+        except OSError:
+            continue
+        found[(folder / "name").read_text().strip() + "@" + folder.name] = folder
+    return found
+
+
+def rapl_energy_j(domains: dict[str, Path]) -> dict[str, float]:
+    return {name: int((folder / "energy_uj").read_text()) / 1e6 for name, folder in domains.items()}
+
+
+def rapl_delta_j(start: dict[str, float], end: dict[str, float], domains: dict[str, Path]) -> float:
+    """Energy between two RAPL readings, summed over domains, with counter wrap-around handled."""
+    total = 0.0
+    for name, folder in domains.items():
+        delta = end[name] - start[name]
+        if delta < 0:
+            delta += int((folder / "max_energy_range_uj").read_text()) / 1e6
+        total += delta
+    return total
+
+
+class Sampler:
+    """Samples one phase of one cell at ``hz`` on a thread of its own."""
+
+    def __init__(self, cell: str, phase: str, disks: list[str], hz: float = 5.0, pids=lambda: {}):
+        self.cell, self.phase, self.disks, self.interval_s = cell, phase, set(disks), 1.0 / hz
+        self.pids = pids  # callable: replica index -> pid, read at each tick
+        self.drive_rows: list[dict] = []
+        self.power_rows: list[dict] = []
+        self.nvml = Nvml()
+        self.rapl = rapl_domains()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"sampler-{phase}", daemon=True)
+        self.meta: dict = {}
+        self._families: dict[int, tuple[float, list[psutil.Process]]] = {}
+
+    def __enter__(self) -> "Sampler":
+        self.meta = {"cell": self.cell, "phase": self.phase, "disks": sorted(self.disks), "hz": 1 / self.interval_s,
+                     "started_at": time.time(),
+                     "gpu_energy_start_j": self.nvml.energy_j() if self.nvml.available else None,
+                     "rapl_start_j": rapl_energy_j(self.rapl) if self.rapl else None}
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.meta["finished_at"] = time.time()
+        self.meta["duration_s"] = self.meta["finished_at"] - self.meta["started_at"]
+        if self.nvml.available:
+            end = self.nvml.energy_j()
+            self.meta["gpu_energy_j"] = [e - s for s, e in zip(self.meta.pop("gpu_energy_start_j"), end)]
+        else:
+            self.meta.pop("gpu_energy_start_j")
+            self.meta["gpu_energy_j"] = None
+            self.meta["gpu_unavailable"] = self.nvml.reason
+        if self.rapl:
+            self.meta["host_energy_j"] = rapl_delta_j(self.meta.pop("rapl_start_j"), rapl_energy_j(self.rapl),
+                                                      self.rapl)
+        else:
+            self.meta.pop("rapl_start_j")
+            self.meta["host_energy_j"] = None
+            self.meta["host_energy_unavailable"] = f"no readable RAPL domain under {RAPL_ROOT}"
+        self.nvml.close()
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            self.sample()
+            next_tick += self.interval_s
+            self._stop.wait(max(0.0, next_tick - time.monotonic()))
+        self.sample()  # the phase's last moment
+
+    def sample(self) -> None:
+        now = time.time()
+        stamp = {"t_s": now, "phase": self.phase, "cell": self.cell}
+        if self.disks:
+            with open("/proc/diskstats") as f:
+                stats = read_diskstats(f.read(), self.disks)
+            self.drive_rows += [{**stamp, "device": device, **counters} for device, counters in stats.items()]
+        if self.nvml.available:
+            for gpu, watts in enumerate(self.nvml.power_w()):
+                self.power_rows.append({**stamp, "source": f"gpu{gpu}", "power_w": watts})
+        for replica, pid in self.pids().items():
+            cpu_s, rss = 0.0, 0
+            for proc in self._family(pid, now):
+                try:
+                    with proc.oneshot():
+                        cpu_s += sum(proc.cpu_times()[:2])
+                        rss += proc.memory_info().rss
+                except psutil.NoSuchProcess:
+                    continue
+            if rss:
+                self.power_rows.append({**stamp, "source": f"replica{replica}", "cpu_s": cpu_s, "rss_bytes": rss})
+
+    def _family(self, pid: int, now: float) -> list[psutil.Process]:
+        """A replica's process and its children; the child list is rescanned every few seconds only."""
+        cached = self._families.get(pid)
+        if cached is None or now - cached[0] > FAMILY_REFRESH_S:
+            try:
+                root = psutil.Process(pid)
+                cached = (now, [root] + root.children(recursive=True))
+            except psutil.NoSuchProcess:
+                cached = (now, [])
+            self._families[pid] = cached
+        return cached[1]
+
+    def frames(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        return pd.DataFrame(self.drive_rows), pd.DataFrame(self.power_rows)
+
+
+def _stats(series: pd.Series) -> dict:
+    series = series.dropna()
+    if series.empty:
+        return {"mean": None, "p50": None, "p95": None, "max": None}
+    return {"mean": float(series.mean()), "p50": float(series.quantile(0.5)), "p95": float(series.quantile(0.95)),
+            "max": float(series.max())}
+
+
+def summarize_drive(derived: pd.DataFrame, duration_s: float) -> dict:
+    """One phase's drive figures from iostat rows (all its disks together where rates add up)."""
+    if derived.empty:
+        return {"available": False}
+    per_tick = derived.groupby("t_s").agg(r_mb_per_s=("r_mb_per_s", "sum"), w_mb_per_s=("w_mb_per_s", "sum"),
+                                          aqu_sz=("aqu_sz", "sum"), util_pct=("util_pct", "max"))
+    read_bytes = float(derived["r_bytes"].sum())
+    read_ios = float(derived["r_ios"].sum())
+    reading = derived[derived["r_per_s"] > 0]
+    return {
+        "available": True,
+        "read_bytes": read_bytes,
+        "write_bytes": float(derived["w_bytes"].sum()),
+        "read_gb_per_s": read_bytes / duration_s / 1e9 if duration_s else None,
+        "read_active_gb_per_s": float(per_tick.loc[per_tick["r_mb_per_s"] > 0, "r_mb_per_s"].mean() / 1000)
+        if (per_tick["r_mb_per_s"] > 0).any() else None,
+        "avg_read_kb": read_bytes / 1024 / read_ios if read_ios else None,
+        "r_mb_per_s": _stats(per_tick["r_mb_per_s"]),
+        "w_mb_per_s": _stats(per_tick["w_mb_per_s"]),
+        "aqu_sz": _stats(per_tick["aqu_sz"]),
+        "util_pct": _stats(per_tick["util_pct"]),
+        "r_await_ms": _stats(reading["r_await_ms"]),
+    }
+
+
+def summarize_power(power: pd.DataFrame, meta: dict, requests: int) -> dict:
+    """Mean board power per GPU, energy per request, host energy, and each replica's CPU time and peak RSS."""
+    summary: dict = {"requests": requests}
+    gpus = power[power["source"].str.startswith("gpu")] if not power.empty else power
+    if not gpus.empty:
+        summary["gpu_mean_power_w"] = {s: float(g["power_w"].mean()) for s, g in gpus.groupby("source")}
+        summary["mean_power_w"] = float(gpus.groupby("t_s")["power_w"].sum().mean())
+    else:
+        summary["mean_power_w"] = None
+        summary["gpu_unavailable"] = meta.get("gpu_unavailable")
+    energy = sum(meta["gpu_energy_j"]) if meta.get("gpu_energy_j") else None
+    summary["gpu_energy_j"] = energy
+    summary["energy_per_request_j"] = energy / requests if energy is not None and requests else None
+    summary["host_energy_j"] = meta.get("host_energy_j")
+    if summary["host_energy_j"] is None:
+        summary["host_energy_unavailable"] = meta.get("host_energy_unavailable")
+    replicas = power[power["source"].str.startswith("replica")] if not power.empty else power
+    summary["replicas"] = {
+        source: {"cpu_s": float(g["cpu_s"].iloc[-1] - g["cpu_s"].iloc[0]), "peak_rss_bytes": int(g["rss_bytes"].max())}
+        for source, g in replicas.groupby("source")
+    }
+    return summary

@@ -1,0 +1,53 @@
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpool.drive import block_devices, iostat
+from kvpool.pool import resident_bytes
+from kvpool.telemetry import Sampler, rapl_delta_j
+
+
+def test_sampler_attributes_a_real_read_to_the_device(tmp_path):
+    disks = block_devices(tmp_path)["disks"]
+    if not disks:
+        pytest.skip(f"{tmp_path} is not on a block device")
+    path = tmp_path / "blob"
+    size = 64 * 1024 * 1024
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert resident_bytes(path) == 0
+    with Sampler("test", "read", disks, hz=20) as sampler:
+        time.sleep(0.2)
+        with open(path, "rb") as f:
+            while f.read(4 * 1024 * 1024):
+                pass
+        time.sleep(0.2)
+    drive, _ = sampler.frames()
+    read = iostat(drive)["r_bytes"].sum()
+    # Other readers on the machine add a little; readahead never reads past the file's end.
+    assert read == pytest.approx(size, rel=0.10)
+    assert set(drive["phase"]) == {"read"} and set(drive["cell"]) == {"test"}
+    assert sampler.meta["started_at"] <= drive["t_s"].min() and drive["t_s"].max() <= sampler.meta["finished_at"]
+
+
+def test_absent_sources_are_unavailable_not_zero(tmp_path):
+    with Sampler("c", "p", [], hz=10, pids=lambda: {0: os.getpid()}) as sampler:
+        time.sleep(0.3)
+    _, power = sampler.frames()
+    assert (power["source"] == "replica0").all() and (power["rss_bytes"] > 0).all()
+    if not sampler.nvml.available:
+        assert sampler.meta["gpu_energy_j"] is None and sampler.meta["gpu_unavailable"]
+
+
+def test_rapl_delta_handles_counter_wrap(tmp_path):
+    domain = tmp_path / "intel-rapl:0"
+    domain.mkdir()
+    (domain / "max_energy_range_uj").write_text("1000000000\n")
+    assert rapl_delta_j({"pkg": 990.0}, {"pkg": 5.0}, {"pkg": domain}) == pytest.approx(15.0)

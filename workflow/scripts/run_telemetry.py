@@ -1,0 +1,9 @@
+from kvpool import logs, steps
+
+logs.to_log(snakemake.log[0])
+files = {
+    phase: {"meta": snakemake.input[f"{phase}_meta"], "drive": snakemake.input[f"{phase}_drive"],
+            "power": snakemake.input[f"{phase}_power"], "records": snakemake.input[phase]}
+    for phase in ("populate", "reuse")
+}
+steps.run_telemetry(files, snakemake.output.drive, snakemake.output.power, snakemake.output.summary)
