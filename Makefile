@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Where torch's CPU build comes from on machines without a local wheel folder.
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# torch 2.13.0+cpu is not on PyPI: on a machine without a local wheel folder for it, set
+# TORCH_INDEX to PyTorch's CPU wheel index (make run TORCH_INDEX=...).
+TORCH_INDEX ?=
+PIP_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
 .PHONY: setup run test lint clean-results
 
@@ -13,7 +15,7 @@ setup: $(VENV)/.kvpool-installed
 $(VENV)/.kvpool-installed: envs/cpu.lock.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-deps --extra-index-url $(TORCH_INDEX) -r envs/cpu.lock.txt
+	$(BIN)/python -m pip install --quiet --no-deps $(PIP_INDEX_ARGS) -r envs/cpu.lock.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	$(BIN)/python -c "import vllm, lmcache, snakemake, kvpool.plan"
 	touch $@
