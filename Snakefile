@@ -21,6 +21,7 @@ include: "workflow/rules/reuse.smk"
 include: "workflow/rules/telemetry.smk"
 include: "workflow/rules/validity.smk"
 include: "workflow/rules/summary.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
@@ -29,5 +30,6 @@ rule all:
         "results/table1.csv",
         "results/table1.md",
         "results/tier_compare.csv",
+        "results/report.html",
         "results/validity.csv",
         "results/gate.ok",

@@ -125,6 +125,19 @@ def test_tier_compare_has_a_column_per_tier(run):
     assert signals["ttft_p50_s"] > 0 and signals["avg_read_kb"] > 0
 
 
+
+def test_report_page_and_snakemake_report(run):
+    html = (run / "results" / "report.html").read_text()
+    assert "Table 1" in html and "Figure 4." in html and html.count("<img src=\"data:image/png;base64,") >= 8
+    assert (run / "results" / "report" / "figures" / "fig1_ttft_p50.svg").exists()
+    archive = run / "report.zip"
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--report", str(archive), "-s", str(REPO / "Snakefile"),
+                             "--directory", str(run), "--configfile", str(CONFIGS / "e2e.yaml")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert archive.stat().st_size > 10_000
+
+
 # Last: it re-runs `all` in the same folder with another matrix, which rewrites the shared tables.
 def test_local_disk_shared_arm_is_marked_invalid(run):
     # Same folder: the model, prompts and reference of the first run are reused.

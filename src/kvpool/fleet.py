@@ -28,7 +28,9 @@ class FleetError(RuntimeError):
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``port`` now; like uvicorn, TIME_WAIT leftovers do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

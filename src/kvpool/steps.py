@@ -266,3 +266,54 @@ def run_tier_compare(config: dict, shared_cells: list[Cell], summaries: list[str
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Table 2: drive tiers during the shared arm's reuse phase\n\n"
                             + summary.tier_compare_markdown(table))
+
+
+def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figures_dir: str, tables_dir: str) -> None:
+    """Tables (CSV, Markdown), figures (PNG, SVG) and the self-contained page, from the results tree."""
+    from kvpool import figures, report
+
+    results = report.collect(Path(root), cells, config)
+    tables, figs = Path(tables_dir), Path(figures_dir)
+    tables.mkdir(parents=True, exist_ok=True)
+    table1 = report.ttft_table(results)
+    table2 = report.tier_table(results)
+    head = report.headline(table1)
+    for name, frame in (("table1", table1), ("table2", table2), ("headline", head)):
+        frame.to_csv(tables / f"{name}.csv", index=False)
+        (tables / f"{name}.md").write_text(frame.to_markdown(index=False, floatfmt=".4g") + "\n")
+    study = [("fig1_ttft_p50", figures.ttft_p50(table1)), ("fig2_ttft_p99", figures.ttft_p99(table1)),
+             ("fig3_wall_clock", figures.wall_clock(table1)), ("fig4_power", figures.power(table1))]
+    extra = [("ttft_ecdf", figures.ttft_ecdf(results.requests)),
+             ("timeline", figures.timeline(results.drive, results.power, results.cells))]
+    if table1["energy_per_followup_j"].notna().any():
+        extra.append(("energy_per_followup", figures.energy(table1)))
+    else:
+        extra.append(("energy_per_followup", figures.placeholder_note(
+            "Energy per follow-up", "not measured on this machine: no GPU energy counter")))
+    extra.append(("reload_efficiency", figures.reload_efficiency(table2)) if len(table2)
+                 else ("reload_efficiency", figures.placeholder_note(
+                     "Reload read rate against the measured ceiling", "no shared arm: no reload to compare")))
+    if table1["chunk"].nunique() > 1:
+        extra.append(("ttft_by_chunk", figures.by_chunk(table1)))
+    drawn = {}
+    for stem, plot in study + extra:
+        drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
+    manifest = results.manifest
+    report.render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
+        "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
+        "hardware": manifest.get("hardware", {}), "config": config, "tiers": results.tiers,
+        "cells": results.cells.to_dict("records"),
+        "headline_html": _html(head), "table1_html": _html(table1, flag=True), "table2_html": _html(table2, flag=True),
+        "study_figures": [drawn[s] for s, _ in study], "extra_figures": [drawn[s] for s, _ in extra],
+        "caveats": report.caveats(results),
+    })
+
+
+def _html(frame: pd.DataFrame, flag: bool = False) -> str:
+    if frame.empty:
+        return "<p>Nothing to show: the matrix has no cell of this kind.</p>"
+    shown = frame.copy()
+    if flag and "valid" in shown:
+        shown["valid"] = shown["valid"].map({True: "valid", False: "INVALID"})
+    return shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="n/a", border=0)

@@ -1,0 +1,149 @@
+"""The report's figures, drawn with plotnine from the report's tables and samples.
+
+Invalid cells are drawn faded and labelled INVALID, never dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from plotnine import (aes, annotate, element_text, facet_grid, facet_wrap, geom_col, geom_errorbar, geom_line,
+                      geom_point, geom_rect, geom_text, ggplot, labs, scale_alpha_manual, scale_fill_manual,
+                      stat_ecdf, theme, theme_bw)
+
+ARM_COLOURS = {"shared": "#1b9e77", "isolated": "#d95f02"}
+FAINT_INVALID = {"valid": 1.0, "INVALID": 0.35}
+
+
+def _label(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.copy()
+    frame["setting"] = frame["backend"] + " / chunk " + frame["chunk"].astype(str) + " / " + frame["tier"]
+    frame["validity"] = frame["valid"].map({True: "valid", False: "INVALID"})
+    frame["bar_label"] = frame.apply(lambda r: ("INVALID " if not r["valid"] else "") + f"{r['value']:.3g}", axis=1)
+    return frame
+
+
+def _bars(frame: pd.DataFrame, value: str, title: str, ylabel: str, low: str | None = None, high: str | None = None):
+    data = _label(frame.assign(value=frame[value]))
+    plot = (ggplot(data, aes("arm", "value", fill="arm", alpha="validity"))
+            + geom_col(width=0.6)
+            + geom_text(aes(label="bar_label"), va="bottom", size=8, nudge_y=0.0)
+            + facet_wrap("~setting")
+            + scale_fill_manual(values=ARM_COLOURS)
+            + scale_alpha_manual(values=FAINT_INVALID)
+            + labs(title=title, x="", y=ylabel)
+            + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+    if low and high:
+        plot += geom_errorbar(aes(ymin=low, ymax=high), width=0.2, alpha=1)
+    return plot
+
+
+def ttft_p50(table: pd.DataFrame):
+    return _bars(table, "ttft_p50_s", "Figure 1. Cross-replica TTFT, p50 (bars: bootstrap 95% CI)", "seconds",
+                 "ttft_p50_ci_low_s", "ttft_p50_ci_high_s")
+
+
+def ttft_p99(table: pd.DataFrame):
+    return _bars(table, "ttft_p99_s", "Figure 2. Cross-replica TTFT, p99 (bars: bootstrap 95% CI)", "seconds",
+                 "ttft_p99_ci_low_s", "ttft_p99_ci_high_s")
+
+
+def wall_clock(table: pd.DataFrame):
+    return _bars(table, "wall_s", "Figure 3. Wall clock of the reuse phase", "seconds")
+
+
+def power(table: pd.DataFrame):
+    """Mean GPU power during reuse where measured; otherwise what was measured instead, labelled as such."""
+    if table["mean_power_w"].notna().any():
+        return _bars(table, "mean_power_w", "Figure 4. Mean GPU board power during reuse", "watts")
+    return _bars(table, "replica_cpu_s_per_followup",
+                 "Figure 4. No GPU here: replica CPU seconds per follow-up during reuse (not watts)",
+                 "CPU seconds per follow-up")
+
+
+def energy(table: pd.DataFrame):
+    return _bars(table, "energy_per_followup_j", "Energy per follow-up during reuse (GPU energy counter)", "joules")
+
+
+def ttft_ecdf(requests: pd.DataFrame):
+    data = requests[requests["error"].fillna("") == ""].copy()
+    data["setting"] = data["backend"] + " / chunk " + data["chunk"].astype(str) + " / " + data["tier"]
+    data["series"] = data["arm"] + data["valid"].map({True: "", False: " (INVALID)"})
+    return (ggplot(data, aes("ttft_s", color="series"))
+            + stat_ecdf(size=1)
+            + facet_wrap("~setting")
+            + labs(title="TTFT distribution per arm (ECDF)", x="TTFT (s)", y="share of follow-ups", color="")
+            + theme_bw() + theme(figure_size=(8, 4)))
+
+
+def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFrame):
+    """Drive read rate, queue depth and replica CPU (or GPU power) through each cell's populate and reuse."""
+    series = []
+    if not drive.empty:
+        per_tick = drive.groupby(["cell", "phase", "since_start_s"], as_index=False)[["r_mb_per_s", "aqu_sz"]].sum()
+        series += [per_tick.assign(metric="drive read MB/s", value=per_tick["r_mb_per_s"]),
+                   per_tick.assign(metric="queue depth (aqu-sz)", value=per_tick["aqu_sz"])]
+    if not power_samples.empty:
+        gpus = power_samples[power_samples["source"].str.startswith("gpu")]
+        if not gpus.empty:
+            watts = gpus.groupby(["cell", "phase", "since_start_s"], as_index=False)["power_w"].sum()
+            series.append(watts.assign(metric="GPU power W", value=watts["power_w"]))
+        replicas = power_samples[power_samples["source"].str.startswith("replica")].sort_values("since_start_s")
+        if not replicas.empty:
+            by_series = replicas.groupby(["cell", "phase", "source"])
+            replicas = replicas.assign(cpu_pct=by_series["cpu_s"].diff() / by_series["since_start_s"].diff() * 100)
+            cpu = replicas.groupby(["cell", "phase", "since_start_s"], as_index=False)["cpu_pct"].sum()
+            series.append(cpu.assign(metric="replica CPU %", value=cpu["cpu_pct"]))
+    data = pd.concat(series, ignore_index=True).dropna(subset=["value"])
+    starts = {(c["cell"], phase): start for _, c in cells.iterrows() for phase, (start, _) in c["phases"].items()}
+    data["since_phase_s"] = data["since_start_s"] - [starts[(c, p)] for c, p in zip(data["cell"], data["phase"])]
+    short = {c: c.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
+             for c in cells["cell"]}
+    data["column"] = data["cell"].map(short) + "\n" + data["phase"]
+    return (ggplot(data, aes("since_phase_s", "value"))
+            + geom_line(size=0.4)
+            + facet_grid("metric ~ column", scales="free")
+            + labs(title="Timeline per cell and phase (the pool is dropped from the page cache between populate "
+                         "and reuse)", x="seconds since the phase started", y="")
+            + theme_bw() + theme(figure_size=(max(8, 2.2 * data["column"].nunique()), 6),
+                                 strip_text=element_text(size=7), plot_title=element_text(size=10)))
+
+
+def reload_efficiency(tiers: pd.DataFrame):
+    data = tiers.melt(id_vars=["backend", "chunk", "tier", "valid"],
+                      value_vars=["read_active_gb_per_s", "ceiling_gb_per_s"], var_name="what", value_name="gb_per_s")
+    data["what"] = data["what"].map({"read_active_gb_per_s": "reload read rate (reuse)",
+                                     "ceiling_gb_per_s": "measured sequential ceiling"})
+    data["setting"] = data["backend"] + " / chunk " + data["chunk"].astype(str)
+    return (ggplot(data.dropna(subset=["gb_per_s"]), aes("tier", "gb_per_s", fill="what"))
+            + geom_col(position="dodge", width=0.7)
+            + facet_wrap("~setting")
+            + labs(title="Reload read rate against the tier's measured ceiling (shared arm)", x="tier", y="GB/s",
+                   fill="")
+            + theme_bw() + theme(figure_size=(8, 4)))
+
+
+def by_chunk(table: pd.DataFrame):
+    data = table.copy()
+    data["series"] = data["arm"] + " / " + data["tier"]
+    return (ggplot(data, aes("chunk", "ttft_p50_s", color="series"))
+            + geom_line() + geom_point(aes(shape="valid"), size=3)
+            + facet_wrap("~backend")
+            + labs(title="TTFT p50 by LMCache chunk size", x="chunk size (tokens)", y="seconds", shape="valid")
+            + theme_bw() + theme(figure_size=(8, 4)))
+
+
+def save(plot, folder: Path, stem: str) -> dict:
+    """Write ``stem``.png and ``stem``.svg; returns both paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"png": folder / f"{stem}.png", "svg": folder / f"{stem}.svg"}
+    plot.save(paths["png"], dpi=110, verbose=False)
+    plot.save(paths["svg"], verbose=False)
+    return paths
+
+
+def placeholder_note(title: str, text: str):
+    """A figure that says why there is nothing to draw (keeps every referenced image real)."""
+    return (ggplot() + annotate("text", x=0, y=0, label=text, size=11) + theme_bw()
+            + theme(figure_size=(8, 2)) + labs(title=title, x="", y=""))

@@ -1,0 +1,78 @@
+"""The report builds from a recorded results tree alone (no servers) and flags what is invalid."""
+
+import base64
+import json
+import re
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvpool.cells import Cell
+from kvpool.steps import build_report
+
+TREE = Path(__file__).parent / "fixtures" / "results-tree"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CELLS = [Cell("lmcache-fs", "shared", 256, "disk"), Cell("lmcache-fs", "isolated", 256, "disk"),
+         Cell("lmcache-local-disk", "shared", 256, "disk")]
+INVALID = "backend~lmcache-local-disk/arm~shared/chunk~256/tier~disk"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    shutil.copytree(TREE / "results", root / "results")
+    cell = TREE / "results" / "cells" / CELLS[0].name
+    config = json.loads((cell / "manifest.json").read_text())["config"]
+    config["backends"] = ["lmcache-fs", "lmcache-local-disk"]
+    build_report(config, CELLS, str(root), str(root / "results" / "report.html"),
+                 str(root / "results" / "report" / "figures"), str(root / "results" / "report" / "tables"))
+    return root / "results"
+
+
+def test_page_has_every_table_and_figure(built):
+    html = (built / "report.html").read_text()
+    for heading in ("Run summary", "Table 1", "Table 2", "Figure 1.", "Figure 2.", "Figure 3.", "Figure 4.",
+                    "ECDF", "Timeline per cell and phase", "Energy per follow-up", "measured ceiling", "Caveats"):
+        assert heading in html, heading
+    assert "replica CPU seconds per follow-up" in html  # no GPU in the fixture: labelled, not called watts
+
+
+def test_every_image_the_page_references_is_a_real_png(built):
+    html = (built / "report.html").read_text()
+    sources = re.findall(r'<img src="([^"]+)"', html)
+    assert len(sources) >= 8
+    for src in sources:
+        assert src.startswith("data:image/png;base64,")  # embedded: the page opens offline on its own
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == PNG_MAGIC
+    assert not re.findall(r'href="(?!#)', html)  # no link that could break offline
+
+
+def test_figure_files_are_valid_png_and_svg(built):
+    figures = built / "report" / "figures"
+    for stem in ("fig1_ttft_p50", "fig2_ttft_p99", "fig3_wall_clock", "fig4_power", "ttft_ecdf", "timeline",
+                 "energy_per_followup", "reload_efficiency"):
+        assert (figures / f"{stem}.png").read_bytes()[:8] == PNG_MAGIC
+        assert ET.parse(figures / f"{stem}.svg").getroot().tag.endswith("svg")
+
+
+def test_invalid_cell_is_flagged_and_kept_out_of_aggregates(built):
+    html = (built / "report.html").read_text()
+    assert INVALID in html and "INVALID" in html
+    table1 = pd.read_csv(built / "report" / "tables" / "table1.csv")
+    assert len(table1) == 3 and not table1.set_index("backend").loc["lmcache-local-disk", "valid"]
+    headline = pd.read_csv(built / "report" / "tables" / "headline.csv")
+    assert list(headline["backend"]) == ["lmcache-fs"]
+    assert headline["ttft_p50_s_ratio"].iloc[0] > 1
+
+
+def test_tables_carry_bootstrap_intervals(built):
+    table1 = pd.read_csv(built / "report" / "tables" / "table1.csv")
+    for q in (50, 95, 99):
+        assert (table1[f"ttft_p{q}_ci_low_s"] <= table1[f"ttft_p{q}_s"] + 1e-12).all()
+        assert (table1[f"ttft_p{q}_s"] <= table1[f"ttft_p{q}_ci_high_s"] + 1e-12).all()
+    table2 = pd.read_csv(built / "report" / "tables" / "table2.csv")
+    assert {"r_await_p95_ms_ci_low", "ttft_p50_ci_high_s", "reload_efficiency"} <= set(table2.columns)
+    assert (built / "report" / "tables" / "table1.md").read_text().startswith("|")

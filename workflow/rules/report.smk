@@ -1,0 +1,26 @@
+rule report:
+    """The page (results/report.html), its figures as PNG and SVG, and its tables as CSV and Markdown."""
+    input:
+        validity=cell_files("validity.json"),
+        reuse=cell_files("reuse.csv"),
+        reuse_meta=cell_files("reuse.json"),
+        manifest=cell_files("manifest.json"),
+        telemetry=cell_files("telemetry/summary.json"),
+        drive=cell_files("telemetry/drive.csv"),
+        power=cell_files("telemetry/power.csv"),
+        ceilings=expand("results/tiers/{tier}/ceiling.json", tier=config["tiers"]),
+    output:
+        html="results/report.html",
+        figures=report(
+            directory("results/report/figures"),
+            patterns=["{name}.png"],
+            caption="../report/figures.rst",
+            category="Figures",
+        ),
+        tables=directory("results/report/tables"),
+    conda:
+        CONDA_ENV
+    log:
+        "logs/report/report.log",
+    script:
+        "../scripts/build_report.py"
