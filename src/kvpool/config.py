@@ -14,8 +14,12 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def problems(config: dict, workdir: Path) -> list[str]:
-    """Every reason ``config`` cannot run, each naming the key at fault; empty when it can."""
+def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]:
+    """Every reason ``config`` cannot run, each naming the key at fault; empty when it can.
+
+    ``check_paths=False`` skips what only the machine that runs it can answer (tier directories,
+    model directories), so a plan can be dry-run anywhere.
+    """
     found = []
     engine, workload = config["engine"], config["workload"]
     replicas = config["replicas"]
@@ -24,9 +28,9 @@ def problems(config: dict, workdir: Path) -> list[str]:
     if engine["kind"] == "vllm-cpu" and engine["cores"] != "auto" and len(engine["cores"]) < replicas:
         found.append(f"engine.cores lists {len(engine['cores'])} cores for {replicas} replicas")
     model = engine["model"]
-    if model and (model.startswith(("/", ".")) or Path(model).exists()) and not Path(model).is_dir():
+    if check_paths and model and (model.startswith(("/", ".")) or Path(model).exists()) and not Path(model).is_dir():
         found.append(f"engine.model {model!r} is not a directory")
-    for tier in config["tiers"]:
+    for tier in config["tiers"] if check_paths else []:
         root = tier_root(config, tier, workdir)
         existing = _nearest_existing(root)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
