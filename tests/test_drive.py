@@ -114,3 +114,13 @@ def test_sequential_read_ceiling_reads_the_whole_file(tmp_path):
     result = sequential_read_ceiling(tmp_path, 32 << 20, block_bytes=1 << 20)
     assert result["bytes"] == 32 << 20 and result["gb_per_s"] > 0
     assert not list(tmp_path.iterdir())  # the scratch file is gone
+
+
+def test_drive_model_is_read_where_the_kernel_exposes_it(tmp_path):
+    from kvpool.drive import _model
+
+    device = tmp_path / "block" / "nvme0n1" / "device"
+    device.mkdir(parents=True)
+    (device / "model").write_text("SOLIDIGM SB5PH27X153T  \n")
+    assert _model("nvme0n1", tmp_path) == "SOLIDIGM SB5PH27X153T"
+    assert _model("vda", tmp_path) is None

@@ -18,3 +18,17 @@ def test_paper_config_dry_run_plans_the_whole_matrix(tmp_path):
     assert re.search(r"^reuse\s+24$", out, re.M)
     assert not re.search(r"^model\s+\d+$", out, re.M)
     assert "backend~lmcache-fs/arm~shared/chunk~2048/tier~qlc/plan.yaml" in out
+
+
+def test_tier_compare_target_builds_only_what_it_needs(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "results/tier_compare.csv", "-s", str(REPO / "Snakefile"),
+         "--directory", str(tmp_path), "--configfile", str(REPO / "tests" / "configs" / "e2e.yaml")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    for rule in ("populate", "reuse", "telemetry", "ceiling", "tier_compare"):
+        assert re.search(rf"^{rule}\s+\d+$", out, re.M), rule
+    assert re.search(r"^populate\s+1$", out, re.M)  # the shared arm only
+    for rule in ("reference", "validity", "table1", "report"):
+        assert not re.search(rf"^{rule}\s+\d+$", out, re.M), rule

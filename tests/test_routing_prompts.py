@@ -46,3 +46,20 @@ def test_too_many_documents_for_the_vocabulary():
 def test_probe_spans_two_chunks_and_is_extended():
     probe, followup = probe_prompts(list(range(10, 500)), chunk=256, seed=0)
     assert len(probe) == 513 and followup[:513] == probe and len(followup) > len(probe)
+
+
+def test_random_model_is_built_deterministically(tmp_path):
+    import hashlib
+
+    from kvpool.model import build_random_model
+
+    spec = dict(vocab_words=50, hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1, head_dim=16,
+                max_positions=256, seed=3, init_std=0.05)
+    digests = []
+    for run in ("a", "b"):
+        summary = build_random_model(tmp_path / run, spec)
+        digests.append(hashlib.sha256((tmp_path / run / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+    assert summary["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 2
+    other = build_random_model(tmp_path / "c", {**spec, "seed": 4})
+    assert hashlib.sha256((tmp_path / "c" / "model.safetensors").read_bytes()).hexdigest() != digests[0]

@@ -51,3 +51,49 @@ def test_rapl_delta_handles_counter_wrap(tmp_path):
     domain.mkdir()
     (domain / "max_energy_range_uj").write_text("1000000000\n")
     assert rapl_delta_j({"pkg": 990.0}, {"pkg": 5.0}, {"pkg": domain}) == pytest.approx(15.0)
+
+
+class RecordedNvml:
+    """pynvml's calls answered with readings recorded on an H200 (milliwatts, millijoules)."""
+
+    POWER_MW = [412345, 118990]
+    ENERGY_MJ = iter([[1_000_000, 2_000_000], [8_600_000, 2_260_000]])
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self.POWER_MW[handle]
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        if handle == 0:
+            self._energy = next(self.ENERGY_MJ)
+        return self._energy[handle]
+
+
+def test_nvml_readings_become_watts_and_joules(monkeypatch):
+    import sys
+
+    from kvpool.telemetry import summarize_power
+
+    monkeypatch.setitem(sys.modules, "pynvml", RecordedNvml())
+    with Sampler("c", "reuse", [], hz=20) as sampler:
+        time.sleep(0.2)
+    _, power = sampler.frames()
+    gpus = power[power["source"].str.startswith("gpu")]
+    assert set(gpus["source"]) == {"gpu0", "gpu1"}
+    assert gpus.groupby("source")["power_w"].first().to_dict() == {"gpu0": 412.345, "gpu1": 118.99}
+    assert sampler.meta["gpu_energy_j"] == [7600.0, 260.0]
+    summary = summarize_power(power, sampler.meta, requests=4)
+    assert summary["mean_power_w"] == pytest.approx(412.345 + 118.99)
+    assert summary["gpu_energy_j"] == pytest.approx(7860.0)
+    assert summary["energy_per_request_j"] == pytest.approx(1965.0)

@@ -70,7 +70,16 @@ def block_devices(path: Path, sys_root: Path = Path("/sys")) -> dict:
     node = link.resolve()
     record["device"] = node.name
     record["disks"] = sorted(_whole_disks(node, sys_root))
+    record["models"] = {disk: _model(disk, sys_root) for disk in record["disks"]}
     return record
+
+
+def _model(disk: str, sys_root: Path) -> str | None:
+    """The drive's model string where the kernel exposes one (NVMe, SATA, SCSI; not virtio)."""
+    for path in (sys_root / "block" / disk / "device" / "model", sys_root / "block" / disk / "device" / "device" / "model"):
+        if path.exists():
+            return path.read_text().strip()
+    return None
 
 
 def _whole_disks(node: Path, sys_root: Path) -> set[str]:
