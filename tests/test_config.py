@@ -52,3 +52,64 @@ def test_problems_name_the_key_at_fault(config, tmp_path):
     import os
     if os.geteuid() != 0:  # root may write anywhere
         assert "tiers.nvme" in found
+
+
+def test_pool_size_follows_the_model_and_dtype(config):
+    from kvpool.config import pool_bytes_per_cell
+
+    # 8 documents x 6000 tokens x (2 x 4 layers x 1 KV head x 128 x 4 bytes of float32)
+    assert pool_bytes_per_cell(config) == 8 * 6000 * 4096
+    config["engine"]["dtype"] = "bfloat16"
+    assert pool_bytes_per_cell(config) == 8 * 6000 * 2048
+    config["engine"]["model"] = "/models/real"
+    assert pool_bytes_per_cell(config) is None
+
+
+def test_a_tier_too_small_for_its_pools_is_named(config, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 300_000_000))
+    config["tiers"] = {"disk": str(tmp_path / "pools")}
+    config["drive_ceiling_bytes"] = 1 << 20
+    found = "\n".join(problems(config, tmp_path))
+    # two cells (shared, isolated) of 197 MB each do not fit in 300 MB; one at a time does
+    assert "tiers.disk" in found and "needs 0.39 GB" in found and "keep_pools: false" in found
+    config["keep_pools"] = False
+    assert problems(config, tmp_path) == []
+
+
+def test_pools_already_in_the_tier_count_as_available(config, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 100_000_000))
+    config["tiers"] = {"disk": str(tmp_path / "pools")}
+    config["drive_ceiling_bytes"] = 1 << 20
+    assert problems(config, tmp_path) != []
+    old = tmp_path / "pools" / "kvpool-pools" / "some-cell"
+    old.mkdir(parents=True)
+    with open(old / "chunk", "wb") as chunk:  # sparse: its size is what counts
+        chunk.truncate(300_000_000)
+    assert problems(config, tmp_path) == []
+
+
+def test_a_run_that_cannot_fit_stops_before_any_job(tmp_path):
+    """Paths and space are checked on the machine that runs the jobs, before the first one."""
+    import subprocess
+    import sys
+
+    overlay = yaml.safe_load((REPO / "tests" / "configs" / "e2e.yaml").read_text())
+    overlay["workload"]["documents"] = 10_000_000  # ~84 TB of KV in float32
+    config_file = tmp_path / "huge.yaml"
+    config_file.write_text(yaml.safe_dump(overlay))
+    command = [sys.executable, "-m", "snakemake", "--cores", "1", "-s", str(REPO / "Snakefile"),
+               "--directory", str(tmp_path), "--configfile", str(config_file)]
+    dry = subprocess.run(command + ["-n"], capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]  # a plan for another machine is fine
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "tiers.disk" in run.stderr and "GB available but needs" in run.stderr
+    assert not (tmp_path / "resources").exists() and not (tmp_path / "results").exists()

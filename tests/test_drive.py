@@ -73,8 +73,8 @@ def test_partition_and_device_mapper_resolution(tmp_path):
     os.symlink(devices / "sdb", devices / "dm-0" / "slaves" / "sdb")
     from kvpool.drive import _whole_disks
 
-    assert _whole_disks(devices / "dm-0", sys_root) == {"nvme0n1", "sdb"}
-    assert _whole_disks(devices / "nvme0n1" / "nvme0n1p2", sys_root) == {"nvme0n1"}
+    assert _whole_disks(devices / "dm-0") == {"nvme0n1", "sdb"}
+    assert _whole_disks(devices / "nvme0n1" / "nvme0n1p2") == {"nvme0n1"}
 
 
 def test_smart_log_parser():

@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -32,3 +34,30 @@ def test_tier_compare_target_builds_only_what_it_needs(tmp_path):
     assert re.search(r"^populate\s+1$", out, re.M)  # the shared arm only
     for rule in ("reference", "validity", "table1", "report"):
         assert not re.search(rf"^{rule}\s+\d+$", out, re.M), rule
+
+
+@pytest.mark.parametrize("name, replicas, gpus", [("h200.yaml", 2, {0}), ("h200x4.yaml", 4, {0, 1, 2, 3})])
+def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gpus):
+    """The H200 configs dry-run here; their launch plans put replicas where the config says."""
+    import yaml
+    from snakemake.utils import validate
+
+    from kvpool.cells import Cell
+    from kvpool.plan import fleet_plan
+
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+         "--configfile", str(REPO / "config" / name)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert re.search(r"^populate\s+4$", out, re.M)  # 2 arms x 2 tiers (ram, disk)
+    assert re.search(r"^model\s+1$", out, re.M)     # the random model is built (on the GPU)
+    config = yaml.safe_load((REPO / "config" / name).read_text())
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    cell = Cell("lmcache-fs", "shared", 256, "ram")
+    plan = fleet_plan(config, cell, "resources/model", tmp_path, list(range(18100, 18100 + replicas)), "auto")
+    assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
+    assert all(r["argv"][:2] == ["vllm", "serve"] and "--enforce-eager" in r["argv"] for r in plan["replicas"])
+    shares = {r["argv"][r["argv"].index("--gpu-memory-utilization") + 1] for r in plan["replicas"]}
+    assert shares == ({"0.4200"} if replicas == 2 else {"0.9000"})
+    assert all(r["sequential_start"] == (replicas == 2) for r in plan["replicas"])

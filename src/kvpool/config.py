@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from kvpool.cells import tier_root
+from kvpool.model import kv_bytes_per_token
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -35,6 +37,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
         existing = _nearest_existing(root)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             found.append(f"tiers.{tier}: {root} cannot be created ({existing} is not a writable directory)")
+            continue
+        found += _space_problems(config, tier, root, existing)
     total = workload["doc_tokens"] + workload["followup_tokens"] + workload["output_tokens"]
     if total > engine["max_model_len"]:
         found.append(f"a follow-up needs {total} tokens but engine.max_model_len is {engine['max_model_len']}")
@@ -48,3 +52,34 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
                          f"can come from the pool, below min_hit_fraction {config['min_hit_fraction']}; "
                          f"use doc_tokens that are (close to) a multiple of the chunk size")
     return found
+
+
+def pool_bytes_per_cell(config: dict) -> int | None:
+    """The KV bytes one cell's pool holds when every document is stored; None for a model whose KV
+    size this workflow does not know (a real model: its config decides)."""
+    if config["engine"]["model"] is not None:
+        return None
+    workload = config["workload"]
+    return workload["documents"] * workload["doc_tokens"] * kv_bytes_per_token(config["random_model"],
+                                                                                config["engine"]["dtype"])
+
+
+def _space_problems(config: dict, tier: str, root: Path, existing: Path) -> list[str]:
+    per_cell = pool_bytes_per_cell(config)
+    if per_cell is None:
+        return []
+    cells = len(config["arms"]) * len(config["chunk_sizes"]) * len(config["backends"])
+    held = cells if config["keep_pools"] else 1
+    needed = per_cell * held + config["drive_ceiling_bytes"]
+    # Pools already in the tier are replaced cell by cell, so their space counts as available.
+    available = shutil.disk_usage(existing).free + _tree_bytes(root / "kvpool-pools")
+    if needed <= available:
+        return []
+    return [f"tiers.{tier}: {root} has {available / 1e9:.2f} GB available but needs {needed / 1e9:.2f} GB "
+            f"({held} pool(s) of {per_cell / 1e9:.2f} GB plus the {config['drive_ceiling_bytes'] / 1e9:.2f} GB "
+            f"ceiling file); free space, lower workload.documents"
+            f"{'' if not config['keep_pools'] else ', or set keep_pools: false'}"]
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file()) if root.is_dir() else 0

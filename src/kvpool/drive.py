@@ -69,7 +69,7 @@ def block_devices(path: Path, sys_root: Path = Path("/sys")) -> dict:
         return record
     node = link.resolve()
     record["device"] = node.name
-    record["disks"] = sorted(_whole_disks(node, sys_root))
+    record["disks"] = sorted(_whole_disks(node))
     record["models"] = {disk: _model(disk, sys_root) for disk in record["disks"]}
     return record
 
@@ -82,7 +82,7 @@ def _model(disk: str, sys_root: Path) -> str | None:
     return None
 
 
-def _whole_disks(node: Path, sys_root: Path) -> set[str]:
+def _whole_disks(node: Path) -> set[str]:
     if (node / "partition").exists():
         return {node.parent.name}
     slaves = node / "slaves"
@@ -91,7 +91,7 @@ def _whole_disks(node: Path, sys_root: Path) -> set[str]:
         return {node.name}
     found = set()
     for member in members:
-        found |= _whole_disks(member, sys_root)
+        found |= _whole_disks(member)
     return found
 
 

@@ -28,6 +28,12 @@ def build_tokenizer(vocab_words: int):
     )
 
 
+def kv_bytes_per_token(spec: dict, dtype: str) -> int:
+    """KV-cache bytes one token takes in the random model ``spec`` served in ``dtype`` (K and V, every layer)."""
+    element = 4 if dtype in ("float32", "float") else 2
+    return 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * element
+
+
 def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
     """Write a random-weights Llama of ``spec`` (layers, hidden, heads...) and its tokenizer to ``out_dir``.
 
@@ -68,7 +74,6 @@ def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     params = sum(p.numel() for p in model.parameters())
-    kv_bytes_per_token = 2 * spec["layers"] * spec["kv_heads"] * head_dim * 2  # K and V, bf16
-    summary = {"parameters": params, "kv_bytes_per_token": kv_bytes_per_token, "spec": spec}
+    summary = {"parameters": params, "kv_bytes_per_token": kv_bytes_per_token(spec, "bfloat16"), "spec": spec}
     (out_dir / "kvpool-model.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

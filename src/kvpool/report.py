@@ -7,7 +7,6 @@ flagged, and kept out of every aggregate.
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,9 @@ import yaml
 from scipy.stats import bootstrap
 
 from kvpool.cells import Cell
+from kvpool.files import read_frame_or_empty, read_json, read_records
 from kvpool.summary import arm_metrics
+from kvpool.telemetry import drive_per_tick
 from kvpool.validity import failures
 
 PERCENTILES = (50, 95, 99)
@@ -59,20 +60,18 @@ def collect(root: Path, cells: list[Cell], config: dict) -> Results:
     manifest = {}
     for cell in cells:
         folder = root / "results" / "cells" / cell.name
-        validity = json.loads((folder / "validity.json").read_text())
+        validity = read_json(folder / "validity.json")
         keys = _cell_keys(cell, validity["valid"])
-        records = pd.read_csv(folder / "reuse.csv", keep_default_na=False, na_values=[""], dtype={"error": str})
+        records = read_records(folder / "reuse.csv")
         requests.append(records.assign(**keys))
-        reuse_meta = json.loads((folder / "reuse.json").read_text())
-        summary = json.loads((folder / "telemetry" / "summary.json").read_text())
-        manifest = manifest or json.loads((folder / "manifest.json").read_text())
+        reuse_meta = read_json(folder / "reuse.json")
+        summary = read_json(folder / "telemetry" / "summary.json")
+        manifest = manifest or read_json(folder / "manifest.json")
         origin = summary["populate"]["started_at"]
         for name, frames in (("drive.csv", drives), ("power.csv", powers)):
-            try:
-                frame = pd.read_csv(folder / "telemetry" / name)
-            except pd.errors.EmptyDataError:
-                continue
-            frames.append(frame.assign(**keys, since_start_s=frame["t_s"] - origin))
+            frame = read_frame_or_empty(folder / "telemetry" / name)
+            if len(frame.columns):  # no file rows at all: the phase sampled no drive
+                frames.append(frame.assign(**keys, since_start_s=frame["t_s"] - origin))
         power = summary["reuse"]["power"]
         followups = max(1, len(records))
         rows.append({
@@ -94,7 +93,7 @@ def collect(root: Path, cells: list[Cell], config: dict) -> Results:
     for tier in config["tiers"]:
         path = root / "results" / "tiers" / tier / "ceiling.json"
         if path.exists():
-            tiers[tier] = json.loads(path.read_text())
+            tiers[tier] = read_json(path)
     return Results(pd.DataFrame(rows), pd.concat(requests, ignore_index=True),
                    pd.concat(drives, ignore_index=True) if drives else pd.DataFrame(),
                    pd.concat(powers, ignore_index=True) if powers else pd.DataFrame(), tiers, manifest, config)
@@ -152,11 +151,13 @@ def tier_table(results: Results) -> pd.DataFrame:
         row = {k: cell[k] for k in ("backend", "chunk", "tier", "valid")}
         drive = results.drive[(results.drive.get("cell") == cell["cell"]) & (results.drive.get("phase") == "reuse")] \
             if not results.drive.empty else pd.DataFrame()
-        reading = drive[drive["r_per_s"] > 0] if not drive.empty else drive
-        for column, source, q in (("r_await_p50_ms", reading, 50), ("r_await_p95_ms", reading, 95),
-                                  ("queue_depth_p95", drive, 95)):
-            values = source["aqu_sz" if column.startswith("queue") else "r_await_ms"].to_numpy(dtype=float) \
-                if len(source) else np.array([])
+        # The same series telemetry.summarize_drive reduces: r_await over samples with reads, queue
+        # depth summed over the tier's disks per tick.
+        r_await = drive.loc[drive["r_per_s"] > 0, "r_await_ms"] if not drive.empty else pd.Series(dtype=float)
+        queue = drive_per_tick(drive)["aqu_sz"] if not drive.empty else pd.Series(dtype=float)
+        for column, source, q in (("r_await_p50_ms", r_await, 50), ("r_await_p95_ms", r_await, 95),
+                                  ("queue_depth_p95", queue, 95)):
+            values = source.to_numpy(dtype=float)
             low, high = percentile_ci(values, q)
             row.update({column: np.percentile(values, q) if len(values) else np.nan,
                         f"{column}_ci_low": low, f"{column}_ci_high": high})

@@ -6,7 +6,6 @@ folder, which Snakemake never deletes, so a forced re-run cannot lose an earlier
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -17,19 +16,12 @@ import yaml
 
 from kvpool import phases, pool, prompts, provenance, summary, validity
 from kvpool.cells import Cell, pool_root
+from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports
 from kvpool.plan import fleet_plan, reference_plan
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
-
-
-def write_json(path, data) -> None:
-    Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
-
-
-def read_json(path) -> dict:
-    return json.loads(Path(path).read_text())
 
 
 def _archive(frame: pd.DataFrame, out_csv: Path, phase: str) -> None:
@@ -115,11 +107,19 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     missing = [item["doc_id"] for item in workload if item["doc_id"] not in prefill]
     if missing:
         raise RuntimeError(f"{populate_csv} has no prefill for documents {missing}; re-run populate for {cell.name}")
+    root, cell_dir = pool_root(config, cell), Path(csv_out).parent
+    if not root.is_dir():
+        raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
+                           f"re-run the cell from its populate: snakemake --forcerun populate {cell_dir}/validity.json")
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks),
         drive_csv, power_csv)
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
+    if not config["keep_pools"]:  # measured; the tier holds one cell's pool at a time
+        shutil.rmtree(root)
+        log.info("removed the pool %s (keep_pools: false)", root)
+    meta["pool_removed"] = not config["keep_pools"]
     write_json(json_out, meta)
 
 
@@ -133,16 +133,12 @@ def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log
 def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
                  reference_csv: str, out: str) -> None:
     populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
-    result = validity.evaluate(cell.arm, config, _records(populate_csv), _records(reuse_csv), _records(reference_csv),
+    result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv), read_records(reference_csv),
                                reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
                                populate_meta["preflight"])
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
-
-
-def _records(path: str) -> pd.DataFrame:
-    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype={"output_text": str, "error": str})
 
 
 def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
@@ -151,7 +147,7 @@ def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_js
     for cell, reuse_csv, reuse_json, validity_json, telemetry_json in zip(
             cells, reuse_csvs, reuse_jsons, validity_jsons, telemetry_jsons, strict=True):
         power = read_json(telemetry_json)["reuse"]["power"]
-        metrics = summary.arm_metrics(_records(reuse_csv), read_json(reuse_json)["wall_s"], config["warm_s"],
+        metrics = summary.arm_metrics(read_records(reuse_csv), read_json(reuse_json)["wall_s"], config["warm_s"],
                                       config["slo_s"], config["workload"]["doc_tokens"],
                                       mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
         per_cell.append({"backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
@@ -216,30 +212,23 @@ def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary
     drives, powers, summary = [], [], {}
     for phase, files in phase_files.items():
         meta = read_json(files["meta"])["telemetry"]
-        raw = _frame_or_empty(files["drive"])
+        raw = read_frame_or_empty(files["drive"])
         derived = iostat(raw) if not raw.empty else pd.DataFrame()
         if not raw.empty:
             raw = raw.merge(derived.drop(columns=["phase", "cell"], errors="ignore"), on=["t_s", "device"], how="left")
-        power = _frame_or_empty(files["power"])
+        power = read_frame_or_empty(files["power"])
         drives.append(raw)
         powers.append(power)
         summary[phase] = {
             "started_at": meta["started_at"], "finished_at": meta["finished_at"], "duration_s": meta["duration_s"],
             "hz": meta["hz"], "devices": meta["devices"], "disks": meta["disks"],
             "drive": summarize_drive(derived, meta["duration_s"]),
-            "power": summarize_power(power, meta, len(_records(files["records"]))),
+            "power": summarize_power(power, meta, len(read_records(files["records"]))),
             "health_before": meta["health_before"], "health_after": meta["health_after"],
         }
     pd.concat(drives, ignore_index=True).to_csv(out_drive, index=False)
     pd.concat(powers, ignore_index=True).to_csv(out_power, index=False)
     write_json(out_summary, summary)
-
-
-def _frame_or_empty(path: str) -> pd.DataFrame:
-    try:
-        return pd.read_csv(path)
-    except pd.errors.EmptyDataError:  # a phase on a memory tier samples no drive
-        return pd.DataFrame()
 
 
 def run_ceiling(config: dict, tier: str, out: str) -> None:
@@ -260,7 +249,7 @@ def run_tier_compare(config: dict, shared_cells: list[Cell], summaries: list[str
     entries = []
     for cell, summary_path, reuse_csv in zip(shared_cells, summaries, reuse_csvs, strict=True):
         entries.append({"backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier,
-                        "reuse": read_json(summary_path)["reuse"], "records": _records(reuse_csv),
+                        "reuse": read_json(summary_path)["reuse"], "records": read_records(reuse_csv),
                         "ceiling": ceiling_by_tier[cell.tier]})
     table = summary.tier_compare(entries)
     table.to_csv(csv_out, index=False)

@@ -179,12 +179,18 @@ def _stats(series: pd.Series) -> dict:
             "max": float(series.max())}
 
 
+def drive_per_tick(derived: pd.DataFrame) -> pd.DataFrame:
+    """iostat rows of all a tier's disks added up per sampling tick (rates and queue depths add;
+    utilisation is the busiest disk's)."""
+    return derived.groupby("t_s").agg(r_mb_per_s=("r_mb_per_s", "sum"), w_mb_per_s=("w_mb_per_s", "sum"),
+                                      aqu_sz=("aqu_sz", "sum"), util_pct=("util_pct", "max"))
+
+
 def summarize_drive(derived: pd.DataFrame, duration_s: float) -> dict:
     """One phase's drive figures from iostat rows (all its disks together where rates add up)."""
     if derived.empty:
         return {"available": False}
-    per_tick = derived.groupby("t_s").agg(r_mb_per_s=("r_mb_per_s", "sum"), w_mb_per_s=("w_mb_per_s", "sum"),
-                                          aqu_sz=("aqu_sz", "sum"), util_pct=("util_pct", "max"))
+    per_tick = drive_per_tick(derived)
     read_bytes = float(derived["r_bytes"].sum())
     read_ios = float(derived["r_ios"].sum())
     reading = derived[derived["r_per_s"] > 0]

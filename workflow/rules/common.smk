@@ -3,10 +3,18 @@ from pathlib import Path
 from kvpool import config as kvpool_config
 from kvpool.cells import CELL_PATTERN, Cell, cells
 
-# A dry run plans for the machine that will run it: paths are only checked where jobs execute.
-_problems = kvpool_config.problems(config, Path.cwd(), check_paths=not workflow.dryrun)
+# What the config alone decides is checked while parsing, so a dry run catches it too. Paths and
+# free space belong to the machine that runs the jobs: onstart checks them there, before any job
+# (a dry run, which may plan for another machine, skips onstart).
+_problems = kvpool_config.problems(config, Path.cwd(), check_paths=False)
 if _problems:
     raise ValueError("config cannot run:\n  " + "\n  ".join(_problems))
+
+
+onstart:
+    _problems = kvpool_config.problems(config, Path.cwd(), check_paths=True)
+    if _problems:
+        raise ValueError("config cannot run on this machine:\n  " + "\n  ".join(_problems))
 
 CELLS = cells(config)
 CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'}.yaml"

@@ -1,0 +1,24 @@
+#!/bin/bash
+# Run kvpool on a lent GPU machine (the device tool) and pack what it measured into $OUT.
+#   bash bench/device_run.sh CONFIG SECONDS [snakemake targets or flags...]
+# Resumable: every call works in /root/work/<config name>, so a later call (the machine still
+# warm) goes on from the outputs already there. Snakemake gets SIGINT at SECONDS, which stops
+# the fleet cleanly (every replica is in its own process group and would outlive a SIGKILL).
+set -uo pipefail
+config=$1; budget=$2; shift 2
+repo=$(pwd)
+name=$(basename "$config" .yaml)
+work=/root/work/$name
+export PYTHONPATH=/root/site:$repo/src PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1
+mkdir -p "$work"
+# A replica left by an earlier call that was killed would hold GPU memory.
+pkill -INT -f "vllm serve" && sleep 10
+pkill -KILL -f "vllm serve"
+timeout -s INT "$budget" python3 -m snakemake --cores 1 -s "$repo/Snakefile" --directory "$work" \
+  --configfile "$repo/$config" --rerun-incomplete --rerun-triggers mtime "$@"
+rc=$?
+nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
+tar -C "$work" -czf "$OUT/$name.tar.gz" --exclude=results/workload/prompts.jsonl \
+  --exclude="*.safetensors" $(cd "$work" && ls -d results logs benchmarks .snakemake/log 2>/dev/null)
+ls -la "$OUT"
+exit $rc
