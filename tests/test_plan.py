@@ -92,10 +92,12 @@ def test_gpu_plan_needs_enough_gpus(config):
         plan_for(config)
 
 
-def test_reference_replica_recomputes(config):
+def test_reference_replica_has_no_pool_but_a_prefix_cache(config):
+    # no connector: nothing it computes comes from a pool; prefix caching replays a hit in place
     replica = reference_plan(config, "/models/m", 18200, "auto", available_cores=[0, 1])["replicas"][0]
-    assert "--no-enable-prefix-caching" in replica["argv"]
+    assert "--enable-prefix-caching" in replica["argv"]
     assert "--kv-transfer-config" not in replica["argv"]
+    assert "LMCACHE_CONFIG_FILE" not in replica["env"]
 
 
 def test_with_port_moves_argv_too(config):

@@ -57,7 +57,10 @@ class RecordedNvml:
     """pynvml's calls answered with readings recorded on an H200 (milliwatts, millijoules)."""
 
     POWER_MW = [412345, 118990]
-    ENERGY_MJ = iter([[1_000_000, 2_000_000], [8_600_000, 2_260_000]])
+
+    def __init__(self):
+        # each GPU's total-energy counter at the phase's start, then at its end
+        self.energy_mj = {0: iter([1_000_000, 8_600_000]), 1: iter([2_000_000, 2_260_000])}
 
     def nvmlInit(self):
         pass
@@ -75,9 +78,7 @@ class RecordedNvml:
         return self.POWER_MW[handle]
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
-        if handle == 0:
-            self._energy = next(self.ENERGY_MJ)
-        return self._energy[handle]
+        return next(self.energy_mj[handle])
 
 
 def test_nvml_readings_become_watts_and_joules(monkeypatch):
@@ -97,3 +98,21 @@ def test_nvml_readings_become_watts_and_joules(monkeypatch):
     assert summary["mean_power_w"] == pytest.approx(412.345 + 118.99)
     assert summary["gpu_energy_j"] == pytest.approx(7860.0)
     assert summary["energy_per_request_j"] == pytest.approx(1965.0)
+
+
+def test_only_the_fleets_gpus_are_sampled(monkeypatch):
+    """A cell on GPU 1 of a shared host: GPU 0's watts and joules are someone else's."""
+    import sys
+
+    from kvpool.telemetry import Nvml, summarize_power
+
+    monkeypatch.setitem(sys.modules, "pynvml", RecordedNvml())
+    with Sampler("c", "reuse", [], hz=20, gpus=[1]) as sampler:
+        time.sleep(0.2)
+    _, power = sampler.frames()
+    assert set(power["source"]) == {"gpu1"} and sampler.meta["gpus"] == [1]
+    summary = summarize_power(power, sampler.meta, requests=2)
+    assert summary["mean_power_w"] == pytest.approx(118.99)
+    assert summary["gpu_energy_j"] == pytest.approx(260.0)
+    absent = Nvml([5])
+    assert not absent.available and "not present" in absent.reason

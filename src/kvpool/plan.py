@@ -102,6 +102,8 @@ def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Pat
         # One OpenMP thread bound to the replica's own core; vLLM's "auto" piles replicas onto core 0.
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement["core"])
     if placement["gpu"] is not None:
+        # CUDA numbers GPUs fastest first unless told otherwise; NVML (telemetry) numbers them by bus.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = str(placement["gpu"])
     env.update(engine["env"])
     return env
@@ -136,7 +138,8 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
 
 
 def reference_plan(config: dict, model: str, port: int, port_source: str, available_cores: list[int] | None = None) -> dict:
-    """One plain replica (no connector, no prefix caching): every request is a full recompute."""
+    """One plain replica (no connector): the recompute each cell's outputs must equal. Prefix caching
+    is on so it can replay a pool hit from its own cache; its cold path salts requests instead."""
     engine = config["engine"]
     place = placements(engine, 1, available_cores)[0]
     return {"cell": "reference", "engine_kind": engine["kind"], "model": model, "port_source": port_source,
@@ -144,7 +147,7 @@ def reference_plan(config: dict, model: str, port: int, port_source: str, availa
                 "index": 0, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
                 "sequential_start": False, "pool_dir": None, "lmcache_config_file": None, "lmcache_config": None,
                 "env": replica_env(engine, place, config["hash_keys"], None),
-                "argv": engine_argv(engine, model, port, kv_transfer=None, prefix_caching=False,
+                "argv": engine_argv(engine, model, port, kv_transfer=None, prefix_caching=True,
                                     gpu_memory_utilization=_gpu_memory_share(engine)),
             }]}
 

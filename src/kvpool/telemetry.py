@@ -25,16 +25,22 @@ FAMILY_REFRESH_S = 5.0  # vLLM's engine and worker processes appear at startup, 
 
 
 class Nvml:
-    """NVML board power and total-energy counters per GPU; ``available`` is False without a GPU."""
+    """NVML board power and total-energy counters of the GPUs ``indices`` (all GPUs when None);
+    ``available`` is False without a GPU. Indices are NVML's (PCI bus order), which the replicas'
+    CUDA_VISIBLE_DEVICES follows because plans set CUDA_DEVICE_ORDER=PCI_BUS_ID."""
 
-    def __init__(self):
-        self.handles, self.reason = [], None
+    def __init__(self, indices: list[int] | None = None):
+        self.handles, self.indices, self.reason = [], [], None
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self._nvml = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            count = pynvml.nvmlDeviceGetCount()
+            self.indices = list(range(count)) if indices is None else sorted(indices)
+            if missing := [i for i in self.indices if i >= count]:
+                raise ValueError(f"GPU(s) {missing} not present: NVML sees {count}")
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
         except Exception as exc:  # the library raises its own NVMLError subclasses, or is absent
             self.reason = f"{type(exc).__name__}: {exc}"
 
@@ -84,12 +90,13 @@ def rapl_delta_j(start: dict[str, float], end: dict[str, float], domains: dict[s
 class Sampler:
     """Samples one phase of one cell at ``hz`` on a thread of its own."""
 
-    def __init__(self, cell: str, phase: str, disks: list[str], hz: float = 5.0, pids=lambda: {}):
+    def __init__(self, cell: str, phase: str, disks: list[str], hz: float = 5.0, pids=lambda: {},
+                 gpus: list[int] | None = None):
         self.cell, self.phase, self.disks, self.interval_s = cell, phase, set(disks), 1.0 / hz
         self.pids = pids  # callable: replica index -> pid, read at each tick
         self.drive_rows: list[dict] = []
         self.power_rows: list[dict] = []
-        self.nvml = Nvml()
+        self.nvml = Nvml(gpus)  # only the fleet's GPUs: other GPUs of the host are not this cell's power
         self.rapl = rapl_domains()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"sampler-{phase}", daemon=True)
@@ -98,6 +105,7 @@ class Sampler:
 
     def __enter__(self) -> "Sampler":
         self.meta = {"cell": self.cell, "phase": self.phase, "disks": sorted(self.disks), "hz": 1 / self.interval_s,
+                     "gpus": self.nvml.indices,
                      "started_at": time.time(),
                      "gpu_energy_start_j": self.nvml.energy_j() if self.nvml.available else None,
                      "rapl_start_j": rapl_energy_j(self.rapl) if self.rapl else None}
@@ -141,7 +149,7 @@ class Sampler:
                 stats = read_diskstats(f.read(), self.disks)
             self.drive_rows += [{**stamp, "device": device, **counters} for device, counters in stats.items()]
         if self.nvml.available:
-            for gpu, watts in enumerate(self.nvml.power_w()):
+            for gpu, watts in zip(self.nvml.indices, self.nvml.power_w()):
                 self.power_rows.append({**stamp, "source": f"gpu{gpu}", "power_w": watts})
         for replica, pid in self.pids().items():
             cpu_s, rss = 0.0, 0
