@@ -79,7 +79,17 @@ def test_every_cell_passes_the_validity_gate(run):
     for arm in ("shared", "isolated"):
         record = json.loads((run / CELL.format(backend="lmcache-fs", arm=arm) / "validity.json").read_text())
         assert record["valid"] and record["checks"]["output_matches_recompute"]["value"] == 4
+        assert record["checks"]["output_matches_recompute"]["reference_path"] == \
+            {"shared": "after_document", "isolated": "cold"}[arm]
         assert record["checks"]["cold_reads"]["value"] <= 0.01
+
+
+def test_reference_computes_both_paths(run):
+    reference = pd.read_csv(run / "results" / "reference" / "outputs.csv", keep_default_na=False)
+    cold, after = (reference[reference["path"] == p].set_index("doc_id") for p in ("cold", "after_document"))
+    assert len(cold) == len(after) == 4 and (reference["error"] == "").all()
+    assert (cold["cached_tokens"] == 0).all()                 # the salt kept every block out of reach
+    assert (after["cached_tokens"] >= 2048).all()             # the document's own KV, reused in place
 
 
 def test_cells_record_provenance_and_plan(run):

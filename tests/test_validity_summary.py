@@ -15,7 +15,9 @@ def frames(arm="shared", hits=1000, errors=("",) * 4, outputs=("a", "b", "c", "d
     reuse = pd.DataFrame({"doc_id": range(4), "prefill_replica": [0, 1, 0, 1], "serve_replica": [1, 0, 1, 0],
                           "ttft_s": [0.1, 0.2, 0.3, 0.4], "external_hit_tokens": [hits] * 4, "error": list(errors),
                           "output_text": list(outputs)})
-    reference = pd.DataFrame({"doc_id": range(4), "output_text": ["a", "b", "c", "d"]})
+    # the two recompute paths disagree, as bf16 kernels of different batch shapes can
+    reference = pd.DataFrame({"doc_id": [*range(4), *range(4)], "output_text": ["a", "b", "c", "d", *"wxyz"],
+                              "path": ["after_document"] * 4 + ["cold"] * 4})
     return populate, reuse, reference
 
 
@@ -49,9 +51,20 @@ def test_each_failure_invalidates_the_cell(config, kwargs, check):
     assert any(reason.startswith(check) for reason in failures(result))
 
 
+def test_each_arm_is_compared_with_the_recompute_it_replays(config):
+    shared = gate(config)  # outputs a..d equal the after_document path
+    assert shared["checks"]["output_matches_recompute"]["reference_path"] == "after_document"
+    assert shared["valid"]
+    isolated = gate(config, arm="isolated", hits=0, outputs=tuple("wxyz"))
+    assert isolated["checks"]["output_matches_recompute"]["reference_path"] == "cold"
+    assert isolated["valid"], failures(isolated)
+    wrong = gate(config, arm="isolated", hits=0)  # a..d are the after_document outputs, not cold
+    assert wrong["checks"]["output_matches_recompute"]["value"] == 0
+
+
 def test_isolated_arm_must_load_nothing(config):
-    assert gate(config, arm="isolated", hits=0)["valid"]
-    leaked = gate(config, arm="isolated", hits=10)
+    assert gate(config, arm="isolated", hits=0, outputs=tuple("wxyz"))["valid"]
+    leaked = gate(config, arm="isolated", hits=10, outputs=tuple("wxyz"))
     assert not leaked["checks"]["isolation"]["ok"]
 
 

@@ -27,12 +27,18 @@ class RequestResult:
 
 
 async def complete(session: aiohttp.ClientSession, base_url: str, prompt: list[int], output_tokens: int,
-                   timeout_s: float) -> RequestResult:
-    """Send ``prompt`` (token ids) for a greedy streamed completion; failures come back as data."""
+                   timeout_s: float, cache_salt: str | None = None) -> RequestResult:
+    """Send ``prompt`` (token ids) for a greedy streamed completion; failures come back as data.
+
+    A ``cache_salt`` keeps the request from reusing, or leaving behind, prefix-cache blocks that
+    requests without the same salt could use.
+    """
     payload = {
         "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": output_tokens, "min_tokens": output_tokens,
         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
     }
+    if cache_salt is not None:
+        payload["cache_salt"] = cache_salt
     result = RequestResult()
     start = time.perf_counter()
     try:

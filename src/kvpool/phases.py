@@ -33,10 +33,10 @@ class PreflightFailed(RuntimeError):
 
 
 async def _measured(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
-                    timeout_s: float) -> tuple[RequestResult, dict[str, int]]:
+                    timeout_s: float, cache_salt: str | None = None) -> tuple[RequestResult, dict[str, int]]:
     """One request and the serving replica's token-counter deltas around it (one request in flight per replica)."""
     before = await metrics.scrape(session, replica.url)
-    result = await complete(session, replica.url, prompt, output_tokens, timeout_s)
+    result = await complete(session, replica.url, prompt, output_tokens, timeout_s, cache_salt)
     after = await metrics.scrape(session, replica.url)
     return result, metrics.delta(after, before)
 
@@ -85,7 +85,9 @@ async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], 
 
 
 def _sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
-    return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"], pids=lambda: {r.index: r.proc.pid for r in replicas})
+    gpus = sorted({r["gpu"] for r in plan["replicas"] if r["gpu"] is not None})
+    return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"], pids=lambda: {r.index: r.proc.pid for r in replicas},
+                   gpus=gpus or None)
 
 
 def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
@@ -144,14 +146,25 @@ async def _reference(replica: Replica, workload, cfg) -> list[dict]:
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     rows = []
     async with aiohttp.ClientSession() as session:
-        for item in tqdm(workload, desc="reference", unit="follow-up"):
+        for item in tqdm(workload, desc="reference (cold)", unit="follow-up"):
+            # A salt of its own: no cached block is reused, and none is left for the second path.
+            result, counts = await _measured(session, replica, item["followup"], output_tokens, timeout_s,
+                                             cache_salt=f"kvpool-cold-{item['doc_id']}")
+            rows.append({**_record(item["doc_id"], None, 0, result, counts), "path": "cold"})
+        for item in tqdm(workload, desc="reference (after document)", unit="follow-up"):
+            stored = await complete(session, replica.url, item["document"], output_tokens, timeout_s)
             result, counts = await _measured(session, replica, item["followup"], output_tokens, timeout_s)
-            rows.append(_record(item["doc_id"], None, 0, result, counts))
+            if stored.error and not result.error:
+                result.error = f"document request failed: {stored.error}"
+            rows.append({**_record(item["doc_id"], 0, 0, result, counts), "path": "after_document"})
     return rows
 
 
 def reference(plan: dict, workload: list[dict], cfg: dict, log_dir: Path) -> pd.DataFrame:
-    """Greedy outputs of every follow-up from a replica with no pool and no prefix cache."""
+    """Greedy outputs of every follow-up from a replica with no pool, computed two ways (``path``):
+    ``cold``, the whole prompt from nothing, as an isolated-arm replica computes it; and
+    ``after_document``, the document alone first (as populate sends it), then the follow-up on the
+    document's cached KV: what a shared-pool hit replays, with the KV never leaving the replica."""
     with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
         rows = asyncio.run(_reference(replicas[0], workload, cfg))
-    return pd.DataFrame(rows, columns=RECORD_COLUMNS)
+    return pd.DataFrame(rows, columns=[*RECORD_COLUMNS, "path"])
