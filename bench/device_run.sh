@@ -15,7 +15,7 @@ mkdir -p "$work"
 pkill -INT -f "vllm serve" && sleep 10
 pkill -KILL -f "vllm serve"
 timeout -s INT "$budget" python3 -m snakemake --cores 1 -s "$repo/Snakefile" --directory "$work" \
-  --configfile "$repo/$config" --rerun-incomplete --rerun-triggers mtime "$@"
+  --configfile "$repo/$config" --rerun-incomplete --rerun-triggers=mtime "$@"
 rc=$?
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
 tar -C "$work" -czf "$OUT/$name.tar.gz" --exclude=results/workload/prompts.jsonl \

@@ -279,9 +279,11 @@ def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figu
     else:
         extra.append(("energy_per_followup", figures.placeholder_note(
             "Energy per follow-up", "not measured on this machine: no GPU energy counter")))
-    extra.append(("reload_efficiency", figures.reload_efficiency(table2)) if len(table2)
+    rates = table2[["read_active_gb_per_s", "ceiling_gb_per_s"]].astype(float) if len(table2) else pd.DataFrame()
+    extra.append(("reload_efficiency", figures.reload_efficiency(table2)) if rates.notna().any().any()
                  else ("reload_efficiency", figures.placeholder_note(
-                     "Reload read rate against the measured ceiling", "no shared arm: no reload to compare")))
+                     "Reload read rate against the measured ceiling",
+                     "no drive read and no ceiling measured" if len(table2) else "no shared arm: no reload to compare")))
     if table1["chunk"].nunique() > 1:
         extra.append(("ttft_by_chunk", figures.by_chunk(table1)))
     drawn = {}
