@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -173,9 +172,8 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
             log.info("fleet of %d healthy after %.1f s", len(replicas), time.monotonic() - started)
             yield replicas
         finally:
-            # Together: each replica takes seconds to shut down, and none waits on another.
-            with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
-                list(pool.map(Replica.stop, replicas))
+            for replica in replicas:
+                replica.stop()
 
 
 @contextmanager
