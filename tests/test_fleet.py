@@ -88,3 +88,21 @@ def test_signals_stop_the_fleet(tmp_path, sig):
     proc.wait(timeout=60)
     gone, alive = psutil.wait_procs(members, timeout=10)
     assert not alive
+
+
+def test_an_exited_but_unreaped_process_counts_as_stopped():
+    """A stop must not wait out its grace period on a zombie (exited, its parent has not reaped it)."""
+    from kvpool.fleet import _still_running
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    zombie = psutil.Process(child.pid)
+    deadline = time.monotonic() + 30
+    while zombie.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    started = time.monotonic()
+    assert _still_running([zombie, psutil.Process(sleeper.pid)], 0.5) == [psutil.Process(sleeper.pid)]
+    assert _still_running([zombie], 20) == [] and time.monotonic() - started < 5
+    sleeper.kill()
+    sleeper.wait()
+    child.wait()

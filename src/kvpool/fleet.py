@@ -131,11 +131,28 @@ class Replica:
                     member.send_signal(sig)
                 except psutil.NoSuchProcess:
                     pass
-            _, members = psutil.wait_procs(members, timeout=wait_s)
+            members = _still_running(members, wait_s)
             if not members:
                 break
         self.proc.wait(timeout=10)
         log.info("replica %d stopped", self.index)
+
+
+def _still_running(members: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """The members that have not exited within ``timeout_s``. A zombie has exited: an engine's
+    child orphaned by its parent's exit waits for PID 1 to reap it, which can take long."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for member in members:
+            try:
+                if member.status() != psutil.STATUS_ZOMBIE:
+                    running.append(member)
+            except psutil.NoSuchProcess:
+                pass
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.1)
 
 
 def wait_healthy(replicas: list[Replica], timeout_s: float) -> None:
