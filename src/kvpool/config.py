@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from kvpool.cells import tier_root
+from kvpool.cells import cells, tier_root
 from kvpool.model import kv_bytes_per_token
 
 
@@ -68,8 +68,7 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path) -> list
     per_cell = pool_bytes_per_cell(config)
     if per_cell is None:
         return []
-    cells = len(config["arms"]) * len(config["chunk_sizes"]) * len(config["backends"])
-    held = cells if config["keep_pools"] else 1
+    held = sum(cell.tier == tier for cell in cells(config)) if config["keep_pools"] else 1
     needed = per_cell * held + config["drive_ceiling_bytes"]
     # Pools already in the tier are replaced cell by cell, so their space counts as available.
     available = shutil.disk_usage(existing).free + _tree_bytes(root / "kvpool-pools")
