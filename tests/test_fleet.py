@@ -72,7 +72,10 @@ def test_signals_stop_the_fleet(tmp_path, sig):
     ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
+        # A shell's background job starts with SIGINT ignored, and Python keeps it so; the fleet's
+        # Ctrl-C path is what is under test, so the driver restores Python's default handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_fleet import fake_plan
         from kvpool.fleet import running_fleet
