@@ -52,6 +52,12 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
     out = result.stdout
     assert re.search(r"^populate\s+4$", out, re.M)  # 2 arms x 2 tiers (ram, disk)
     assert re.search(r"^model\s+1$", out, re.M)     # the random model is built (on the GPU)
+    # keep_pools: false: a tier holds one cell's pool, so its isolated cell populates after the
+    # shared cell's reuse has removed that pool
+    for tier in ("ram", "disk"):
+        populate = re.search(rf"input: (.*)\n\s+output: results/cells/backend~lmcache-fs/arm~isolated/chunk~256/"
+                             rf"tier~{tier}/populate.csv", out)
+        assert f"arm~shared/chunk~256/tier~{tier}/reuse.json" in populate.group(1), out[-3000:]
     config = yaml.safe_load((REPO / "config" / name).read_text())
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
     cell = Cell("lmcache-fs", "shared", 256, "ram")

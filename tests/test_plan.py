@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cells import Cell, cells, pool_dirs
+from kvpool.cells import Cell, cells, pool_dirs, pool_predecessor
 from kvpool.plan import fleet_plan, reference_plan, with_port
 
 
@@ -109,3 +109,14 @@ def test_pool_dirs_stay_inside_the_cells_folder(config):
     config["tiers"] = {"disk": "/data/pools"}
     dirs = pool_dirs(config, Cell("lmcache-fs", "isolated", 256, "disk"))
     assert all(str(d).startswith("/data/pools/kvpool-pools/backend~lmcache-fs/arm~isolated/") for d in dirs)
+
+
+def test_cells_of_a_tier_take_turns_when_pools_are_not_kept(config):
+    config = {**config, "arms": ["shared", "isolated"], "chunk_sizes": [256, 1024],
+              "tiers": {"ram": "/dev/shm/x", "disk": "pools/disk"}, "keep_pools": False}
+    order = {tier: [c for c in cells(config) if c.tier == tier] for tier in config["tiers"]}
+    for tier, chain in order.items():
+        assert pool_predecessor(config, chain[0]) is None
+        # each cell waits for the one before it in the same tier, never for another tier's
+        assert [pool_predecessor(config, c) for c in chain[1:]] == chain[:-1]
+    assert all(pool_predecessor({**config, "keep_pools": True}, c) is None for c in cells(config))

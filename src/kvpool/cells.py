@@ -35,6 +35,20 @@ def cells(config: dict) -> list[Cell]:
     ]
 
 
+def pool_predecessor(config: dict, cell: Cell) -> Cell | None:
+    """The cell whose pool must be gone before ``cell`` populates, or None.
+
+    With ``keep_pools: false`` a tier is sized for one cell's pool at a time, so the cells of a
+    tier run one after another in matrix order: each waits for the previous one's reuse phase,
+    which removes its pool. With pools kept, cells are independent.
+    """
+    if config["keep_pools"]:
+        return None
+    same_tier = [other for other in cells(config) if other.tier == cell.tier]
+    position = same_tier.index(cell)
+    return same_tier[position - 1] if position else None
+
+
 def tier_root(config: dict, tier: str, workdir: Path | None = None) -> Path:
     """The directory holding ``tier``'s pools; relative paths are under the working directory."""
     path = Path(config["tiers"][tier])

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from kvpool import config as kvpool_config
-from kvpool.cells import CELL_PATTERN, Cell, cells
+from kvpool.cells import CELL_PATTERN, Cell, cells, pool_predecessor
 
 # What the config alone decides is checked while parsing, so a dry run catches it too. Paths and
 # free space belong to the machine that runs the jobs: onstart checks them there, before any job
@@ -51,6 +51,15 @@ def cell_files(name):
 def shared_cell_files(name):
     """``name`` in every shared-arm cell folder (the tier comparison reads only those)."""
     return [f"results/cells/{cell.name}/{name}" for cell in CELLS if cell.arm == "shared"]
+
+
+def pool_freed_first(wildcards):
+    """With keep_pools: false, the previous cell of the tier has measured and removed its pool.
+
+    An ordering-only input (ancient): re-measuring that cell does not make this one stale.
+    """
+    before = pool_predecessor(config, Cell.from_wildcards(wildcards))
+    return [ancient(f"results/cells/{before.name}/reuse.json")] if before else []
 
 
 def cell_log(step):

@@ -3,6 +3,7 @@ rule populate:
     input:
         plan=cell_path("plan.yaml"),
         prompts="results/workload/prompts.jsonl",
+        pool_freed=pool_freed_first,
     output:
         csv=cell_path("populate.csv"),
         meta=cell_path("populate.json"),
