@@ -4,6 +4,8 @@
 # Resumable: every call works in /root/work/<config name>, so a later call (the machine still
 # warm) goes on from the outputs already there. Snakemake gets SIGINT at SECONDS, which stops
 # the fleet cleanly (every replica is in its own process group and would outlive a SIGKILL).
+# Leave SECONDS at least 90 s below the device call's limit: stopping a fleet and packing the
+# results take that long, and a call cut off by its limit brings nothing back.
 set -uo pipefail
 config=$1; budget=$2; shift 2
 repo=$(pwd)
@@ -14,6 +16,8 @@ mkdir -p "$work"
 # A replica left by an earlier call that was killed would hold GPU memory.
 pkill -INT -f "vllm serve" && sleep 10
 pkill -KILL -f "vllm serve"
+# A call cut off by the device's limit leaves Snakemake's lock behind; nothing else runs here.
+pgrep -f "snakemake" >/dev/null || rm -rf "$work/.snakemake/locks"
 timeout -s INT "$budget" python3 -m snakemake --cores 1 -s "$repo/Snakefile" --directory "$work" \
   --configfile "$repo/$config" --rerun-incomplete --rerun-triggers=mtime "$@"
 rc=$?
