@@ -17,7 +17,7 @@ mkdir -p "$work"
 pkill -INT -f "vllm serve" && sleep 10
 pkill -KILL -f "vllm serve"
 # A call cut off by the device's limit leaves Snakemake's lock behind; nothing else runs here.
-pgrep -f "snakemake" >/dev/null || rm -rf "$work/.snakemake/locks"
+pgrep -f "python3 -m snakemake" >/dev/null || rm -rf "$work/.snakemake/locks"
 timeout -s INT "$budget" python3 -m snakemake --cores 1 -s "$repo/Snakefile" --directory "$work" \
   --configfile "$repo/$config" --rerun-incomplete --rerun-triggers=mtime "$@"
 rc=$?
