@@ -32,4 +32,5 @@ rule all:
         "results/tier_compare.csv",
         "results/report.html",
         "results/validity.csv",
+        "results/kv_bytes.csv",
         "results/gate.ok",

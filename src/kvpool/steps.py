@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool import phases, pool, prompts, provenance, summary, validity
+from kvpool import kvbytes, phases, pool, prompts, provenance, summary, validity
 from kvpool.cells import Cell, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports
@@ -99,7 +99,7 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
 
 
 def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate_csv: str, csv_out: str,
-              json_out: str, drive_csv: str, power_csv: str, log_dir: str) -> None:
+              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str) -> None:
     plan = yaml.safe_load(Path(plan_path).read_text())
     workload = prompts.read_workload(Path(prompts_path))
     populated = pd.read_csv(populate_csv)
@@ -111,11 +111,17 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     if not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
                            f"re-run the cell from its populate: snakemake --forcerun populate {cell_dir}/validity.json")
+    dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
+    stored_before = kvbytes.stored_files(dirs)
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks),
         drive_csv, power_csv)
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
+    # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
+    digests = kvbytes.pool_digests(dirs, stored_before)
+    digests.to_csv(digests_csv, index=False)
+    log.info("pool digests: %d files, %d stored during reuse", len(digests), int((digests["stored_in"] == "reuse").sum()))
     if not config["keep_pools"]:  # measured; the tier holds one cell's pool at a time
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
@@ -156,6 +162,18 @@ def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_js
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Table 1: cross-replica follow-ups, isolated pools against a shared pool\n\n"
                             + summary.table1_markdown(table))
+
+
+def run_kv_bytes(cells_run: list[Cell], digests_csvs: list[str], csv_out: str, md_out: str) -> None:
+    """Compare each chunk's bytes across the arms' pools (see kvbytes); differences are logged."""
+    digests = {(c.backend, c.chunk, c.tier, c.arm): kvbytes.read_digests(path)
+               for c, path in zip(cells_run, digests_csvs, strict=True)}
+    table = kvbytes.kv_bytes_table(digests)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
+    for row in table[table["differ"] > 0].itertuples():
+        log.error("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s)", row.backend, row.chunk, row.tier,
+                  row.comparison, row.differ, row.keys, row.example_key)
 
 
 def run_validity_table(validity_jsons: list[str], out: str) -> None:
@@ -298,7 +316,16 @@ def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figu
         "headline_html": _html(head), "table1_html": _html(table1, flag=True), "table2_html": _html(table2, flag=True),
         "study_figures": [drawn[s] for s, _ in study], "extra_figures": [drawn[s] for s, _ in extra],
         "caveats": report.caveats(results),
+        "kv_bytes_html": _kv_bytes_html(Path(root) / "results" / "kv_bytes.csv"),
     })
+
+
+def _kv_bytes_html(path: Path) -> str:
+    if not path.exists():
+        return "<p>Not computed for this run (no pool digests).</p>"
+    table = pd.read_csv(path, keep_default_na=False)
+    return _html(table.drop(columns=["meaning"])) + "<ul>" + "".join(
+        f"<li><b>{name}</b>: {meaning}</li>" for name, meaning in kvbytes.COMPARISONS.items()) + "</ul>"
 
 
 def _html(frame: pd.DataFrame, flag: bool = False) -> str:

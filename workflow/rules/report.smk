@@ -9,6 +9,7 @@ rule report:
         drive=cell_files("telemetry/drive.csv"),
         power=cell_files("telemetry/power.csv"),
         ceilings=expand("results/tiers/{tier}/ceiling.json", tier=config["tiers"]),
+        kv_bytes="results/kv_bytes.csv",
     output:
         html="results/report.html",
         figures=report(

@@ -10,6 +10,7 @@ rule reuse:
         meta=cell_path("reuse.json"),
         drive=cell_path("telemetry/reuse-drive.csv"),
         power=cell_path("telemetry/reuse-power.csv"),
+        digests=cell_path("pool-digests.csv"),
     params:
         telemetry_hz=config["telemetry_hz"],
         log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",

@@ -44,3 +44,18 @@ rule gate:
         "logs/validity/gate.log",
     script:
         "../scripts/gate.py"
+
+
+rule kv_bytes:
+    """Byte-level KV check: each stored chunk's digest in the shared pool against the isolated pools."""
+    input:
+        cell_files("pool-digests.csv"),
+    output:
+        csv="results/kv_bytes.csv",
+        md="results/kv_bytes.md",
+    conda:
+        CONDA_ENV
+    log:
+        "logs/validity/kv_bytes.log",
+    script:
+        "../scripts/kv_bytes.py"

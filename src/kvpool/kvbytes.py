@@ -1,0 +1,117 @@
+"""Byte-level checks of the KV in the pools: did the same chunk come out the same in both arms?
+
+LMCache names a stored chunk by the model, the worker and a hash of the token prefix it ends, never
+by the pool it sits in, so the same chunk has the same file name in every pool of a (backend, chunk
+size, tier). After a cell's reuse phase, its pool holds chunks of two kinds:
+
+- ``populate``: stored by the replica that prefilled the document (present before reuse began);
+- ``reuse``: stored during a follow-up by the replica that served it. In the shared arm that
+  replica computed them on top of document KV it had just LOADED from the pool; in the isolated
+  arm it computed them (and the document's chunks again) from nothing.
+
+Comparing digests file by file then localizes damage without reading GPU memory: populate chunks
+that differ between arms mean the store is not reproducible; follow-up chunks that differ while
+the document chunks agree mean the KV the serving replica attended over after a load was not the
+KV that was stored (the class of fault Study B found in a CUDA-stream dependency).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pandas as pd
+
+DIGEST_COLUMNS = ["copy", "key", "bytes", "blake2b", "stored_in"]
+COMPARISONS = {
+    "store_across_arms": "document chunks as the prefilling replica stored them: shared arm against isolated arm",
+    "recompute_against_store": "isolated arm: the serving replica's cold recompute of a document chunk against "
+                               "the prefilling replica's stored copy",
+    "after_load_against_cold": "chunks the serving replica stored during a follow-up: shared arm (computed on "
+                               "loaded KV) against isolated arm (computed from nothing)",
+}
+
+def read_digests(path: Path | str) -> pd.DataFrame:
+    """A cell's ``pool-digests.csv``; names and digests stay text (a hex digest can look numeric)."""
+    return pd.read_csv(path, dtype={"copy": str, "key": str, "blake2b": str, "stored_in": str},
+                       keep_default_na=False)
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
+def pool_digests(dirs: list[Path], stored_before_reuse: set[str]) -> pd.DataFrame:
+    """One row per file in the pool directories: which copy (directory), key, size, digest, and
+    whether it was already there when reuse began. Files are hashed on several threads (hashlib
+    releases the GIL), so a 26 GB pool takes seconds from RAM."""
+    files = [(Path(d), p) for d in dict.fromkeys(map(Path, dirs)) if Path(d).is_dir()
+             for p in sorted(Path(d).rglob("*")) if p.is_file()]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda item: file_digest(item[1]), files))
+    rows = [{"copy": d.name, "key": str(p.relative_to(d)), "bytes": p.stat().st_size, "blake2b": digest,
+             "stored_in": "populate" if str(p) in stored_before_reuse else "reuse"}
+            for (d, p), digest in zip(files, digests, strict=True)]
+    return pd.DataFrame(rows, columns=DIGEST_COLUMNS)
+
+
+def stored_files(dirs: list[Path]) -> set[str]:
+    """The pool's file paths now (no reads): what populate stored, taken right before reuse."""
+    return {str(p) for d in dict.fromkeys(map(Path, dirs)) if Path(d).is_dir() for p in Path(d).rglob("*")}
+
+
+def _agreement(left: pd.DataFrame, right: pd.DataFrame) -> dict:
+    """How many keys both sides hold, and on how many every copy has one digest."""
+    keys = sorted(set(left["key"]) & set(right["key"]))
+    both = pd.concat([left[left["key"].isin(keys)], right[right["key"].isin(keys)]])
+    distinct = both.groupby("key")["blake2b"].nunique()
+    differ = sorted(distinct[distinct > 1].index)
+    return {"keys": len(keys), "equal": len(keys) - len(differ), "differ": len(differ),
+            "example_key": differ[0] if differ else ""}
+
+
+def compare_arms(shared: pd.DataFrame, isolated: pd.DataFrame) -> pd.DataFrame:
+    """The three comparisons of COMPARISONS for one (backend, chunk, tier)."""
+    shared_store = shared[shared["stored_in"] == "populate"]
+    isolated_store = isolated[isolated["stored_in"] == "populate"]
+    # the isolated serving replica recomputes the document too; only keys no populate stored are follow-up chunks
+    isolated_reuse = isolated[isolated["stored_in"] == "reuse"]
+    isolated_followup = isolated_reuse[~isolated_reuse["key"].isin(isolated_store["key"])]
+    rows = {
+        "store_across_arms": _agreement(shared_store, isolated_store),
+        "recompute_against_store": _agreement(isolated_reuse[isolated_reuse["key"].isin(isolated_store["key"])],
+                                              isolated_store),
+        "after_load_against_cold": _agreement(shared[shared["stored_in"] == "reuse"], isolated_followup),
+    }
+    return pd.DataFrame([{"comparison": name, **row, "meaning": COMPARISONS[name]} for name, row in rows.items()])
+
+
+def kv_bytes_table(digests: dict[tuple[str, int, str, str], pd.DataFrame]) -> pd.DataFrame:
+    """The comparisons for every (backend, chunk, tier) that has both arms' pool digests."""
+    frames = []
+    for (backend, chunk, tier), arms in _by_setting(digests).items():
+        if {"shared", "isolated"} <= arms.keys():
+            frame = compare_arms(arms["shared"], arms["isolated"])
+            frames.append(frame.assign(backend=backend, chunk=chunk, tier=tier))
+    columns = ["backend", "chunk", "tier", "comparison", "keys", "equal", "differ", "example_key", "meaning"]
+    return pd.concat(frames)[columns] if frames else pd.DataFrame(columns=columns)
+
+
+def _by_setting(digests: dict) -> dict:
+    settings: dict = {}
+    for (backend, chunk, tier, arm), frame in digests.items():
+        settings.setdefault((backend, chunk, tier), {})[arm] = frame
+    return settings
+
+
+def kv_bytes_markdown(table: pd.DataFrame) -> str:
+    lines = ["# KV bytes: the same chunk in the shared and the isolated pools", ""]
+    if table.empty:
+        return "\n".join(lines + ["No (backend, chunk, tier) ran both arms: nothing to compare.", ""])
+    for (backend, chunk, tier), group in table.groupby(["backend", "chunk", "tier"], sort=False):
+        shown = group[["comparison", "keys", "equal", "differ", "meaning"]]
+        lines += [f"### backend {backend}, chunk {chunk}, tier {tier}", "", shown.to_markdown(index=False), ""]
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Byte-level KV checks on real pool files: which comparison a damaged chunk shows up in."""
+
+import re
+
+import pandas as pd
+import pytest
+
+from kvpool import kvbytes
+
+KEYS = {"doc0": "model@1@0@aa@bfloat16", "doc1": "model@1@0@bb@bfloat16",
+        "followup0": "model@1@0@cc@bfloat16", "followup1": "model@1@0@dd@bfloat16"}
+
+
+def write(directory, name, content):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / KEYS[name]).write_bytes(content)
+
+
+def kv(name):
+    return name.encode() * 1000
+
+
+def run_cell(tmp_path, arm, damaged=()):
+    """Lay out a cell's pool the way the pipeline fills it; ``damaged`` names chunks stored wrong."""
+    content = {name: kv(name) + (b"!" if name in damaged else b"") for name in KEYS}
+    dirs = ([tmp_path / arm / "shared"] * 2 if arm == "shared"
+            else [tmp_path / arm / "replica-0", tmp_path / arm / "replica-1"])
+    write(dirs[0], "doc0", content["doc0"])  # populate: replica 0 prefills doc 0, replica 1 doc 1
+    write(dirs[1], "doc1", content["doc1"])
+    before = kvbytes.stored_files(dirs)
+    # reuse: replica 1 serves doc 0, replica 0 serves doc 1
+    if arm == "isolated":  # no hit: the serving replica recomputes the document and stores it
+        write(dirs[1], "doc0", content["doc0"])
+        write(dirs[0], "doc1", content["doc1"])
+    write(dirs[1], "followup0", content["followup0"])
+    write(dirs[0], "followup1", content["followup1"])
+    return kvbytes.pool_digests(dirs, before)
+
+
+def comparisons(tmp_path, shared_damage=(), isolated_damage=()):
+    shared = run_cell(tmp_path, "shared", shared_damage)
+    isolated = run_cell(tmp_path, "isolated", isolated_damage)
+    return kvbytes.compare_arms(shared, isolated).set_index("comparison")
+
+
+def test_digests_record_every_copy_and_when_it_was_stored(tmp_path):
+    shared = run_cell(tmp_path, "shared")
+    assert sorted(shared["key"]) == sorted(KEYS.values())
+    assert shared.set_index("key")["stored_in"].to_dict() == {
+        KEYS["doc0"]: "populate", KEYS["doc1"]: "populate", KEYS["followup0"]: "reuse", KEYS["followup1"]: "reuse"}
+    isolated = run_cell(tmp_path, "isolated")
+    assert len(isolated) == 6 and set(isolated["copy"]) == {"replica-0", "replica-1"}
+    assert dict(zip(shared["key"], shared["bytes"])) == {KEYS[name]: len(kv(name)) for name in KEYS}
+
+
+def test_identical_kv_agrees_everywhere(tmp_path):
+    table = comparisons(tmp_path)
+    assert table[["keys", "equal", "differ"]].to_dict("index") == {
+        "store_across_arms": {"keys": 2, "equal": 2, "differ": 0},
+        "recompute_against_store": {"keys": 2, "equal": 2, "differ": 0},
+        "after_load_against_cold": {"keys": 2, "equal": 2, "differ": 0},
+    }
+
+
+def test_kv_damaged_by_the_load_shows_only_in_the_followup_chunks(tmp_path):
+    # the document chunks were stored right, but what the serving replica computed on the loaded KV is off
+    table = comparisons(tmp_path, shared_damage=("followup0", "followup1"))
+    assert table.loc["store_across_arms", "differ"] == 0
+    assert table.loc["after_load_against_cold", "differ"] == 2
+    assert table.loc["after_load_against_cold", "example_key"] in (KEYS["followup0"], KEYS["followup1"])
+
+
+def test_a_store_that_differs_between_runs_shows_in_the_store_comparison(tmp_path):
+    table = comparisons(tmp_path, shared_damage=("doc1",))
+    assert table.loc["store_across_arms", ["differ", "example_key"]].tolist() == [1, KEYS["doc1"]]
+    assert table.loc["after_load_against_cold", "differ"] == 0
+
+
+def test_table_compares_only_settings_with_both_arms(tmp_path):
+    shared = run_cell(tmp_path, "shared")
+    isolated = run_cell(tmp_path, "isolated")
+    table = kvbytes.kv_bytes_table({("lmcache-fs", 256, "disk", "shared"): shared,
+                                    ("lmcache-fs", 256, "disk", "isolated"): isolated,
+                                    ("lmcache-fs", 256, "ram", "shared"): shared})
+    assert set(table["tier"]) == {"disk"} and len(table) == 3
+    markdown = kvbytes.kv_bytes_markdown(table)
+    assert "tier disk" in markdown and "| after_load_against_cold | 2 | 2 | 0 |" in re.sub(" +", " ", markdown)
+    assert "nothing to compare" in kvbytes.kv_bytes_markdown(kvbytes.kv_bytes_table(
+        {("lmcache-fs", 256, "ram", "shared"): shared}))
+
+
+@pytest.mark.parametrize("arm", ["shared", "isolated"])
+def test_digests_survive_a_csv_round_trip(tmp_path, arm):
+    digests = run_cell(tmp_path, arm)
+    digests.to_csv(tmp_path / "d.csv", index=False)
+    back = kvbytes.read_digests(tmp_path / "d.csv")
+    pd.testing.assert_frame_equal(back, digests)
