@@ -57,12 +57,14 @@ def test_problems_name_the_key_at_fault(config, tmp_path):
 def test_pool_size_follows_the_model_and_dtype(config):
     from kvpool.config import pool_bytes_per_cell
 
-    # 8 documents x 6000 tokens x (2 x 4 layers x 1 KV head x 128 x 4 bytes of float32)
-    assert pool_bytes_per_cell(config) == 8 * 6000 * 4096
+    # 8 documents x (6000 + 200 follow-up tokens) x (2 x 4 layers x 1 KV head x 128 x 4 bytes of float32)
+    assert pool_bytes_per_cell(config, "shared") == 8 * 6200 * 4096
+    # the isolated serving replica stores the whole prompt again in its own pool
+    assert pool_bytes_per_cell(config, "isolated") == 8 * 12200 * 4096
     config["engine"]["dtype"] = "bfloat16"
-    assert pool_bytes_per_cell(config) == 8 * 6000 * 2048
+    assert pool_bytes_per_cell(config, "shared") == 8 * 6200 * 2048
     config["engine"]["model"] = "/models/real"
-    assert pool_bytes_per_cell(config) is None
+    assert pool_bytes_per_cell(config, "isolated") is None
 
 
 def test_a_tier_too_small_for_its_pools_is_named(config, tmp_path, monkeypatch):
@@ -70,14 +72,17 @@ def test_a_tier_too_small_for_its_pools_is_named(config, tmp_path, monkeypatch):
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 300_000_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 450_000_000))
     config["tiers"] = {"disk": str(tmp_path / "pools")}
     config["drive_ceiling_bytes"] = 1 << 20
     found = "\n".join(problems(config, tmp_path))
-    # two cells (shared, isolated) of 197 MB each do not fit in 300 MB; one at a time does
-    assert "tiers.disk" in found and "needs 0.39 GB" in found and "keep_pools: false" in found
+    # the shared (203 MB) and isolated (400 MB) pools do not fit in 450 MB together; one at a time they do
+    assert "tiers.disk" in found and "needs 0.60 GB" in found and "keep_pools: false" in found
     config["keep_pools"] = False
     assert problems(config, tmp_path) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 300_000_000))
+    found = "\n".join(problems(config, tmp_path))  # the isolated pool alone does not
+    assert "needs 0.40 GB" in found and "the largest pool" in found
 
 
 def test_pools_already_in_the_tier_count_as_available(config, tmp_path, monkeypatch):
@@ -92,7 +97,7 @@ def test_pools_already_in_the_tier_count_as_available(config, tmp_path, monkeypa
     old = tmp_path / "pools" / "kvpool-pools" / "some-cell"
     old.mkdir(parents=True)
     with open(old / "chunk", "wb") as chunk:  # sparse: its size is what counts
-        chunk.truncate(300_000_000)
+        chunk.truncate(600_000_000)
     assert problems(config, tmp_path) == []
 
 

@@ -54,28 +54,35 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
     return found
 
 
-def pool_bytes_per_cell(config: dict) -> int | None:
-    """The KV bytes one cell's pool holds when every document is stored; None for a model whose KV
-    size this workflow does not know (a real model: its config decides)."""
+def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
+    """The KV bytes one cell's pool holds after its reuse phase; None for a model whose KV size this
+    workflow does not know (a real model: its config decides).
+
+    Populate stores every document once. In reuse the serving replica stores what it computed:
+    the follow-up's new tokens in the shared arm, and in the isolated arm the whole prompt again
+    (its own pool never held the document), so an isolated pool ends up about twice the size.
+    """
     if config["engine"]["model"] is not None:
         return None
     workload = config["workload"]
-    return workload["documents"] * workload["doc_tokens"] * kv_bytes_per_token(config["random_model"],
-                                                                                config["engine"]["dtype"])
+    stored = workload["doc_tokens"] * (2 if arm == "isolated" else 1) + workload["followup_tokens"]
+    return workload["documents"] * stored * kv_bytes_per_token(config["random_model"], config["engine"]["dtype"])
 
 
 def _space_problems(config: dict, tier: str, root: Path, existing: Path) -> list[str]:
-    per_cell = pool_bytes_per_cell(config)
-    if per_cell is None:
+    sizes = [pool_bytes_per_cell(config, cell.arm) for cell in cells(config) if cell.tier == tier]
+    if not sizes or None in sizes:
         return []
-    held = sum(cell.tier == tier for cell in cells(config)) if config["keep_pools"] else 1
-    needed = per_cell * held + config["drive_ceiling_bytes"]
+    # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest
+    pools = sum(sizes) if config["keep_pools"] else max(sizes)
+    needed = pools + config["drive_ceiling_bytes"]
     # Pools already in the tier are replaced cell by cell, so their space counts as available.
     available = shutil.disk_usage(existing).free + _tree_bytes(root / "kvpool-pools")
     if needed <= available:
         return []
+    held = f"{len(sizes)} pools" if config["keep_pools"] else "the largest pool"
     return [f"tiers.{tier}: {root} has {available / 1e9:.2f} GB available but needs {needed / 1e9:.2f} GB "
-            f"({held} pool(s) of {per_cell / 1e9:.2f} GB plus the {config['drive_ceiling_bytes'] / 1e9:.2f} GB "
+            f"({held}, {pools / 1e9:.2f} GB, plus the {config['drive_ceiling_bytes'] / 1e9:.2f} GB "
             f"ceiling file); free space, lower workload.documents"
             f"{'' if not config['keep_pools'] else ', or set keep_pools: false'}"]
 
