@@ -84,7 +84,7 @@ def main() -> None:
     steps.run_validity_table([folder[c] / "validity.json" for c in finished], results / "validity.csv")
     digested = [c for c in finished if (folder[c] / "pool-digests.csv").exists()]
     if digested:
-        steps.run_kv_bytes(digested, [folder[c] / "pool-digests.csv" for c in digested],
+        steps.run_kv_bytes(config, digested, [folder[c] / "pool-digests.csv" for c in digested],
                            results / "kv_bytes.csv", results / "kv_bytes.md")
     steps.build_report(config, finished, str(root), results / "report.html", results / "report" / "figures",
                        results / "report" / "tables")

@@ -101,9 +101,10 @@ def test_kv_bytes_agree_between_the_arms(run):
     assert table["keys"].to_dict() == {"store_across_arms": 34, "recompute_against_store": 32,
                                        "after_load_against_cold": 4}
     assert (table["differ"] == 0).all() and (table["equal"] == table["keys"]).all()
+    assert table["bit_exact_expected"].all()  # 2048-token documents are whole chunks
     digests = pd.read_csv(run / CELL.format(backend="lmcache-fs", arm="shared") / "pool-digests.csv")
     assert (digests["stored_in"] == "reuse").sum() == 4 and (digests["bytes"] > 0).all()
-    assert "| after_load_against_cold | 4 | 4 | 0 |" in re.sub(" +", " ", (run / "results" / "kv_bytes.md").read_text())
+    assert "| after_load_against_cold | 4 | 4 | 0 | True |" in re.sub(" +", " ", (run / "results" / "kv_bytes.md").read_text())
 
 
 def test_cells_record_provenance_and_plan(run):

@@ -2,4 +2,5 @@ from kvpool import logs, steps
 from kvpool.cells import cells
 
 logs.to_log(snakemake.log[0])
-steps.run_kv_bytes(cells(snakemake.config), list(snakemake.input), snakemake.output.csv, snakemake.output.md)
+steps.run_kv_bytes(snakemake.config, cells(snakemake.config), list(snakemake.input), snakemake.output.csv,
+                   snakemake.output.md)
