@@ -21,6 +21,7 @@ from snakemake.utils import validate
 
 from kvpool import steps
 from kvpool.cells import cells
+from kvpool.plan import plan_gpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def fleet_gpus_only(cell_dir: Path, phase: str, scratch: Path) -> dict:
     if "gpus" in meta["telemetry"] or meta["telemetry"].get("gpu_energy_j") is None:
         return {"meta": meta_path, "power": power_path}
     plan = yaml.safe_load((cell_dir / "plan.yaml").read_text())
-    gpus = sorted({r["gpu"] for r in plan["replicas"]})
+    gpus = plan_gpus(plan)
     meta["telemetry"]["gpus"] = gpus
     meta["telemetry"]["gpu_energy_j"] = [meta["telemetry"]["gpu_energy_j"][i] for i in gpus]
     power = pd.read_csv(power_path)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvpool.pool import pool_files
+
 DIGEST_COLUMNS = ["copy", "key", "bytes", "blake2b", "stored_in"]
 COMPARISONS = {
     "store_across_arms": "document chunks as the prefilling replica stored them: shared arm against isolated arm",
@@ -48,8 +50,7 @@ def pool_digests(dirs: list[Path], stored_before_reuse: set[str]) -> pd.DataFram
     """One row per file in the pool directories: which copy (directory), key, size, digest, and
     whether it was already there when reuse began. Files are hashed on several threads (hashlib
     releases the GIL), so a 26 GB pool takes seconds from RAM."""
-    files = [(Path(d), p) for d in dict.fromkeys(map(Path, dirs)) if Path(d).is_dir()
-             for p in sorted(Path(d).rglob("*")) if p.is_file()]
+    files = [(directory, path) for directory in dict.fromkeys(map(Path, dirs)) for path in pool_files([directory])]
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda item: file_digest(item[1]), files))
     rows = [{"copy": d.name, "key": str(p.relative_to(d)), "bytes": p.stat().st_size, "blake2b": digest,
@@ -60,7 +61,7 @@ def pool_digests(dirs: list[Path], stored_before_reuse: set[str]) -> pd.DataFram
 
 def stored_files(dirs: list[Path]) -> set[str]:
     """The pool's file paths now (no reads): what populate stored, taken right before reuse."""
-    return {str(p) for d in dict.fromkeys(map(Path, dirs)) if Path(d).is_dir() for p in Path(d).rglob("*")}
+    return {str(path) for path in pool_files(dirs)}
 
 
 def _agreement(left: pd.DataFrame, right: pd.DataFrame) -> dict:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from kvpool import metrics
 from kvpool.client import RequestResult, complete
 from kvpool.fleet import Replica, running_fleet
+from kvpool.plan import plan_gpus
 from kvpool.pool import drop_from_page_cache
 from kvpool.routing import followup_route, populate_route
 from kvpool.telemetry import Sampler
@@ -85,7 +86,7 @@ async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], 
 
 
 def _sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
-    gpus = sorted({r["gpu"] for r in plan["replicas"] if r["gpu"] is not None})
+    gpus = plan_gpus(plan)
     return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"], pids=lambda: {r.index: r.proc.pid for r in replicas},
                    gpus=gpus or None)
 

@@ -137,6 +137,11 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
             "replicas": entries}
 
 
+def plan_gpus(plan: dict) -> list[int]:
+    """The GPUs a fleet plan's replicas run on (none for CPU replicas)."""
+    return sorted({r["gpu"] for r in plan["replicas"] if r["gpu"] is not None})
+
+
 def reference_plan(config: dict, model: str, port: int, port_source: str, available_cores: list[int] | None = None) -> dict:
     """One plain replica (no connector): the recompute each cell's outputs must equal. Prefix caching
     is on so it can replay a pool hit from its own cache; its cold path salts requests instead."""
