@@ -4,7 +4,10 @@ A device lease can end before every cell of a config is measured. This applies t
 pure steps (telemetry summaries, validity, Table 1, the report) to the finished cells of a results
 tree brought back from that machine, leaving the tree's measured files as they are.
 
-    python bench/summarize_partial.py WORKDIR CONFIG [--tiers ram ...]
+    python bench/summarize_partial.py WORKDIR [--tiers ram ...]
+
+The config is the one the run resolved and recorded in its cells' manifests, not a config file
+that may have changed since.
 """
 
 from __future__ import annotations
@@ -51,13 +54,22 @@ def fleet_gpus_only(cell_dir: Path, phase: str, scratch: Path) -> dict:
     return {"meta": scratch / f"{phase}.json", "power": scratch / f"{phase}-power.csv"}
 
 
+def run_config(workdir: Path) -> dict:
+    """The resolved config every cell of the run recorded in its ``manifest.json``."""
+    recorded = {json.dumps(json.loads(path.read_text())["config"]): path
+                for path in sorted((workdir / "results" / "cells").rglob("manifest.json"))}
+    if len(recorded) != 1:
+        raise SystemExit(f"expected one config across the cells' manifests under {workdir}, found {len(recorded)}: "
+                         + ", ".join(str(path) for path in recorded.values()))
+    return json.loads(next(iter(recorded)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", type=Path, help="the run's working directory (holds results/)")
-    parser.add_argument("config", type=Path, help="the config the run used")
     parser.add_argument("--tiers", nargs="+", help="only these tiers (the ones that were measured)")
     args = parser.parse_args()
-    config = yaml.safe_load(args.config.read_text())
+    config = run_config(args.workdir)
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
     if args.tiers:
         config = copy.deepcopy(config)
