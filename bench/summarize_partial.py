@@ -6,6 +6,9 @@ tree brought back from that machine, leaving the tree's measured files as they a
 
     python bench/summarize_partial.py WORKDIR [--tiers ram ...]
 
+It writes results/table1.*, validity.csv, kv_bytes.* (cells with pool digests), tier_compare.*
+(shared cells whose tier has a measured ceiling) and the report.
+
 The config is the one the run resolved and recorded in its cells' manifests, not a config file
 that may have changed since.
 """
@@ -99,6 +102,13 @@ def main() -> None:
     if digested:
         steps.run_kv_bytes(config, digested, [folder[c] / "pool-digests.csv" for c in digested],
                            results / "kv_bytes.csv", results / "kv_bytes.md")
+    ceiling = {tier: results / "tiers" / tier / "ceiling.json" for tier in config["tiers"]}
+    compared = [c for c in finished if c.arm == "shared" and ceiling[c.tier].exists()]
+    if compared:
+        steps.run_tier_compare(config, compared, [folder[c] / "telemetry" / "summary.json" for c in compared],
+                               [folder[c] / "reuse.csv" for c in compared],
+                               sorted({str(ceiling[c.tier]) for c in compared}),
+                               results / "tier_compare.csv", results / "tier_compare.md")
     steps.build_report(config, finished, str(root), results / "report.html", results / "report" / "figures",
                        results / "report" / "tables")
     print(f"{len(finished)} cell(s): {results / 'table1.md'}, {results / 'validity.csv'}, {results / 'report.html'}")

@@ -163,6 +163,21 @@ def test_report_page_and_snakemake_report(run):
     assert archive.stat().st_size > 10_000
 
 
+def test_summarize_partial_reproduces_the_pipelines_tables(run, tmp_path):
+    # The device runs' tables come from bench/summarize_partial.py on a brought-back tree; on a
+    # finished run it must give what the pipeline gave.
+    (tmp_path / "results").mkdir()
+    for part in ("cells", "reference", "tiers"):
+        subprocess.run(["cp", "-r", str(run / "results" / part), str(tmp_path / "results")], check=True)
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "summarize_partial.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for table in ("table1.csv", "validity.csv", "kv_bytes.csv", "tier_compare.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "results" / table), pd.read_csv(run / "results" / table),
+                                      obj=table)
+    assert (tmp_path / "results" / "report.html").stat().st_size > 10_000
+
+
 # Last: it re-runs `all` in the same folder with another matrix, which rewrites the shared tables.
 def test_local_disk_shared_arm_is_marked_invalid(run):
     # Same folder: the model, prompts and reference of the first run are reused.
