@@ -36,8 +36,9 @@ def test_tier_compare_target_builds_only_what_it_needs(tmp_path):
         assert not re.search(rf"^{rule}\s+\d+$", out, re.M), rule
 
 
-@pytest.mark.parametrize("name, replicas, gpus", [("h200.yaml", 2, {0}), ("h200x4.yaml", 4, {0, 1, 2, 3})])
-def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gpus):
+@pytest.mark.parametrize("name, replicas, gpus, packed", [("h200.yaml", 2, {0}, True), ("h200x2.yaml", 2, {0, 1}, False),
+                                                          ("h200x4.yaml", 4, {0, 1, 2, 3}, False)])
+def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gpus, packed):
     """The H200 configs dry-run here; their launch plans put replicas where the config says."""
     import yaml
     from snakemake.utils import validate
@@ -65,5 +66,5 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
     assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
     assert all(r["argv"][:2] == ["vllm", "serve"] and "--enforce-eager" in r["argv"] for r in plan["replicas"])
     shares = {r["argv"][r["argv"].index("--gpu-memory-utilization") + 1] for r in plan["replicas"]}
-    assert shares == ({"0.4200"} if replicas == 2 else {"0.9000"})
-    assert all(r["sequential_start"] == (replicas == 2) for r in plan["replicas"])
+    assert shares == ({"0.4200"} if packed else {"0.9000"})
+    assert all(r["sequential_start"] == packed for r in plan["replicas"])
