@@ -104,7 +104,9 @@ def test_kv_bytes_agree_between_the_arms(run):
     assert table["bit_exact_expected"].all()  # 2048-token documents are whole chunks
     digests = pd.read_csv(run / CELL.format(backend="lmcache-fs", arm="shared") / "pool-digests.csv")
     assert (digests["stored_in"] == "reuse").sum() == 4 and (digests["bytes"] > 0).all()
-    assert "| after_load_against_cold | 4 | 4 | 0 | True |" in re.sub(" +", " ", (run / "results" / "kv_bytes.md").read_text())
+    markdown = (run / "results" / "kv_bytes.md").read_text()
+    assert "| after_load_against_cold | 4 | 4 | 0 | True |" in re.sub(" +", " ", markdown)
+    assert "**Finding:** Every chunk that must agree bit for bit does" in markdown
 
 
 def test_cells_record_provenance_and_plan(run):
@@ -154,6 +156,7 @@ def test_tier_compare_has_a_column_per_tier(run):
 def test_report_page_and_snakemake_report(run):
     html = (run / "results" / "report.html").read_text()
     assert "Table 1" in html and "Figure 4." in html and html.count("<img src=\"data:image/png;base64,") >= 8
+    assert "<b>Finding, lmcache-fs chunk 256 disk:</b> Every chunk that must agree bit for bit does" in html
     assert (run / "results" / "report" / "figures" / "fig1_ttft_p50.svg").exists()
     archive = run / "report.zip"
     result = subprocess.run([sys.executable, "-m", "snakemake", "--report", str(archive), "-s", str(REPO / "Snakefile"),

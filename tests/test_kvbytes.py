@@ -20,13 +20,15 @@ def kv(name):
     return name.encode() * 1000
 
 
-def run_cell(tmp_path, arm, damaged=()):
-    """Lay out a cell's pool the way the pipeline fills it; ``damaged`` names chunks stored wrong."""
+def run_cell(tmp_path, arm, damaged=(), store_damaged=()):
+    """Lay out a cell's pool the way the pipeline fills it; ``damaged`` names chunks computed or
+    stored wrong, ``store_damaged`` document chunks whose populate store alone copied wrong bytes."""
     content = {name: kv(name) + (b"!" if name in damaged else b"") for name in KEYS}
+    stored = {name: content[name] + (b"?" if name in store_damaged else b"") for name in KEYS}
     dirs = ([tmp_path / arm / "shared"] * 2 if arm == "shared"
             else [tmp_path / arm / "replica-0", tmp_path / arm / "replica-1"])
-    write(dirs[0], "doc0", content["doc0"])  # populate: replica 0 prefills doc 0, replica 1 doc 1
-    write(dirs[1], "doc1", content["doc1"])
+    write(dirs[0], "doc0", stored["doc0"])  # populate: replica 0 prefills doc 0, replica 1 doc 1
+    write(dirs[1], "doc1", stored["doc1"])
     before = kvbytes.stored_files(dirs)
     # reuse: replica 1 serves doc 0, replica 0 serves doc 1
     if arm == "isolated":  # no hit: the serving replica recomputes the document and stores it
@@ -37,9 +39,9 @@ def run_cell(tmp_path, arm, damaged=()):
     return kvbytes.pool_digests(dirs, before)
 
 
-def comparisons(tmp_path, shared_damage=(), isolated_damage=()):
-    shared = run_cell(tmp_path, "shared", shared_damage)
-    isolated = run_cell(tmp_path, "isolated", isolated_damage)
+def comparisons(tmp_path, shared_damage=(), isolated_damage=(), store_damage=()):
+    shared = run_cell(tmp_path, "shared", shared_damage, store_damage)
+    isolated = run_cell(tmp_path, "isolated", isolated_damage, store_damage)
     return kvbytes.compare_arms(shared, isolated, document_whole_chunks=True).set_index("comparison")
 
 
@@ -109,3 +111,34 @@ def test_digests_survive_a_csv_round_trip(tmp_path, arm):
     digests.to_csv(tmp_path / "d.csv", index=False)
     back = kvbytes.read_digests(tmp_path / "d.csv")
     pd.testing.assert_frame_equal(back, digests)
+
+
+def test_finding_places_a_store_that_copies_the_wrong_bytes_on_the_store_side(tmp_path):
+    # what the H200 showed: stores reproduce across arms, never equal a recompute; the shared
+    # arm's follow-ups, computed on those bytes, differ too
+    table = comparisons(tmp_path, shared_damage=("followup0", "followup1"), store_damage=("doc0", "doc1"))
+    assert table.loc["store_across_arms", "differ"] == 0
+    assert table.loc["recompute_against_store", "differ"] == 2
+    finding = kvbytes.finding(table.reset_index())
+    assert finding.startswith("Store side: 2 of 2 stored document chunks differ") and "reproduce across arms" in finding
+
+
+def test_finding_places_damage_after_a_faithful_store_on_the_load_side(tmp_path):
+    table = comparisons(tmp_path, shared_damage=("followup0", "followup1"))
+    assert kvbytes.finding(table.reset_index()).startswith("Load side: the document chunks agree, yet 2 of 2")
+
+
+def test_finding_names_stores_that_do_not_reproduce(tmp_path):
+    table = comparisons(tmp_path, shared_damage=("doc1",))
+    assert kvbytes.finding(table.reset_index()).startswith("The stores are not reproducible (1 of 2")
+
+
+def test_finding_of_agreeing_bytes_and_of_nothing_to_compare(tmp_path):
+    finding = kvbytes.finding(comparisons(tmp_path).reset_index())
+    assert finding.startswith("Every chunk that must agree bit for bit does") and "store_across_arms 2 of 2" in finding
+    table = comparisons(tmp_path).reset_index().assign(bit_exact_expected=False)
+    assert kvbytes.finding(table).startswith("Nothing to compare bit for bit")
+    markdown = kvbytes.kv_bytes_markdown(kvbytes.kv_bytes_table(
+        {("lmcache-fs", 256, "disk", "shared"): run_cell(tmp_path / "a", "shared", ("followup0",)),
+         ("lmcache-fs", 256, "disk", "isolated"): run_cell(tmp_path / "a", "isolated")}, doc_tokens=2048))
+    assert "**Finding:** Load side: the document chunks agree, yet 1 of 2" in markdown

@@ -124,11 +124,53 @@ def unexpected(table: pd.DataFrame) -> pd.DataFrame:
     return table[(table["differ"] > 0) & table["bit_exact_expected"].astype(bool)]
 
 
+def finding(group: pd.DataFrame) -> str:
+    """What one (backend, chunk, tier)'s three comparisons say together, in a sentence or two.
+
+    Only comparisons expected to agree bit for bit take part. The document chunks are the same
+    computation in the stores of both arms and in the isolated arm's recompute, so: stores that
+    reproduce but differ from the recompute mean the store did not copy what was computed (a
+    faulty load may hide behind that); stores and recompute that agree while the follow-up chunk
+    on loaded KV differs mean the load.
+    """
+    rows = group.set_index("comparison")
+    exact = rows[rows["bit_exact_expected"].astype(bool) & (rows["keys"] > 0)]
+    if exact.empty:
+        return "Nothing to compare bit for bit: no comparison of this setting holds chunks that must agree."
+    differ = exact[exact["differ"] > 0]
+    if differ.empty:
+        return ("Every chunk that must agree bit for bit does (" + ", ".join(
+            f"{name} {row['equal']} of {row['keys']}" for name, row in exact.iterrows()) + "): the pool's bytes show no damage.")
+
+    def count(name: str) -> str:
+        row = rows.loc[name]
+        return f"{row['differ']} of {row['keys']}"
+
+    store_ok = "store_across_arms" not in differ.index
+    recompute_bad = "recompute_against_store" in differ.index
+    if recompute_bad and rows.loc["store_across_arms", "differ"] * 2 < rows.loc["store_across_arms", "keys"]:
+        reproduced = "reproduce across arms" if store_ok else \
+            f"mostly reproduce across arms ({count('store_across_arms')} differ)"
+        return (f"Store side: {count('recompute_against_store')} stored document chunks differ from the same tokens "
+                f"computed again, while the stores themselves {reproduced}. The store did not copy what was "
+                "computed; whether the load is faulty too cannot be told while the stored copies are damaged.")
+    if recompute_bad:
+        return (f"Not reproducible: the stores differ across arms ({count('store_across_arms')}) and from a "
+                f"recompute ({count('recompute_against_store')}); on this stack the bytes cannot place damage.")
+    if not store_ok:
+        return (f"The stores are not reproducible ({count('store_across_arms')} document chunks differ across "
+                "arms) though a recompute matches the stored copy.")
+    return (f"Load side: the document chunks agree, yet {count('after_load_against_cold')} follow-up chunks "
+            "computed on KV loaded from the pool differ from a cold computation: the KV attended over after a "
+            "load was not the KV that was stored.")
+
+
 def kv_bytes_markdown(table: pd.DataFrame) -> str:
     lines = ["# KV bytes: the same chunk in the shared and the isolated pools", ""]
     if table.empty:
         return "\n".join(lines + ["No (backend, chunk, tier) ran both arms: nothing to compare.", ""])
     for (backend, chunk, tier), group in table.groupby(["backend", "chunk", "tier"], sort=False):
         shown = group[["comparison", "keys", "equal", "differ", "bit_exact_expected", "meaning"]]
-        lines += [f"### backend {backend}, chunk {chunk}, tier {tier}", "", shown.to_markdown(index=False), ""]
+        lines += [f"### backend {backend}, chunk {chunk}, tier {tier}", "", shown.to_markdown(index=False), "",
+                  f"**Finding:** {finding(group)}", ""]
     return "\n".join(lines)
