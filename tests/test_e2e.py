@@ -181,6 +181,23 @@ def test_summarize_partial_reproduces_the_pipelines_tables(run, tmp_path):
     assert (tmp_path / "results" / "report.html").stat().st_size > 10_000
 
 
+def test_store_check_reloads_a_replicas_own_kv_exactly_on_cpu(run, tmp_path):
+    # bench/store_check.py: the check that showed the GPU stack's store damage without a second replica
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "store_check.py"), str(run), "--configfile",
+                             str(CONFIGS / "e2e.yaml"), "--documents", "1", "--variant", "default={}",
+                             "--pool-root", str(tmp_path / "pools")], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    row = pd.read_csv(run / "results" / "store-check.csv").iloc[0]
+    assert row["variant"] == "default" and row["pool_files"] == 9  # (2,048 + 256) / 256 chunks stored cold
+    assert row["cold_external_hit_tokens"] == 0
+    assert row["reload_external_hit_tokens"] == 2048 + 256 - 1  # all but the token vLLM must compute
+    assert row["matches"] and row["reload_output"] == row["cold_output"]
+    assert "default: reload matches cold on 1 of 1" in result.stdout
+    assert not (tmp_path / "pools" / "default").exists()
+    model = str(run / "resources" / "model")  # in every replica's argv
+    assert not [proc.pid for proc in psutil.process_iter(["cmdline"]) if model in (proc.info["cmdline"] or [])]
+
+
 # Last: it re-runs `all` in the same folder with another matrix, which rewrites the shared tables.
 def test_local_disk_shared_arm_is_marked_invalid(run):
     # Same folder: the model, prompts and reference of the first run are reused.
