@@ -68,3 +68,33 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
     shares = {r["argv"][r["argv"].index("--gpu-memory-utilization") + 1] for r in plan["replicas"]}
     assert shares == ({"0.4200"} if packed else {"0.9000"})
     assert all(r["sequential_start"] == packed for r in plan["replicas"])
+
+
+@pytest.mark.parametrize("name, doc_tokens, gpus, packed", [("h200-128k.yaml", 131072, {0}, True),
+                                                            ("h200x2-256k.yaml", 262144, {0, 1}, False)])
+def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_tokens, gpus, packed):
+    """Study B's 128k and 256k contexts: a host-memory pool, both arms, prompts that fit the engine."""
+    import yaml
+    from snakemake.utils import validate
+
+    from kvpool.cells import Cell
+    from kvpool.config import pool_bytes_per_cell, problems
+    from kvpool.plan import fleet_plan
+
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+         "--configfile", str(REPO / "config" / name)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^populate\s+2$", result.stdout, re.M)  # 2 arms x the ram tier
+    config = yaml.safe_load((REPO / "config" / name).read_text())
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    assert config["workload"]["doc_tokens"] == doc_tokens and list(config["tiers"]) == ["ram"]
+    assert problems(config, tmp_path, check_paths=False) == []
+    # the gate's pool floor is 90% of the documents' KV (64 KiB per token)
+    kv = config["workload"]["documents"] * doc_tokens * 65536
+    assert 0.89 * kv < config["min_pool_bytes"] < 0.91 * kv
+    assert pool_bytes_per_cell(config, "isolated") > pool_bytes_per_cell(config, "shared")
+    plan = fleet_plan(config, Cell("lmcache-fs", "shared", 256, "ram"), "resources/model", tmp_path, [18100, 18101],
+                      "auto")
+    assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
+    assert all(r["sequential_start"] == packed for r in plan["replicas"])
