@@ -40,12 +40,12 @@ from kvpool import metrics
 from kvpool.cells import Cell
 from kvpool.client import complete
 from kvpool.fleet import free_ports, running_fleet
+from kvpool.model import RANDOM_MODEL_DIR
 from kvpool.plan import fleet_plan
 from kvpool.pool import pool_files
 from kvpool.prompts import read_workload
 
 REPO = Path(__file__).resolve().parents[1]
-RANDOM_MODEL_DIR = "resources/model"
 
 
 def variant(text: str) -> tuple[str, dict]:

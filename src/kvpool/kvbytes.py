@@ -165,12 +165,18 @@ def finding(group: pd.DataFrame) -> str:
             "load was not the KV that was stored.")
 
 
+def findings(table: pd.DataFrame) -> list[tuple[tuple[str, int, str], pd.DataFrame, str]]:
+    """Each (backend, chunk, tier) of a ``kv_bytes_table``, in table order: its rows and its finding."""
+    return [(setting, group, finding(group))
+            for setting, group in table.groupby(["backend", "chunk", "tier"], sort=False)]
+
+
 def kv_bytes_markdown(table: pd.DataFrame) -> str:
     lines = ["# KV bytes: the same chunk in the shared and the isolated pools", ""]
     if table.empty:
         return "\n".join(lines + ["No (backend, chunk, tier) ran both arms: nothing to compare.", ""])
-    for (backend, chunk, tier), group in table.groupby(["backend", "chunk", "tier"], sort=False):
+    for (backend, chunk, tier), group, found in findings(table):
         shown = group[["comparison", "keys", "equal", "differ", "bit_exact_expected", "meaning"]]
         lines += [f"### backend {backend}, chunk {chunk}, tier {tier}", "", shown.to_markdown(index=False), "",
-                  f"**Finding:** {finding(group)}", ""]
+                  f"**Finding:** {found}", ""]
     return "\n".join(lines)

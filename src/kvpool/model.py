@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+# Where the workflow builds the model when engine.model is null, under its working directory.
+RANDOM_MODEL_DIR = "resources/model"
 
 
 def word(token_index: int) -> str:

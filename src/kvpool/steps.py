@@ -179,8 +179,8 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
         for row in rows.itertuples():
             report("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s)%s", row.backend, row.chunk,
                    row.tier, row.comparison, row.differ, row.keys, row.example_key, why)
-    for (backend, chunk, tier), group in table.groupby(["backend", "chunk", "tier"], sort=False):
-        log.info("KV bytes, %s/chunk %s/%s: %s", backend, chunk, tier, kvbytes.finding(group))
+    for (backend, chunk, tier), _, found in kvbytes.findings(table):
+        log.info("KV bytes, %s/chunk %s/%s: %s", backend, chunk, tier, found)
 
 
 def run_validity_table(validity_jsons: list[str], out: str) -> None:
@@ -331,8 +331,8 @@ def _kv_bytes_html(path: Path) -> str:
     if not path.exists():
         return "<p>Not computed for this run (no pool digests).</p>"
     table = pd.read_csv(path, keep_default_na=False)
-    findings = "".join(f"<p><b>Finding, {backend} chunk {chunk} {tier}:</b> {html.escape(kvbytes.finding(group))}</p>"
-                       for (backend, chunk, tier), group in table.groupby(["backend", "chunk", "tier"], sort=False))
+    findings = "".join(f"<p><b>Finding, {backend} chunk {chunk} {tier}:</b> {html.escape(found)}</p>"
+                       for (backend, chunk, tier), _, found in kvbytes.findings(table))
     return _html(table.drop(columns=["meaning"])) + findings + "<ul>" + "".join(
         f"<li><b>{name}</b>: {meaning}</li>" for name, meaning in kvbytes.COMPARISONS.items()) + "</ul>"
 

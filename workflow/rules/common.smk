@@ -2,6 +2,7 @@ from pathlib import Path
 
 from kvpool import config as kvpool_config
 from kvpool.cells import CELL_PATTERN, Cell, cells, pool_predecessor
+from kvpool.model import RANDOM_MODEL_DIR
 
 # What the config alone decides is checked while parsing, so a dry run catches it too. Paths and
 # free space belong to the machine that runs the jobs: onstart checks them there, before any job
@@ -18,7 +19,6 @@ onstart:
 
 CELLS = cells(config)
 CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'}.yaml"
-RANDOM_MODEL_DIR = "resources/model"
 
 
 wildcard_constraints:
