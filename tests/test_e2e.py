@@ -210,4 +210,9 @@ def test_local_disk_shared_arm_is_marked_invalid(run):
     assert not record["checks"]["pool_hits"]["ok"] and record["checks"]["pool_hits"]["value"] == 0
     assert not record["checks"]["preflight"]["ok"]
     assert (pd.read_csv(cell / "reuse.csv")["external_hit_tokens"] == 0).all()  # the data is kept
+    # The gate fails last: the tables and the page that explain the failure were rebuilt first.
+    table1 = pd.read_csv(run / "results" / "table1.csv")
+    assert "lmcache-local-disk" in set(table1["backend"])
+    html = (run / "results" / "report.html").read_text()
+    assert "lmcache-local-disk" in html and "INVALID" in html
     assert replicas_running_in(run) == []

@@ -198,7 +198,10 @@ def gate(validity_csv: str, out: str) -> None:
     invalid = table[~table["valid"].astype(bool)]
     if len(invalid):
         lines = "\n".join(f"  {row.cell}: {row.reasons}" for row in invalid.itertuples())
-        raise SystemExit(f"{len(invalid)} of {len(table)} cells failed the validity gate (data kept):\n{lines}")
+        raise SystemExit(
+            f"{len(invalid)} of {len(table)} cells failed the validity gate (data kept; the tables and"
+            f" results/report.html show them):\n{lines}"
+        )
     Path(out).write_text(f"{len(table)} cells valid\n")
 
 
