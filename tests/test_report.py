@@ -76,3 +76,12 @@ def test_tables_carry_bootstrap_intervals(built):
     table2 = pd.read_csv(built / "report" / "tables" / "table2.csv")
     assert {"r_await_p95_ms_ci_low", "ttft_p50_ci_high_s", "reload_efficiency"} <= set(table2.columns)
     assert (built / "report" / "tables" / "table1.md").read_text().startswith("|")
+
+
+def test_bar_labels_sit_on_top_of_the_interval(built):
+    from kvpool.figures import ttft_p50
+
+    table1 = pd.read_csv(built / "report" / "tables" / "table1.csv")
+    data = ttft_p50(table1).data
+    assert (data["label_y"] >= data["ttft_p50_ci_high_s"]).all() and (data["label_y"] >= data["ttft_p50_s"]).all()
+    assert (data["label_y"] > data["ttft_p50_s"]).any()  # the fixture's intervals reach above their bars

@@ -26,9 +26,11 @@ def _label(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _bars(frame: pd.DataFrame, value: str, title: str, ylabel: str, low: str | None = None, high: str | None = None):
     data = _label(frame.assign(value=frame[value]))
+    # The label sits on top of the interval's whisker, not through it.
+    data["label_y"] = data[["value", high]].max(axis=1) if high else data["value"]
     plot = (ggplot(data, aes("arm", "value", fill="arm", alpha="validity"))
             + geom_col(width=0.6)
-            + geom_text(aes(label="bar_label"), va="bottom", size=8, nudge_y=0.0)
+            + geom_text(aes(y="label_y", label="bar_label"), va="bottom", size=8)
             + facet_wrap("~setting")
             + scale_fill_manual(values=ARM_COLOURS)
             + scale_alpha_manual(values=FAINT_INVALID)
