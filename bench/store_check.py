@@ -12,7 +12,9 @@ document's follow-up prompt,
 Equal KV gives equal greedy tokens, so ``reload`` must equal ``cold``. Each ``--variant NAME=JSON``
 starts its own replica, with JSON's LMCache settings over kvpool's (e.g. ``'{"use_layerwise":
 true}'``: LMCache 0.5.3's layerwise GPU connector makes its store stream wait for the compute
-stream, the default connector's does not).
+stream, the default connector's does not). JSON's ``"env"`` object, if any, is added to the
+replica's environment instead: ``'{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}'`` makes every CUDA launch
+wait for the kernel, so no copy can overtake the forward pass that writes the KV.
 
     python bench/store_check.py WORKDIR --configfile config/h200.yaml --documents 2 \\
         --variant default='{}' --variant layerwise='{"use_layerwise": true}'
@@ -53,6 +55,9 @@ def variant(text: str) -> tuple[str, dict]:
     parsed = json.loads(settings or "{}")
     if not name or not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(f"--variant takes NAME=JSON-object, got {text!r}")
+    env = parsed.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise argparse.ArgumentTypeError(f"--variant {name}: \"env\" must map names to strings, got {env!r}")
     return name, parsed
 
 
@@ -63,6 +68,8 @@ def single_replica_plan(config: dict, workdir: Path, name: str, settings: dict, 
     config["engine"]["replicas_per_gpu"] = 1
     config["engine"]["gpus"] = (config["engine"]["gpus"] if config["engine"]["gpus"] == "auto"
                                 else config["engine"]["gpus"][:1])
+    settings = dict(settings)
+    config["engine"]["env"] = {**config["engine"]["env"], **settings.pop("env", {})}
     config["lmcache"] = {**config["lmcache"], **settings}
     config["tiers"] = {"check": str(pool_root / name)}
     cell = Cell(config["backends"][0], "shared", config["chunk_sizes"][0], "check")
