@@ -12,7 +12,7 @@ size, tier). After a cell's reuse phase, its pool holds chunks of two kinds:
 Comparing digests file by file then localizes damage without reading GPU memory: populate chunks
 that differ between arms mean the store is not reproducible; follow-up chunks that differ while
 the document chunks agree mean the KV the serving replica attended over after a load was not the
-KV that was stored (the class of fault Study B found in a CUDA-stream dependency).
+KV that was stored (the class of fault Study B found in LMCache's GPU transfer).
 """
 
 from __future__ import annotations
