@@ -83,6 +83,11 @@ def test_every_cell_passes_the_validity_gate(run):
         assert record["checks"]["output_matches_recompute"]["reference_path"] == \
             {"shared": "after_document", "isolated": "cold"}[arm]
         assert record["checks"]["cold_reads"]["value"] <= 0.01
+    # the preflight's faithful-reload check: replica 1 answered the probe's extension on the KV it
+    # loaded from the pool exactly as replica 0 did on the probe's KV in its own cache
+    preflight = json.loads((run / CELL.format(backend="lmcache-fs", arm="shared") / "populate.json").read_text())
+    preflight = preflight["preflight"]
+    assert preflight["hit_tokens"] == 512 and preflight["outputs_match"] and preflight["pool_output"]
 
 
 def test_reference_computes_both_paths(run):

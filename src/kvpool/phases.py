@@ -30,7 +30,8 @@ RECORD_COLUMNS = ["doc_id", "prefill_replica", "serve_replica", "ttft_s", "e2e_s
 
 
 class PreflightFailed(RuntimeError):
-    """Replicas of a shared pool cannot find each other's chunks (or an isolated arm can)."""
+    """Replicas of a shared pool cannot find each other's chunks or get different KV back (or an
+    isolated arm finds them)."""
 
 
 async def _measured(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
@@ -52,13 +53,37 @@ def _record(doc_id: int, prefill: int | None, serve: int, result: RequestResult,
 
 async def _preflight(session, replicas: list[Replica], probe: list[int], probe_followup: list[int],
                      output_tokens: int, timeout_s: float, expect_shared: bool) -> dict:
-    """Replica 0 stores a probe; replica 1 asks for its extension. Shared pools must hit, isolated must not."""
+    """Replica 0 stores a probe; replica 1 asks for its extension. Shared pools must hit, isolated must not.
+
+    Replica 0 then answers the extension itself, on the probe's KV in its own GPU cache. The probe is
+    whole chunks, so a shared pool that returned the KV replica 0 stored gives replica 1 the same
+    greedy tokens; a pool that returns damaged KV is caught here, before the populate phase is spent.
+    """
     stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
     found, counts = await _measured(session, replicas[1], probe_followup, output_tokens, timeout_s)
+    local = await complete(session, replicas[0].url, probe_followup, output_tokens, timeout_s)
     hits = counts["external_kv_transfer"]
-    ok = not stored.error and not found.error and ((hits > 0) if expect_shared else (hits == 0))
+    errors = [e for e in (stored.error, found.error, local.error) if e]
+    outputs_match = not errors and found.output_text == local.output_text
+    # Only a pool hit puts the pool's KV under test; an isolated arm's replica 1 computes cold.
+    ok = not errors and ((hits > 0 and outputs_match) if expect_shared else hits == 0)
     return {"ok": ok, "expect_shared": expect_shared, "probe_tokens": len(probe), "hit_tokens": hits,
-            "errors": [e for e in (stored.error, found.error) if e]}
+            "outputs_match": outputs_match, "pool_output": found.output_text, "local_output": local.output_text,
+            "errors": errors}
+
+
+def preflight_failure(cell: str, preflight: dict) -> str:
+    """Why a preflight failed, in one line."""
+    if preflight["errors"]:
+        return f"preflight failed for {cell}: a probe request failed: {'; '.join(preflight['errors'])}"
+    if preflight["expect_shared"] and preflight["hit_tokens"] > 0 and not preflight.get("outputs_match", True):
+        return (f"preflight failed for {cell}: replica 1 loaded {preflight['hit_tokens']} tokens of replica 0's "
+                f"probe from the pool but answered {preflight['pool_output']!r}, while replica 0, on the probe's "
+                f"KV in its own GPU cache, answered {preflight['local_output']!r}: the pool returned different KV "
+                "than was stored (e.g. LMCache's in-process connector on vLLM 0.26, LMCache issue #4463)")
+    return (f"preflight failed for {cell}: replica 1 loaded {preflight['hit_tokens']} of the "
+            f"{preflight['probe_tokens']}-token probe replica 0 stored "
+            f"({'expected a hit: the pool is not shared' if preflight['expect_shared'] else 'expected none: the arm is not isolated'})")
 
 
 async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], dict]:
@@ -104,9 +129,7 @@ def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int]
             rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe))
         wall_s = time.time() - started
     if not preflight["ok"]:
-        message = (f"preflight failed for {plan['cell']}: replica 1 loaded {preflight['hit_tokens']} of the "
-                   f"{preflight['probe_tokens']}-token probe replica 0 stored "
-                   f"({'expected a hit: the pool is not shared' if preflight['expect_shared'] else 'expected none: the arm is not isolated'})")
+        message = preflight_failure(plan["cell"], preflight)
         if cfg["preflight_on_failure"] == "abort":
             raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
         log.error(message)

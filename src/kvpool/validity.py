@@ -32,8 +32,9 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                                        {"populate": len(populate), "reuse": len(reuse)}, documents),
         "cross_replica": _check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
         "pool_bytes": _check(pool_bytes >= config["min_pool_bytes"], pool_bytes, config["min_pool_bytes"]),
-        "preflight": _check(preflight["ok"], preflight["hit_tokens"],
-                            "> 0 hit tokens" if preflight["expect_shared"] else "0 hit tokens"),
+        "preflight": _check(preflight["ok"], {"hit_tokens": preflight["hit_tokens"],
+                                              "outputs_match": preflight.get("outputs_match")},
+                            "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
     }
     if drop_before_reuse["memory_backed"]:
         checks["cold_reads"] = _check(True, "memory-backed tier: no device read to force", None)
