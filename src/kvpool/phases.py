@@ -55,9 +55,10 @@ async def _preflight(session, replicas: list[Replica], probe: list[int], probe_f
                      output_tokens: int, timeout_s: float, expect_shared: bool) -> dict:
     """Replica 0 stores a probe; replica 1 asks for its extension. Shared pools must hit, isolated must not.
 
-    Replica 0 then answers the extension itself, on the probe's KV in its own GPU cache. The probe is
-    whole chunks, so a shared pool that returned the KV replica 0 stored gives replica 1 the same
-    greedy tokens; a pool that returns damaged KV is caught here, before the populate phase is spent.
+    Replica 0 then answers the extension itself, on the probe's KV in its own GPU cache. The pool and
+    that cache both cover the probe's two whole chunks, so a shared pool that returned the KV replica 0
+    stored gives replica 1 the same greedy tokens; a pool that returns damaged KV is caught here,
+    before the populate phase is spent.
     """
     stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
     found, counts = await _measured(session, replicas[1], probe_followup, output_tokens, timeout_s)
