@@ -1,20 +1,29 @@
-"""A stand-in replica for fleet tests: serves /health, spawns a child like vLLM's engine core, or dies."""
+"""A stand-in replica or LMCache MP server for fleet tests: serves health (and a server's /metrics),
+spawns a child like vLLM's engine core, or dies."""
 
 import http.server
 import subprocess
 import sys
 
-mode, port = sys.argv[1], int(sys.argv[sys.argv.index("--port") + 1])
+mode = sys.argv[1]
+flag = "--http-port" if "--http-port" in sys.argv else "--port"
+port = int(sys.argv[sys.argv.index(flag) + 1])
 if mode == "die":
     print("fake replica: CUDA out of memory while loading weights", flush=True)
     sys.exit(3)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(f"fake replica child {child.pid}", flush=True)
+METRICS = b"""# TYPE lmcache_mp_l1_write counter
+lmcache_mp_l1_write_total{cache_salt=""} 12.0
+# TYPE lmcache_mp_l1_memory_usage_bytes gauge
+lmcache_mp_l1_memory_usage_bytes{backend="dram",l1_tag="_default"} 4096.0
+"""
 
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = {"/health": b"", "/v1/models": b'{"data": [{"id": "kvpool-model"}]}'}.get(self.path)
+        body = {"/health": b"", "/v1/models": b'{"data": [{"id": "kvpool-model"}]}',
+                "/healthcheck": b'{"status": "healthy"}', "/metrics": METRICS}.get(self.path)
         self.send_response(404 if body is None else 200)
         self.end_headers()
         self.wfile.write(body or b"")

@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+from kvpool import mp
 from kvpool.cells import cells, tier_root
 from kvpool.model import kv_bytes_per_token
 
@@ -51,7 +52,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             found.append(f"with chunk size {chunk} at most {loadable} of {workload['doc_tokens']} document tokens "
                          f"can come from the pool, below min_hit_fraction {config['min_hit_fraction']}; "
                          f"use doc_tokens that are (close to) a multiple of the chunk size")
-    return found
+    return found + mp.problems(config)
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
@@ -70,7 +71,9 @@ def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
 
 
 def _space_problems(config: dict, tier: str, root: Path, existing: Path) -> list[str]:
-    sizes = [pool_bytes_per_cell(config, cell.arm) for cell in cells(config) if cell.tier == tier]
+    # an MP memory pool lives in its server's RAM, not in the tier's directory
+    sizes = [pool_bytes_per_cell(config, cell.arm) for cell in cells(config)
+             if cell.tier == tier and not mp.is_memory_pool(config, cell)]
     if not sizes or None in sizes:
         return []
     # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest

@@ -18,13 +18,14 @@ from pathlib import Path
 import psutil
 import yaml
 
-from kvpool.plan import SERVED_MODEL_NAME, with_port
+from kvpool import mp
+from kvpool.plan import SERVED_MODEL_NAME, with_port, with_server_ports
 
 log = logging.getLogger(__name__)
 
 
 class FleetError(RuntimeError):
-    """A replica failed to start, died, or could not be reached."""
+    """A replica or pool server failed to start, died, or could not be reached."""
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -72,45 +73,37 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-class Replica:
-    """One vLLM server process (and its children) in a process group of its own."""
+class ManagedProcess:
+    """One server process (and its children) in a process group of its own."""
 
-    def __init__(self, entry: dict, log_path: Path):
+    kind = "process"
+
+    def __init__(self, entry: dict, log_path: Path, url: str):
         self.entry = entry
         self.index = entry["index"]
-        self.url = f"http://{entry['host']}:{entry['port']}"
+        self.name = f"{self.kind} {self.index}"
+        self.url = url
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        if self.entry["lmcache_config_file"]:
-            Path(self.entry["lmcache_config_file"]).write_text(yaml.safe_dump(self.entry["lmcache_config"]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 self.entry["argv"], env={**os.environ, **self.entry["env"]}, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        log.info("replica %d started: pid %d, %s, log %s", self.index, self.proc.pid, self.url, self.log_path)
+        log.info("%s started: pid %d, %s, log %s", self.name, self.proc.pid, self.url, self.log_path)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def healthy(self) -> bool:
-        """Answers /health and serves our model: another server that took the port does not count."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                if response.status != 200:
-                    return False
-            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
-                served = [m.get("id") for m in json.loads(response.read()).get("data", [])]
-            return SERVED_MODEL_NAME in served
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        raise NotImplementedError
 
     def died_error(self) -> FleetError:
         code = self.proc.returncode if self.proc else None
-        return FleetError(f"replica {self.index} ({self.url}) exited with code {code}; "
+        return FleetError(f"{self.name} ({self.url}) exited with code {code}; "
                           f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
     def stop(self, grace_s: float = 30.0) -> None:
@@ -135,7 +128,67 @@ class Replica:
             if not members:
                 break
         self.proc.wait(timeout=10)
-        log.info("replica %d stopped", self.index)
+        log.info("%s stopped", self.name)
+
+
+class Replica(ManagedProcess):
+    """One vLLM server."""
+
+    kind = "replica"
+
+    def __init__(self, entry: dict, log_path: Path):
+        super().__init__(entry, log_path, f"http://{entry['host']}:{entry['port']}")
+
+    def start(self) -> None:
+        if self.entry["lmcache_config_file"]:
+            Path(self.entry["lmcache_config_file"]).write_text(yaml.safe_dump(self.entry["lmcache_config"]))
+        super().start()
+
+    def healthy(self) -> bool:
+        """Answers /health and serves our model: another server that took the port does not count."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                if response.status != 200:
+                    return False
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
+                served = [m.get("id") for m in json.loads(response.read()).get("data", [])]
+            return SERVED_MODEL_NAME in served
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+
+class PoolServer(ManagedProcess):
+    """One LMCache multi-process server (the lmcache-mp pool): ZMQ for replicas, HTTP for health and metrics."""
+
+    kind = "lmcache server"
+
+    def __init__(self, entry: dict, log_path: Path):
+        super().__init__(entry, log_path, f"http://{entry['host']}:{entry['http_port']}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/healthcheck", timeout=5) as response:
+                return response.status == 200 and json.loads(response.read()).get("status") == "healthy"
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """The server's lookup, L1 and L2 counters now."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
+            return mp.server_metrics(response.read().decode())
+
+    def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
+        """Wait until every L2 store the server accepted is written; the stores still pending at the end."""
+        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        while True:
+            pending = mp.l2_pending(self.metrics())
+            if pending <= 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        if pending > 0:
+            log.error("%s still had %d L2 stores pending after %.0f s", self.name, pending, timeout_s)
+        return {"pending_l2_stores": pending, "waited_s": round(time.monotonic() - started, 3)}
 
 
 def _still_running(members: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
@@ -155,8 +208,8 @@ def _still_running(members: list[psutil.Process], timeout_s: float) -> list[psut
         time.sleep(0.1)
 
 
-def wait_healthy(replicas: list[Replica], timeout_s: float) -> None:
-    """Block until every replica answers /health; a dead or silent replica raises with its log tail."""
+def wait_healthy(replicas: list[ManagedProcess], timeout_s: float) -> None:
+    """Block until every replica (or server) is healthy; a dead or silent one raises with its log tail."""
     deadline = time.monotonic() + timeout_s
     pending = list(replicas)
     while pending:
@@ -167,7 +220,7 @@ def wait_healthy(replicas: list[Replica], timeout_s: float) -> None:
                 pending.remove(replica)
         if pending and time.monotonic() > deadline:
             worst = pending[0]
-            raise FleetError(f"replica {worst.index} ({worst.url}) not healthy after {timeout_s:.0f} s; "
+            raise FleetError(f"{worst.name} ({worst.url}) not healthy after {timeout_s:.0f} s; "
                              f"last lines of {worst.log_path}:\n{log_tail(worst.log_path)}")
         if pending:
             time.sleep(1.0)
@@ -191,6 +244,37 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
         finally:
             for replica in replicas:
                 replica.stop()
+
+
+def resolve_server_ports(plan: dict) -> dict:
+    """The plan with its MP servers' ports checked free; taken ones move, with their replicas' connectors."""
+    for server in plan.get("servers", []):
+        if port_is_free(server["host"], server["port"]) and port_is_free(server["host"], server["http_port"]):
+            continue
+        in_use = {p for s in plan["servers"] for p in (s["port"], s["http_port"])} | {r["port"] for r in plan["replicas"]}
+        fresh = [p for p in free_ports(server["host"], len(in_use) + 2) if p not in in_use][:2]
+        log.warning("lmcache server %d ports %d/%d taken since planning; moved to %s", server["index"],
+                    server["port"], server["http_port"], fresh)
+        plan = with_server_ports(plan, server["index"], *fresh)
+    return plan
+
+
+@contextmanager
+def running_servers(plan: dict, log_dir: Path, timeout_s: float):
+    """Start the plan's LMCache MP servers (none for other backends), wait for health, yield the plan
+    (ports resolved) and the servers, and always stop them all."""
+    plan = resolve_server_ports(plan)
+    servers = [PoolServer(entry, Path(log_dir) / f"lmcache-server-{entry['index']}.log")
+               for entry in plan.get("servers", [])]
+    with _terminate_as_exit():
+        try:
+            for server in servers:
+                server.start()
+            wait_healthy(servers, timeout_s)
+            yield plan, servers
+        finally:
+            for server in servers:
+                server.stop()
 
 
 @contextmanager

@@ -100,11 +100,22 @@ def compare_arms(shared: pd.DataFrame, isolated: pd.DataFrame, document_whole_ch
                          for name, row in rows.items()])
 
 
-def kv_bytes_table(digests: dict[tuple[str, int, str, str], pd.DataFrame], doc_tokens: int) -> pd.DataFrame:
-    """The comparisons for every (backend, chunk, tier) that has both arms' pool digests."""
+NOT_APPLICABLE = "not applicable"
+
+
+def kv_bytes_table(digests: dict[tuple[str, int, str, str], pd.DataFrame], doc_tokens: int,
+                   not_applicable: dict[tuple[str, int, str], str] | None = None) -> pd.DataFrame:
+    """The comparisons for every (backend, chunk, tier) that has both arms' pool digests; a setting in
+    ``not_applicable`` (whose pool has no files to hash) gets one row that says why instead."""
     frames = []
+    not_applicable = not_applicable or {}
     for (backend, chunk, tier), arms in _by_setting(digests).items():
-        if {"shared", "isolated"} <= arms.keys():
+        if (backend, chunk, tier) in not_applicable:
+            frames.append(pd.DataFrame([{
+                "backend": backend, "chunk": chunk, "tier": tier, "comparison": NOT_APPLICABLE, "keys": 0,
+                "equal": 0, "differ": 0, "bit_exact_expected": False, "example_key": "",
+                "meaning": not_applicable[(backend, chunk, tier)]}]))
+        elif {"shared", "isolated"} <= arms.keys():
             frame = compare_arms(arms["shared"], arms["isolated"], doc_tokens % chunk == 0)
             frames.append(frame.assign(backend=backend, chunk=chunk, tier=tier))
     columns = ["backend", "chunk", "tier", "comparison", "keys", "equal", "differ", "bit_exact_expected",
@@ -134,6 +145,8 @@ def finding(group: pd.DataFrame) -> str:
     on loaded KV differs mean the load.
     """
     rows = group.set_index("comparison")
+    if NOT_APPLICABLE in rows.index:
+        return f"Not applicable: {rows.loc[NOT_APPLICABLE, 'meaning']}"
     exact = rows[rows["bit_exact_expected"].astype(bool) & (rows["keys"] > 0)]
     if exact.empty:
         return "Nothing to compare bit for bit: no comparison of this setting holds chunks that must agree."

@@ -9,15 +9,16 @@ import asyncio
 import dataclasses
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
 import pandas as pd
 from tqdm import tqdm
 
-from kvpool import metrics
+from kvpool import metrics, mp
 from kvpool.client import RequestResult, complete
-from kvpool.fleet import Replica, running_fleet
+from kvpool.fleet import PoolServer, Replica, running_fleet, running_servers
 from kvpool.plan import plan_gpus
 from kvpool.pool import drop_from_page_cache
 from kvpool.routing import followup_route, populate_route
@@ -117,25 +118,60 @@ def _sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list
                    gpus=gpus or None)
 
 
+@contextmanager
+def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer] | None = None):
+    """The cell's LMCache MP servers for one phase, and what they did in it (``record``, filled on exit).
+
+    Servers handed in (a memory pool, which lives only as long as its server) keep running; otherwise
+    the phase starts its own and stops them. Before the record is taken, every L2 store a server
+    accepted has reached the drive, so a server stopped afterwards loses nothing.
+    """
+    record: dict = {}
+    if not plan.get("servers"):
+        yield plan, [], record
+        return
+    settings = cfg["lmcache_mp"]
+    owned = servers is None
+    with running_servers(plan, log_dir, settings["startup_timeout_s"]) if owned else _handed(plan, servers) as (
+            plan, servers):
+        before = {s.index: s.metrics() for s in servers}
+        yield plan, servers, record
+        for server in servers:
+            drain = server.drain(settings["drain_timeout_s"])
+            after = server.metrics()
+            record[str(server.index)] = {"drain": drain, "metrics": mp.metrics_delta(after, before[server.index]),
+                                         "l1_bytes": after.get(mp.L1_BYTES)}
+
+
+@contextmanager
+def _handed(plan: dict, servers: list[PoolServer]):
+    yield plan, servers
+
+
 def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
-             disks: list[str]):
-    """Start the fleet, run the preflight, send each document once round robin, stop the fleet.
+             disks: list[str], servers: list[PoolServer] | None = None):
+    """Start the fleet (and its pool servers unless ``servers`` run already), run the preflight, send
+    each document once round robin, stop the fleet.
 
     Returns the per-document records, the phase's meta data and its telemetry sampler.
     """
     route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
-    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-        started = time.time()
-        with _sampler(plan, "populate", disks, cfg, replicas) as sampler:
-            rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe))
-        wall_s = time.time() - started
+    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            started = time.time()
+            with _sampler(plan, "populate", disks, cfg, replicas) as sampler:
+                rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe))
+            wall_s = time.time() - started
     if not preflight["ok"]:
         message = preflight_failure(plan["cell"], preflight)
         if cfg["preflight_on_failure"] == "abort":
             raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
         log.error(message)
     frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
-    return frame, {"preflight": preflight, "wall_s": wall_s, "started_at": started}, sampler
+    meta = {"preflight": preflight, "wall_s": wall_s, "started_at": started}
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return frame, meta, sampler
 
 
 async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], float, float]:
@@ -152,19 +188,31 @@ async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], f
     return rows, started, finished
 
 
-def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str]):
-    """Start the fleet on the populated pool, drop it from the page cache again, send every follow-up
-    to a replica that did not prefill its document, one at a time, and stop the fleet."""
+def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
+    """Evict the plan's pool files from the page cache and verify; an MP memory pool has none to drop."""
+    record = drop_from_page_cache([Path(r["pool_dir"]) for r in plan["replicas"]], use_proc_drop_caches)
+    if plan.get("memory_pool"):
+        record.update(memory_backed=True, pool_in="the LMCache server's L1 (host RAM)")
+    return record
+
+
+def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str],
+          servers: list[PoolServer] | None = None):
+    """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty),
+    drop the pool from the page cache again, send every follow-up to a replica that did not prefill
+    its document, one at a time, and stop the fleet."""
     route = followup_route(prefill, len(plan["replicas"]))
-    pool_dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
-    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-        # Starting the fleet may have touched the pool; the drop must hold right before the reads.
-        drop = drop_from_page_cache(pool_dirs, cfg["drop_caches"])
-        with _sampler(plan, "reuse", disks, cfg, replicas) as sampler:
-            rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg))
+    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            # Starting the fleet may have touched the pool; the drop must hold right before the reads.
+            drop = drop_pool(plan, cfg["drop_caches"])
+            with _sampler(plan, "reuse", disks, cfg, replicas) as sampler:
+                rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg))
     frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
-    return frame, {"drop_before_reuse": drop, "wall_s": finished - started, "started_at": started,
-                   "finished_at": finished}, sampler
+    meta = {"drop_before_reuse": drop, "wall_s": finished - started, "started_at": started, "finished_at": finished}
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return frame, meta, sampler
 
 
 async def _reference(replica: Replica, workload, cfg) -> list[dict]:

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvpool import mp
 from kvpool.cells import Cell, pool_dirs
 
 SERVED_MODEL_NAME = "kvpool-model"
@@ -25,6 +26,8 @@ def lmcache_config(config: dict, cell: Cell, pool_dir: Path) -> dict:
     if cell.backend == "lmcache-fs":
         # fs:// checks the directory on every lookup, so chunks written by any replica are found.
         settings.update(remote_url=f"fs://localhost:0{pool_dir}/", remote_serde="naive")
+    elif cell.backend == mp.BACKEND:
+        raise ValueError("the lmcache-mp backend is configured on its server (mp.server_argv), not per replica")
     elif cell.backend == "lmcache-local-disk":
         # The study's literal setting; its index lives in each replica's memory.
         settings.update(local_disk=f"file://{pool_dir}/", max_local_disk_size=_disk_budget_gb(config))
@@ -110,31 +113,58 @@ def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Pat
 
 
 def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list[int], port_source: str,
-               available_cores: list[int] | None = None) -> dict:
-    """The resolved launch plan of ``cell``'s fleet."""
+               available_cores: list[int] | None = None, server_ports: list[int] | None = None) -> dict:
+    """The resolved launch plan of ``cell``'s fleet; an lmcache-mp cell also gets its servers
+    (``server_ports``: a ZMQ and an HTTP port per server)."""
     engine = config["engine"]
     replicas = config["replicas"]
     places = placements(engine, replicas, available_cores)
     util = _gpu_memory_share(engine)
+    dirs = pool_dirs(config, cell)
+    servers = _servers(config, cell, dirs, server_ports or []) if cell.backend == mp.BACKEND else []
     entries = []
-    for index, (place, pool_dir, port) in enumerate(zip(places, pool_dirs(config, cell), ports, strict=True)):
-        lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
-        entries.append({
-            "index": index,
-            "host": engine["host"],
-            "port": port,
-            "core": place["core"],
-            "gpu": place["gpu"],
-            "sequential_start": place["sequential_start"],
-            "pool_dir": str(pool_dir),
-            "lmcache_config_file": str(lmcache_file),
-            "lmcache_config": lmcache_config(config, cell, pool_dir),
-            "env": replica_env(engine, place, config["hash_keys"], lmcache_file),
-            "argv": engine_argv(engine, model, port, kv_transfer=kv_transfer_config(engine["kind"]),
-                                prefix_caching=True, gpu_memory_utilization=util),
-        })
-    return {"cell": cell.name, "engine_kind": engine["kind"], "model": model, "port_source": port_source,
+    for index, (place, pool_dir, port) in enumerate(zip(places, dirs, ports, strict=True)):
+        entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
+                 "sequential_start": place["sequential_start"], "pool_dir": str(pool_dir)}
+        if servers:
+            server = servers[0] if cell.arm == "shared" else servers[index]
+            transfer = mp.kv_transfer_config(server["host"], server["port"])
+            entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
+                         env=replica_env(engine, place, config["hash_keys"], None))
+        else:
+            lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
+            transfer = kv_transfer_config(engine["kind"])
+            entry.update(lmcache_config_file=str(lmcache_file), lmcache_config=lmcache_config(config, cell, pool_dir),
+                         env=replica_env(engine, place, config["hash_keys"], lmcache_file))
+        entry["kv_transfer"] = transfer
+        entry["argv"] = engine_argv(engine, model, port, kv_transfer=transfer, prefix_caching=True,
+                                    gpu_memory_utilization=util)
+        entries.append(entry)
+    plan = {"cell": cell.name, "engine_kind": engine["kind"], "model": model, "port_source": port_source,
             "replicas": entries}
+    if servers:
+        plan["servers"] = servers
+        plan["memory_pool"] = mp.is_memory_pool(config, cell)
+    return plan
+
+
+def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> list[dict]:
+    """One MP server for the shared arm, one per replica for the isolated arm."""
+    count = 1 if cell.arm == "shared" else len(dirs)
+    if len(ports) != 2 * count:
+        raise ValueError(f"{cell.name} needs {2 * count} server ports (ZMQ and HTTP per server), got {len(ports)}")
+    host = config["engine"]["host"]
+    memory = mp.is_memory_pool(config, cell)
+    servers = []
+    for index in range(count):
+        port, http_port = ports[2 * index], ports[2 * index + 1]
+        l2_dir = None if memory else dirs[index]
+        servers.append({"index": index, "host": host, "port": port, "http_port": http_port,
+                        "l1_size_gib": mp.l1_size_gib(config, cell.tier),
+                        "l2_dir": None if l2_dir is None else str(l2_dir),
+                        "env": mp.server_env(config, BASE_ENV),
+                        "argv": mp.server_argv(config, cell, host, port, http_port, l2_dir)})
+    return servers
 
 
 def plan_gpus(plan: dict) -> list[int]:
@@ -163,8 +193,27 @@ def _gpu_memory_share(engine: dict) -> float | None:
     return engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
 
 
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
 def with_port(replica: dict, port: int) -> dict:
     """The replica's plan entry moved to ``port`` (argv included)."""
-    argv = list(replica["argv"])
-    argv[argv.index("--port") + 1] = str(port)
-    return {**replica, "port": port, "argv": argv}
+    return {**replica, "port": port, "argv": _with_flag(replica["argv"], "--port", str(port))}
+
+
+def with_server_ports(plan: dict, index: int, port: int, http_port: int) -> dict:
+    """The plan with MP server ``index`` moved to ``port``/``http_port``, its replicas' connectors with it."""
+    servers = [{**s, "port": port, "http_port": http_port,
+                "argv": _with_flag(_with_flag(s["argv"], "--port", str(port)), "--http-port", str(http_port))}
+               if s["index"] == index else s for s in plan["servers"]]
+    replicas = []
+    for replica in plan["replicas"]:
+        if replica.get("server") == index:
+            transfer = mp.kv_transfer_config(servers[index]["host"], port)
+            replica = {**replica, "kv_transfer": transfer, "argv": _with_flag(
+                replica["argv"], "--kv-transfer-config", json.dumps(transfer, sort_keys=True))}
+        replicas.append(replica)
+    return {**plan, "servers": servers, "replicas": replicas}

@@ -15,10 +15,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool import kvbytes, phases, pool, prompts, provenance, summary, validity
+from kvpool import kvbytes, mp, phases, pool, prompts, provenance, summary, validity
 from kvpool.cells import Cell, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
-from kvpool.fleet import free_ports
+from kvpool.fleet import free_ports, running_servers
 from kvpool.plan import fleet_plan, reference_plan
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,11 @@ def _ports(config: dict, count: int) -> tuple[list[int], str]:
 
 def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out: str) -> None:
     ports, source = _ports(config, config["replicas"])
-    plan = fleet_plan(config, cell, model, Path(plan_out).parent.resolve(), ports, source)
+    server_ports = None
+    if cell.backend == mp.BACKEND:  # a ZMQ and an HTTP port per server, clear of the replicas' ports
+        count = 2 * (1 if cell.arm == "shared" else config["replicas"])
+        server_ports = [p for p in free_ports(config["engine"]["host"], count + len(ports)) if p not in ports][:count]
+    plan = fleet_plan(config, cell, model, Path(plan_out).parent.resolve(), ports, source, server_ports=server_ports)
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
     notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
@@ -72,8 +76,9 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
 
 
 def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
-                 drive_csv: str, power_csv: str, log_dir: str) -> None:
-    plan = yaml.safe_load(Path(plan_path).read_text())
+                 drive_csv: str, power_csv: str, log_dir: str, servers=None, plan: dict | None = None) -> None:
+    """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already."""
+    plan = plan or yaml.safe_load(Path(plan_path).read_text())
     root = pool_root(config, cell)
     if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
         shutil.rmtree(root)
@@ -83,25 +88,33 @@ def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, cs
     probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
     frame, meta = _run_sampled_phase(
         plan,
-        lambda disks: phases.populate(plan, workload, {**config, "arm": cell.arm}, probe, Path(log_dir), disks),
+        lambda disks: phases.populate(plan, workload, {**config, "arm": cell.arm}, probe, Path(log_dir), disks,
+                                      servers),
         drive_csv, power_csv)
     _archive(frame, Path(csv_out), "populate")
     frame.to_csv(csv_out, index=False)
-    meta["pool"] = pool.residency([Path(r["pool_dir"]) for r in plan["replicas"]])
+    if plan.get("memory_pool"):  # no files: the pool is what the servers hold in L1
+        held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
+        meta["pool"] = {"files": 0, "bytes": int(held), "resident_bytes": None, "resident_fraction": None,
+                        "source": f"{mp.L1_BYTES} of the pool's servers after populate"}
+    else:
+        meta["pool"] = pool.residency([Path(r["pool_dir"]) for r in plan["replicas"]])
     write_json(json_out, meta)
 
 
 def run_drop(config: dict, plan_path: str, out: str) -> None:
     plan = yaml.safe_load(Path(plan_path).read_text())
-    record = pool.drop_from_page_cache([Path(r["pool_dir"]) for r in plan["replicas"]], config["drop_caches"])
+    record = phases.drop_pool(plan, config["drop_caches"])
     write_json(out, record)
     log.info("pool: %d files, %d bytes, %d resident after the drop", record["files"], record["bytes"],
              record["resident_bytes"])
 
 
 def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate_csv: str, csv_out: str,
-              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str) -> None:
-    plan = yaml.safe_load(Path(plan_path).read_text())
+              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, servers=None,
+              plan: dict | None = None) -> None:
+    """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already."""
+    plan = plan or yaml.safe_load(Path(plan_path).read_text())
     workload = prompts.read_workload(Path(prompts_path))
     populated = pd.read_csv(populate_csv)
     prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int)))
@@ -115,7 +128,7 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
     stored_before = kvbytes.stored_files(dirs)
     frame, meta = _run_sampled_phase(
-        plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks),
+        plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks, servers),
         drive_csv, power_csv)
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
@@ -128,6 +141,24 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
         log.info("removed the pool %s (keep_pools: false)", root)
     meta["pool_removed"] = not config["keep_pools"]
     write_json(json_out, meta)
+
+
+def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate: dict, drop_out: str,
+                         reuse: dict, log_dirs: dict) -> None:
+    """Populate, drop and reuse of an lmcache-mp cell on a memory tier, around one set of servers: the
+    pool is their L1, so it lives exactly as long as they do. Each phase still starts its own fleet.
+
+    ``populate`` and ``reuse`` map the phase's output names (csv, meta, drive, power; reuse also
+    digests) to paths; ``log_dirs`` maps populate, reuse and servers to log folders.
+    """
+    plan = yaml.safe_load(Path(plan_path).read_text())
+    with running_servers(plan, Path(log_dirs["servers"]), config["lmcache_mp"]["startup_timeout_s"]) as (
+            plan, servers):
+        run_populate(config, cell, plan_path, prompts_path, populate["csv"], populate["meta"], populate["drive"],
+                     populate["power"], log_dirs["populate"], servers=servers, plan=plan)
+        run_drop(config, plan_path, drop_out)
+        run_reuse(config, cell, plan_path, prompts_path, populate["csv"], reuse["csv"], reuse["meta"], reuse["drive"],
+                  reuse["power"], reuse["digests"], log_dirs["reuse"], servers=servers, plan=plan)
 
 
 def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
@@ -169,7 +200,11 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
     """Compare each chunk's bytes across the arms' pools (see kvbytes); differences are logged."""
     digests = {(c.backend, c.chunk, c.tier, c.arm): kvbytes.read_digests(path)
                for c, path in zip(cells_run, digests_csvs, strict=True)}
-    table = kvbytes.kv_bytes_table(digests, config["workload"]["doc_tokens"])
+    # an MP memory pool is the server's L1: nothing of it is a file, so there are no bytes to hash
+    no_files = {(c.backend, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
+                "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
+                for c in cells_run if mp.is_memory_pool(config, c)}
+    table = kvbytes.kv_bytes_table(digests, config["workload"]["doc_tokens"], no_files)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
     bad = kvbytes.unexpected(table)

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 from kvpool import config as kvpool_config
+from kvpool import mp
 from kvpool.cells import CELL_PATTERN, Cell, cells, pool_predecessor
 from kvpool.model import RANDOM_MODEL_DIR
 
@@ -22,7 +23,7 @@ CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'
 
 
 wildcard_constraints:
-    backend="lmcache-fs|lmcache-local-disk",
+    backend="lmcache-fs|lmcache-local-disk|lmcache-mp",
     arm="shared|isolated",
     chunk=r"\d+",
     tier="[A-Za-z0-9_-]+",

@@ -8,7 +8,8 @@ rule plan:
     params:
         model=model_path(),
         # Declared so that a change to any of them re-plans (and so re-measures) the cell.
-        fleet={k: config[k] for k in ("replicas", "engine", "tiers", "hash_keys", "lmcache")},
+        fleet=lambda wc: {k: config[k] for k in ("replicas", "engine", "tiers", "hash_keys", "lmcache")
+                          + (("lmcache_mp",) if wc.backend == mp.BACKEND else ())},
     conda:
         CONDA_ENV
     log:

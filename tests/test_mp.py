@@ -1,0 +1,257 @@
+"""The lmcache-mp backend without a GPU: its plan, its refusals, its server's lifecycle and metrics."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvpool import config as kvpool_config
+from kvpool import kvbytes, mp
+from kvpool.cells import Cell
+from kvpool.fleet import FleetError, free_ports, resolve_server_ports, running_servers
+from kvpool.plan import fleet_plan, with_server_ports
+
+FAKE = str(Path(__file__).with_name("fake_replica.py"))
+REPO = Path(__file__).resolve().parents[1]
+TEST_PORTS = 38300
+
+
+@pytest.fixture
+def gpu_config(config):
+    """The default config moved to the GPU engine and the MP backend (a plan needs no GPU)."""
+    config["engine"].update(kind="vllm", gpus=[0], replicas_per_gpu=2, gpu_memory_utilization=0.8)
+    config["backends"] = ["lmcache-mp"]
+    config["tiers"] = {"ram": "/dev/shm/kvpool", "disk": "pools/disk"}
+    config["lmcache_mp"] = {"memory_tiers": ["ram"], "l1_size_gib": None, "l1_fill": 0.7, "eviction_policy": "LRU",
+                            "l2_use_odirect": False, "extra_args": [], "env": {}, "startup_timeout_s": 60,
+                            "drain_timeout_s": 30}
+    return config
+
+
+def mp_plan(config, arm, tier, server_ports=(20001, 20002, 20003, 20004)):
+    count = 1 if arm == "shared" else 2
+    return fleet_plan(config, Cell("lmcache-mp", arm, 256, tier), "/models/m", Path("/tmp/cell"), [18100, 18101],
+                      "config", server_ports=list(server_ports[:2 * count]))
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_shared_arm_has_one_server_for_every_replica(gpu_config):
+    plan = mp_plan(gpu_config, "shared", "ram")
+    (server,) = plan["servers"]
+    assert plan["memory_pool"] is True
+    assert flag(server["argv"], "--host") == flag(server["argv"], "--http-host") == "127.0.0.1"
+    assert (flag(server["argv"], "--port"), flag(server["argv"], "--http-port")) == ("20001", "20002")
+    assert "--l2-adapter" not in server["argv"] and server["l2_dir"] is None
+    for replica in plan["replicas"]:
+        transfer = json.loads(flag(replica["argv"], "--kv-transfer-config"))
+        assert transfer == {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 20001}}
+        assert replica["server"] == 0 and "LMCACHE_CONFIG_FILE" not in replica["env"]
+
+
+def test_isolated_arm_has_a_server_per_replica_and_nothing_else_differs(gpu_config):
+    shared, isolated = mp_plan(gpu_config, "shared", "disk"), mp_plan(gpu_config, "isolated", "disk")
+    assert len(isolated["servers"]) == 2 and isolated["memory_pool"] is False
+    ports = [json.loads(flag(r["argv"], "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
+             for r in isolated["replicas"]]
+    assert ports == [20001, 20003]
+    # the server command differs between arms only in its ports and its L2 folder
+    for server in isolated["servers"]:
+        strip = lambda argv: [a for a in argv if not a.isdigit() and "base_path" not in a]
+        assert strip(server["argv"]) == strip(shared["servers"][0]["argv"])
+    l2 = [json.loads(flag(s["argv"], "--l2-adapter")) for s in isolated["servers"]]
+    assert [a["base_path"] for a in l2] == [r["pool_dir"] for r in isolated["replicas"]]
+    assert all(a == {"type": "fs", "base_path": a["base_path"], "use_odirect": False} for a in l2)
+    assert shared["servers"][0]["l2_dir"] == shared["replicas"][0]["pool_dir"] == shared["replicas"][1]["pool_dir"]
+    # the replicas' own arguments are those of the shared arm but for the connector's port
+    for r_shared, r_isolated in zip(shared["replicas"], isolated["replicas"]):
+        assert [a for a in r_shared["argv"] if "LMCacheMPConnector" not in a] == \
+               [a for a in r_isolated["argv"] if "LMCacheMPConnector" not in a]
+
+
+def test_l1_is_sized_for_the_whole_pool(gpu_config):
+    workload, spec = gpu_config["workload"], gpu_config["random_model"]
+    per_token = 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * 4  # float32 in the default config
+    pool = workload["documents"] * (workload["doc_tokens"] + workload["followup_tokens"]) * per_token
+    for tier in ("ram", "disk"):
+        size = float(flag(mp_plan(gpu_config, "shared", tier)["servers"][0]["argv"], "--l1-size-gb"))
+        assert pool / 0.7 / 2**30 <= size < pool / 0.7 / 2**30 + 0.1
+
+
+def test_refusals_name_the_key_and_the_numbers(gpu_config):
+    cpu = {**gpu_config, "engine": {**gpu_config["engine"], "kind": "vllm-cpu"}}
+    assert any("lmcache-mp needs engine.kind vllm" in p for p in kvpool_config.problems(cpu, REPO, check_paths=False))
+    small = {**gpu_config, "lmcache_mp": {**gpu_config["lmcache_mp"], "l1_size_gib": 0.02}}
+    found = kvpool_config.problems(small, REPO, check_paths=False)
+    ram = next(p for p in found if "tier ram" in p)
+    assert "lmcache_mp.l1_size_gib 0.02 is too small" in ram and "the whole pool" in ram and "#5290" in ram
+    disk = next(p for p in found if "tier disk" in p)
+    assert "the largest request is 0.02 GiB" in disk
+    # the drive tier needs room for one request only; the memory tier for the whole pool
+    roomy = {**gpu_config, "lmcache_mp": {**gpu_config["lmcache_mp"], "l1_size_gib": 0.1}}
+    assert [p for p in kvpool_config.problems(roomy, REPO, check_paths=False) if "l1_size_gib" in p and "disk" in p] == []
+    real = {**gpu_config, "engine": {**gpu_config["engine"], "model": "/models/m"}}
+    assert any("l1_size_gib must be set" in p for p in kvpool_config.problems(real, REPO, check_paths=False))
+
+
+def test_moving_a_server_rewires_its_replicas(gpu_config):
+    plan = with_server_ports(mp_plan(gpu_config, "isolated", "disk"), 1, 21000, 21001)
+    assert (flag(plan["servers"][1]["argv"], "--port"), flag(plan["servers"][1]["argv"], "--http-port")) == \
+           ("21000", "21001")
+    ports = [json.loads(flag(r["argv"], "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
+             for r in plan["replicas"]]
+    assert ports == [20001, 21000] and plan["replicas"][1]["kv_transfer"]["kv_connector_extra_config"][
+        "lmcache.mp.port"] == 21000
+
+
+def test_server_metrics_sum_labels_and_take_phase_deltas():
+    text = textwrap.dedent("""\
+        # TYPE lmcache_mp_l1_write counter
+        lmcache_mp_l1_write_total{cache_salt=""} 10.0
+        lmcache_mp_l1_write_total{cache_salt="x"} 2.0
+        # TYPE lmcache_mp_l2_store_submitted_objects counter
+        lmcache_mp_l2_store_submitted_objects_total 7.0
+        # TYPE lmcache_mp_l2_store_completed_objects counter
+        lmcache_mp_l2_store_completed_objects_total 5.0
+        # TYPE lmcache_mp_l1_memory_usage_bytes gauge
+        lmcache_mp_l1_memory_usage_bytes{backend="dram"} 4096.0
+        # TYPE process_cpu_seconds counter
+        process_cpu_seconds_total 3.0
+        """)
+    found = mp.server_metrics(text)
+    assert found == {"lmcache_mp_l1_write_total": 12.0, "lmcache_mp_l2_store_submitted_objects_total": 7.0,
+                     "lmcache_mp_l2_store_completed_objects_total": 5.0, "lmcache_mp_l1_memory_usage_bytes": 4096.0}
+    assert mp.l2_pending(found) == 2
+    delta = mp.metrics_delta(found, {"lmcache_mp_l1_write_total": 2.0, "lmcache_mp_l1_memory_usage_bytes": 10.0})
+    assert delta["lmcache_mp_l1_write_total"] == 10.0 and delta["lmcache_mp_l1_memory_usage_bytes"] == 4096.0
+
+
+def test_kv_bytes_says_a_memory_pool_has_nothing_to_hash():
+    empty = kvbytes.read_digests(REPO / "tests" / "fixtures" / "empty-digests.csv")
+    digests = {("lmcache-mp", 256, "ram", arm): empty for arm in ("shared", "isolated")}
+    table = kvbytes.kv_bytes_table(digests, 1024, {("lmcache-mp", 256, "ram"): "the pool is the server's L1"})
+    assert list(table["comparison"]) == ["not applicable"]
+    ((setting, _, found),) = kvbytes.findings(table)
+    assert setting == ("lmcache-mp", 256, "ram") and found == "Not applicable: the pool is the server's L1"
+    assert kvbytes.unexpected(table).empty
+
+
+def fake_server_plan(mode, count=1):
+    ports = free_ports("127.0.0.1", 2 * count, start=TEST_PORTS)
+    return {"cell": "test", "replicas": [], "servers": [
+        {"index": i, "host": "127.0.0.1", "port": ports[2 * i], "http_port": ports[2 * i + 1], "env": {},
+         "argv": [sys.executable, FAKE, mode, "--port", str(ports[2 * i]), "--http-port", str(ports[2 * i + 1])]}
+        for i in range(count)]}
+
+
+def family(pid):
+    try:
+        proc = psutil.Process(pid)
+        return [proc] + proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_servers_start_answer_and_leave_nothing_behind(tmp_path):
+    with running_servers(fake_server_plan("serve", 2), tmp_path, timeout_s=30) as (plan, servers):
+        pids = [p.pid for s in servers for p in family(s.proc.pid)]
+        assert len(pids) == 4 and all(s.healthy() for s in servers)
+        assert servers[0].metrics() == {"lmcache_mp_l1_write_total": 12.0, "lmcache_mp_l1_memory_usage_bytes": 4096.0}
+        assert servers[0].drain(5) == {"pending_l2_stores": 0.0, "waited_s": pytest.approx(0, abs=1)}
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_a_crashed_server_is_an_error_with_its_log_tail(tmp_path):
+    with pytest.raises(FleetError, match="(?s)lmcache server 0 .*exited with code 3.*CUDA out of memory"):
+        with running_servers(fake_server_plan("die"), tmp_path, timeout_s=30):
+            pass
+
+
+def test_a_silent_server_times_out_and_is_stopped(tmp_path):
+    plan = fake_server_plan("silent")
+    with pytest.raises(FleetError, match="lmcache server 0 .*not healthy after 2 s"):
+        with running_servers(plan, tmp_path, timeout_s=2):
+            pass
+    server = plan["servers"][0]
+    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {server['port']} --http-port {server['http_port']}"],
+                         capture_output=True)
+    assert out.stdout == b""
+
+
+def test_a_failure_inside_stops_the_servers(tmp_path):
+    with pytest.raises(RuntimeError, match="populate failed"):
+        with running_servers(fake_server_plan("serve"), tmp_path, timeout_s=30) as (_, servers):
+            pids = [p.pid for p in family(servers[0].proc.pid)]
+            raise RuntimeError("populate failed")
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_a_taken_server_port_moves_before_start():
+    import socket
+
+    plan = fake_server_plan("serve")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", plan["servers"][0]["port"]))
+        busy.listen()
+        moved = resolve_server_ports(plan)
+    assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
+    assert str(moved["servers"][0]["http_port"]) in moved["servers"][0]["argv"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_stop_the_servers(tmp_path, sig):
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_mp import fake_server_plan
+        from kvpool.fleet import running_servers
+        with running_servers(fake_server_plan("serve", 2), {str(tmp_path)!r}, 30):
+            print("ready", flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = psutil.Process(proc.pid).children(recursive=True)
+    assert len(members) == 4
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive
+
+
+def test_the_real_lmcache_server_starts_reports_and_stops(gpu_config, tmp_path):
+    """LMCache's own server process (it runs on CPU; only the replicas' connector needs CUDA)."""
+    gpu_config["workload"].update(documents=2, doc_tokens=1024)
+    gpu_config["tiers"]["disk"] = str(tmp_path / "disk")
+    plan = fleet_plan(gpu_config, Cell("lmcache-mp", "shared", 256, "disk"), "/models/m", tmp_path, [18100, 18101],
+                      "auto", server_ports=free_ports("127.0.0.1", 2, start=TEST_PORTS + 50))
+    with running_servers(plan, tmp_path / "logs", timeout_s=180) as (plan, servers):
+        (server,) = servers
+        found = server.metrics()
+        assert found[mp.L1_BYTES] == 0 and server.drain(10)["pending_l2_stores"] == 0
+        pids = [p.pid for p in family(server.proc.pid)]
+    assert "LMCache zmq cache server is running on 127.0.0.1" in (tmp_path / "logs" / "lmcache-server-0.log").read_text()
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_the_mp_gpu_config_plans_one_job_per_memory_pool_cell():
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", "config/h200-mp.yaml",
+                          "--directory", "/tmp/kvpool-dry-mp", "-s", str(REPO / "Snakefile")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
+                if len(line.split()) == 2 and line.split()[1].isdigit())
+    # ram cells: populate, drop and reuse around one set of servers; disk cells: the three rules
+    assert (jobs["memory_pool_cell"], jobs["populate"], jobs["drop"], jobs["reuse"]) == ("2", "2", "2", "2")

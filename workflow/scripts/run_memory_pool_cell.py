@@ -1,0 +1,14 @@
+from kvpool import logs, steps
+from kvpool.cells import Cell
+
+logs.to_log(snakemake.log[0])
+out = snakemake.output
+steps.run_memory_pool_cell(
+    snakemake.config, Cell.from_wildcards(snakemake.wildcards), snakemake.input.plan, snakemake.input.prompts,
+    populate={"csv": out.populate_csv, "meta": out.populate_meta, "drive": out.populate_drive,
+              "power": out.populate_power},
+    drop_out=out.drop,
+    reuse={"csv": out.reuse_csv, "meta": out.reuse_meta, "drive": out.reuse_drive, "power": out.reuse_power,
+           "digests": out.digests},
+    log_dirs={name: f"{snakemake.params.log_dir}/{name}" for name in ("servers", "populate", "reuse")},
+)
