@@ -11,9 +11,27 @@ port = int(sys.argv[sys.argv.index(flag) + 1])
 if mode == "die":
     print("fake replica: CUDA out of memory while loading weights", flush=True)
     sys.exit(3)
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+if mode == "orderly":  # like vLLM's API server: on SIGTERM it stops its engine itself, which says who stopped it
+    import os
+    import signal
+
+    ENGINE = ("import os, signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
+              "info = signal.sigwaitinfo({signal.SIGTERM}); "
+              "print('engine stopped by', 'its API server' if info.si_pid == os.getppid() else 'someone else', "
+              "flush=True)")
+    child = subprocess.Popen([sys.executable, "-c", ENGINE])
+
+    def shut_down(signum, frame):
+        child.terminate()
+        child.wait()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, shut_down)
+    mode = "serve"
+else:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(f"fake replica child {child.pid}", flush=True)
-METRICS = b"""# TYPE lmcache_mp_l1_write counter
+METRICS = b"""# TYPE lmcache_mp_l1_write_total counter
 lmcache_mp_l1_write_total{cache_salt=""} 12.0
 # TYPE lmcache_mp_l1_memory_usage_bytes gauge
 lmcache_mp_l1_memory_usage_bytes{backend="dram",l1_tag="_default"} 4096.0

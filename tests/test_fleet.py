@@ -41,6 +41,14 @@ def test_fleet_starts_and_leaves_nothing_behind(tmp_path):
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
+def test_a_replica_is_stopped_through_its_api_server(tmp_path):
+    """vLLM's engine unregisters its GPU KV cache from an LMCache MP server only on an orderly shutdown;
+    signalled directly, it leaves the server holding that GPU memory (seen on the H200)."""
+    with running_fleet(fake_plan("orderly", count=1), tmp_path, timeout_s=30):
+        pass
+    assert "engine stopped by its API server" in (tmp_path / "replica-0.log").read_text()
+
+
 def test_dead_replica_error_carries_its_log_tail(tmp_path):
     with pytest.raises(FleetError, match="(?s)replica 0 .*exited with code 3.*CUDA out of memory"):
         with running_fleet(fake_plan("die", count=1), tmp_path, timeout_s=30):

@@ -116,21 +116,25 @@ def test_moving_a_server_rewires_its_replicas(gpu_config):
 
 def test_server_metrics_sum_labels_and_take_phase_deltas():
     text = textwrap.dedent("""\
-        # TYPE lmcache_mp_l1_write counter
+        # TYPE lmcache_mp_l1_write_total counter
         lmcache_mp_l1_write_total{cache_salt=""} 10.0
         lmcache_mp_l1_write_total{cache_salt="x"} 2.0
-        # TYPE lmcache_mp_l2_store_submitted_objects counter
-        lmcache_mp_l2_store_submitted_objects_total 7.0
-        # TYPE lmcache_mp_l2_store_completed_objects counter
-        lmcache_mp_l2_store_completed_objects_total 5.0
+        # TYPE lmcache_mp_l2_store_submitted_objects_chunks_total counter
+        lmcache_mp_l2_store_submitted_objects_chunks_total 7.0
+        # TYPE lmcache_mp_l2_store_completed_objects_chunks_total counter
+        lmcache_mp_l2_store_completed_objects_chunks_total 5.0
+        # TYPE lmcache_mp_l1_chunk_reuse_gap_seconds histogram
+        lmcache_mp_l1_chunk_reuse_gap_seconds_bucket{le="1.0"} 3.0
+        lmcache_mp_l1_chunk_reuse_gap_seconds_count 3.0
         # TYPE lmcache_mp_l1_memory_usage_bytes gauge
         lmcache_mp_l1_memory_usage_bytes{backend="dram"} 4096.0
         # TYPE process_cpu_seconds counter
         process_cpu_seconds_total 3.0
         """)
     found = mp.server_metrics(text)
-    assert found == {"lmcache_mp_l1_write_total": 12.0, "lmcache_mp_l2_store_submitted_objects_total": 7.0,
-                     "lmcache_mp_l2_store_completed_objects_total": 5.0, "lmcache_mp_l1_memory_usage_bytes": 4096.0}
+    assert found == {"lmcache_mp_l1_write_total": 12.0, "lmcache_mp_l2_store_submitted_objects_chunks_total": 7.0,
+                     "lmcache_mp_l2_store_completed_objects_chunks_total": 5.0,
+                     "lmcache_mp_l1_memory_usage_bytes": 4096.0}
     assert mp.l2_pending(found) == 2
     delta = mp.metrics_delta(found, {"lmcache_mp_l1_write_total": 2.0, "lmcache_mp_l1_memory_usage_bytes": 10.0})
     assert delta["lmcache_mp_l1_write_total"] == 10.0 and delta["lmcache_mp_l1_memory_usage_bytes"] == 4096.0

@@ -107,14 +107,25 @@ class ManagedProcess:
                           f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the whole process group, then SIGKILL whatever of it is left."""
+        """SIGTERM the leader, then the whole process group, then SIGKILL whatever of it is left."""
         if self.proc is None:
             return
         try:
             members = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             members = []
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        # The leader alone first: vLLM's API server then shuts its engine down in order, and the engine's
+        # KV connector unregisters its GPU KV cache from an LMCache MP server (a signalled engine core
+        # does not, and the server keeps that GPU memory mapped after the replica is gone).
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _still_running(members[:1], grace_s)
+        members = _still_running(members, 0.0)
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if not members:
+                break
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
@@ -125,8 +136,6 @@ class ManagedProcess:
                 except psutil.NoSuchProcess:
                     pass
             members = _still_running(members, wait_s)
-            if not members:
-                break
         self.proc.wait(timeout=10)
         log.info("%s stopped", self.name)
 

@@ -27,7 +27,9 @@ CONNECTOR = "LMCacheMPConnector"
 # Counters and gauges of the server that say where chunks went (lookups, L1, L2).
 METRIC_PREFIXES = ("lmcache_mp_lookup", "lmcache_mp_l1_", "lmcache_mp_l2_", "lmcache_mp_num_chunks_loaded")
 L1_BYTES = "lmcache_mp_l1_memory_usage_bytes"
-L2_STORES = ("lmcache_mp_l2_store_submitted_objects_total", "lmcache_mp_l2_store_completed_objects_total")
+# OpenTelemetry's exporter appends the unit: lmcache_mp.l2_store_submitted_objects (chunks) is exported as
+# lmcache_mp_l2_store_submitted_objects_chunks_total (LMCache 0.5.3, seen on the H200).
+L2_STORES = ("lmcache_mp_l2_store_submitted_objects", "lmcache_mp_l2_store_completed_objects")
 
 
 def is_memory_pool(config: dict, cell: Cell) -> bool:
@@ -137,8 +139,10 @@ def server_metrics(metrics_text: str) -> dict[str, float]:
     """The server's lookup, L1 and L2 counters and gauges, summed over labels (salts, tags, adapters)."""
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
+        if family.type in ("histogram", "summary"):  # buckets and quantiles do not add up across labels
+            continue
         for sample in family.samples:
-            if sample.name.startswith(METRIC_PREFIXES):
+            if sample.name.startswith(METRIC_PREFIXES) and not sample.name.endswith("_created"):
                 found[sample.name] = found.get(sample.name, 0.0) + sample.value
     return found
 
@@ -151,5 +155,6 @@ def metrics_delta(after: dict[str, float], before: dict[str, float]) -> dict[str
 
 def l2_pending(metrics: dict[str, float]) -> float:
     """L2 stores the server accepted and has not finished writing."""
-    submitted, completed = (metrics.get(name, 0.0) for name in L2_STORES)
+    submitted, completed = (sum(v for k, v in metrics.items() if k.startswith(prefix) and k.endswith("_total"))
+                            for prefix in L2_STORES)
     return submitted - completed
