@@ -15,6 +15,7 @@ import pandas as pd
 import yaml
 from scipy.stats import bootstrap
 
+from kvpool import mp
 from kvpool.cells import Cell
 from kvpool.files import read_frame_or_empty, read_json, read_records
 from kvpool.summary import arm_metrics
@@ -175,6 +176,20 @@ def tier_table(results: Results) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def pool_server_table(root: Path, cells: list[Cell]) -> pd.DataFrame:
+    """What each lmcache-mp cell's servers counted per phase (``pool_server`` in populate.json and
+    reuse.json): lookups, L1 and L2 chunks, the L1 bytes held at the phase's end, L2 stores pending."""
+    rows = []
+    for cell in (c for c in cells if c.backend == mp.BACKEND):
+        for phase in ("populate", "reuse"):
+            meta = read_json(root / "results" / "cells" / cell.name / f"{phase}.json")
+            for server, record in meta.get("pool_server", {}).items():
+                counters = {name.removeprefix("lmcache_mp_"): value for name, value in record["metrics"].items()}
+                rows.append({"cell": cell.name, "phase": phase, "server": int(server),
+                             "pending_l2_stores": record["drain"]["pending_l2_stores"], **counters})
+    return pd.DataFrame(rows)
+
+
 def caveats(results: Results) -> list[str]:
     """What a reader must know before quoting a number, generated from this run."""
     cfg, engine = results.config, results.config["engine"]
@@ -186,6 +201,9 @@ def caveats(results: Results) -> list[str]:
         "Hash keys: " + ("PYTHONHASHSEED=0 on every replica." if cfg["hash_keys"] == "pythonhashseed"
                          else "LMCache sha256_cbor content hash.") + " The populate preflight checked them.",
     ]
+    if (results.cells["backend"] == "lmcache-mp").any():
+        notes.append("lmcache-mp cells: the LMCache server keys chunks by a blake3 content hash, so hash_keys does "
+                     "not apply to them; their preflight checked that replicas find each other's chunks.")
     for _, cell in results.cells.iterrows():
         notes.append(f"Cold reads, {cell['cell']}: {cell['cold_reads']}.")
     if results.cells["mean_power_w"].isna().all():

@@ -330,7 +330,8 @@ def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figu
     table1 = report.ttft_table(results)
     table2 = report.tier_table(results)
     head = report.headline(table1)
-    for name, frame in (("table1", table1), ("table2", table2), ("headline", head)):
+    servers = report.pool_server_table(Path(root), cells)
+    for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
         frame.to_csv(tables / f"{name}.csv", index=False)
         (tables / f"{name}.md").write_text(frame.to_markdown(index=False, floatfmt=".4g") + "\n")
     study = [("fig1_ttft_p50", figures.ttft_p50(table1)), ("fig2_ttft_p99", figures.ttft_p99(table1)),
@@ -362,6 +363,7 @@ def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figu
         "study_figures": [drawn[s] for s, _ in study], "extra_figures": [drawn[s] for s, _ in extra],
         "caveats": report.caveats(results),
         "kv_bytes_html": _kv_bytes_html(Path(root) / "results" / "kv_bytes.csv"),
+        "pool_server_html": _html(servers) if len(servers) else "",
     })
 
 

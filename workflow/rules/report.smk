@@ -4,6 +4,7 @@ rule report:
         validity=cell_files("validity.json"),
         reuse=cell_files("reuse.csv"),
         reuse_meta=cell_files("reuse.json"),
+        populate_meta=cell_files("populate.json"),  # an lmcache-mp cell's server counters
         manifest=cell_files("manifest.json"),
         telemetry=cell_files("telemetry/summary.json"),
         drive=cell_files("telemetry/drive.csv"),
