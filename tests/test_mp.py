@@ -259,3 +259,15 @@ def test_the_mp_gpu_config_plans_one_job_per_memory_pool_cell():
                 if len(line.split()) == 2 and line.split()[1].isdigit())
     # ram cells: populate, drop and reuse around one set of servers; disk cells: the three rules
     assert (jobs["memory_pool_cell"], jobs["populate"], jobs["drop"], jobs["reuse"]) == ("2", "2", "2", "2")
+
+
+def test_the_readme_rerun_command_names_a_rule_every_matrix_has(tmp_path):
+    """`--forcerun populate memory_pool_cell` re-runs one arm of any cell, MP memory pool or not."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text((REPO / "config" / "config.yaml").read_text())
+    target = "results/cells/backend~lmcache-fs/arm~shared/chunk~256/tier~disk/validity.json"
+    out = subprocess.run([sys.executable, "-m", "snakemake", target, "-n", "--forcerun", "populate", "memory_pool_cell",
+                          "--directory", str(tmp_path), "-s", str(REPO / "Snakefile")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "populate" in out.stdout.split("Job stats:")[1]

@@ -1,45 +1,46 @@
 # An lmcache-mp pool on a memory tier is the LMCache server's L1: it lives only as long as the server,
 # so populate, drop and reuse of such a cell run in one job around one set of servers (each phase
 # still starts a fresh fleet). Every other cell runs them as the three rules of populate.smk,
-# drop.smk and reuse.smk. Re-run such a cell with --forcerun memory_pool_cell.
-MEMORY_POOL_TIERS = [t for t in config["lmcache_mp"]["memory_tiers"] if t in config["tiers"]]
+# drop.smk and reuse.smk. Re-run such a cell with --forcerun memory_pool_cell. The rule exists in
+# every matrix (it matches no cell where none is an MP memory pool), so that --forcerun names it anywhere.
+MEMORY_POOL_TIERS = [t for t in config["lmcache_mp"]["memory_tiers"] if t in config["tiers"]] if mp.used(config) else []
 
-if mp.used(config) and MEMORY_POOL_TIERS:
 
-    ruleorder: memory_pool_cell > populate
-    ruleorder: memory_pool_cell > drop
-    ruleorder: memory_pool_cell > reuse
+ruleorder: memory_pool_cell > populate
+ruleorder: memory_pool_cell > drop
+ruleorder: memory_pool_cell > reuse
 
-    rule memory_pool_cell:
-        """Start the cell's LMCache servers, populate, check the drop, reuse, stop the servers."""
-        input:
-            plan=cell_path("plan.yaml"),
-            prompts="results/workload/prompts.jsonl",
-            pool_freed=pool_freed_first,
-        output:
-            populate_csv=cell_path("populate.csv"),
-            populate_meta=cell_path("populate.json"),
-            populate_drive=cell_path("telemetry/populate-drive.csv"),
-            populate_power=cell_path("telemetry/populate-power.csv"),
-            drop=cell_path("drop.json"),
-            reuse_csv=cell_path("reuse.csv"),
-            reuse_meta=cell_path("reuse.json"),
-            reuse_drive=cell_path("telemetry/reuse-drive.csv"),
-            reuse_power=cell_path("telemetry/reuse-power.csv"),
-            digests=cell_path("pool-digests.csv"),
-        wildcard_constraints:
-            backend=mp.BACKEND,
-            tier="|".join(MEMORY_POOL_TIERS),
-        params:
-            telemetry_hz=config["telemetry_hz"],
-            log_dir=lambda wc: f"logs/memory_pool_cell/{Cell.from_wildcards(wc).name}",
-        resources:
-            fleet=1,
-        conda:
-            CONDA_ENV
-        log:
-            cell_log("memory_pool_cell"),
-        benchmark:
-            cell_path("benchmarks/memory_pool_cell.tsv")
-        script:
-            "../scripts/run_memory_pool_cell.py"
+
+rule memory_pool_cell:
+    """Start the cell's LMCache servers, populate, check the drop, reuse, stop the servers."""
+    input:
+        plan=cell_path("plan.yaml"),
+        prompts="results/workload/prompts.jsonl",
+        pool_freed=pool_freed_first,
+    output:
+        populate_csv=cell_path("populate.csv"),
+        populate_meta=cell_path("populate.json"),
+        populate_drive=cell_path("telemetry/populate-drive.csv"),
+        populate_power=cell_path("telemetry/populate-power.csv"),
+        drop=cell_path("drop.json"),
+        reuse_csv=cell_path("reuse.csv"),
+        reuse_meta=cell_path("reuse.json"),
+        reuse_drive=cell_path("telemetry/reuse-drive.csv"),
+        reuse_power=cell_path("telemetry/reuse-power.csv"),
+        digests=cell_path("pool-digests.csv"),
+    wildcard_constraints:
+        backend=mp.BACKEND,
+        tier="|".join(MEMORY_POOL_TIERS) or "(?!)",  # (?!) matches nothing
+    params:
+        telemetry_hz=config["telemetry_hz"],
+        log_dir=lambda wc: f"logs/memory_pool_cell/{Cell.from_wildcards(wc).name}",
+    resources:
+        fleet=1,
+    conda:
+        CONDA_ENV
+    log:
+        cell_log("memory_pool_cell"),
+    benchmark:
+        cell_path("benchmarks/memory_pool_cell.tsv")
+    script:
+        "../scripts/run_memory_pool_cell.py"
