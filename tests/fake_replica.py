@@ -28,6 +28,16 @@ if mode == "orderly":  # like vLLM's API server: on SIGTERM it stops its engine 
 
     signal.signal(signal.SIGTERM, shut_down)
     mode = "serve"
+elif mode == "regroup":  # a child that left the replica's process group, as a daemonized engine might
+    child = subprocess.Popen([sys.executable, "-c", "import os, time; os.setpgid(0, 0); time.sleep(600)"])
+    mode = "serve"
+elif mode == "slowstop":  # an API server that takes seconds to shut down on SIGTERM
+    import signal
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    signal.signal(signal.SIGTERM, lambda signum, frame: (time.sleep(3), child.kill(), sys.exit(0)))
+    mode = "serve"
 else:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(f"fake replica child {child.pid}", flush=True)

@@ -49,6 +49,43 @@ def test_a_replica_is_stopped_through_its_api_server(tmp_path):
     assert "engine stopped by its API server" in (tmp_path / "replica-0.log").read_text()
 
 
+def test_a_killed_replica_leaves_no_orphan(tmp_path):
+    """kill -9 of a replica's API server: its engine (here one that left the process group) is still stopped."""
+    with running_fleet(fake_plan("regroup", count=1), tmp_path, timeout_s=30) as (replica,):
+        members = family(replica.proc.pid)
+        assert len(members) == 2
+        os.kill(replica.proc.pid, signal.SIGKILL)
+        replica.proc.wait(timeout=10)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive
+
+
+def test_ctrl_c_while_the_fleet_stops_still_stops_every_replica(tmp_path):
+    ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_fleet import fake_plan
+        from kvpool.fleet import running_fleet
+        with running_fleet(fake_plan("slowstop", ports={ports}), {str(tmp_path)!r}, 30):
+            print("ready", flush=True)
+            time.sleep(1)
+        print("stopped", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = psutil.Process(proc.pid).children(recursive=True)
+    assert len(members) == 4
+    time.sleep(2)  # the fleet is stopping: replica 0's API server takes 3 s
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0  # the Ctrl-C still ends the run, after the stop
+    assert "stopped" not in proc.stdout.read()
+    _, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive
+
+
 def test_dead_replica_error_carries_its_log_tail(tmp_path):
     with pytest.raises(FleetError, match="(?s)replica 0 .*exited with code 3.*CUDA out of memory"):
         with running_fleet(fake_plan("die", count=1), tmp_path, timeout_s=30):

@@ -85,6 +85,7 @@ class ManagedProcess:
         self.url = url
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.family: list[psutil.Process] = []  # every process of it seen so far (remember_family)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,6 +95,17 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         log.info("%s started: pid %d, %s, log %s", self.name, self.proc.pid, self.url, self.log_path)
+        self.remember_family()
+
+    def remember_family(self) -> None:
+        """Record the leader and its descendants now, so that a stop reaches them even after the leader
+        died and they were re-parented (a killed API server leaves its engine core behind)."""
+        try:
+            leader = psutil.Process(self.proc.pid)
+            found = [leader] + leader.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        self.family += [p for p in found if p not in self.family]
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -107,35 +119,31 @@ class ManagedProcess:
                           f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the leader, then the whole process group, then SIGKILL whatever of it is left."""
+        """SIGTERM the leader, then the whole process group and every process of it ever seen, then SIGKILL
+        whatever is left."""
         if self.proc is None:
             return
-        try:
-            members = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            members = []
+        self.remember_family()
         # The leader alone first: vLLM's API server then shuts its engine down in order, and the engine's
         # KV connector unregisters its GPU KV cache from an LMCache MP server (a signalled engine core
         # does not, and the server keeps that GPU memory mapped after the replica is gone).
-        try:
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        _still_running(members[:1], grace_s)
-        members = _still_running(members, 0.0)
+            _still_running(self.family[:1], grace_s)
+        members = self.family
         for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            if not members:
-                break
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-            for member in members:  # children that left the group are signalled one by one
+            for member in _still_running(members, 0.0):  # re-parented or regrouped members, one by one
                 try:
                     member.send_signal(sig)
                 except psutil.NoSuchProcess:
                     pass
             members = _still_running(members, wait_s)
+            if not members:
+                break
         self.proc.wait(timeout=10)
         log.info("%s stopped", self.name)
 
@@ -226,6 +234,7 @@ def wait_healthy(replicas: list[ManagedProcess], timeout_s: float) -> None:
             if not replica.alive():
                 raise replica.died_error()
             if replica.healthy():
+                replica.remember_family()
                 pending.remove(replica)
         if pending and time.monotonic() > deadline:
             worst = pending[0]
@@ -251,8 +260,9 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
             log.info("fleet of %d healthy after %.1f s", len(replicas), time.monotonic() - started)
             yield replicas
         finally:
-            for replica in replicas:
-                replica.stop()
+            with _signals_held():
+                for replica in replicas:
+                    replica.stop()
 
 
 def resolve_server_ports(plan: dict) -> dict:
@@ -282,8 +292,21 @@ def running_servers(plan: dict, log_dir: Path, timeout_s: float):
             wait_healthy(servers, timeout_s)
             yield plan, servers
         finally:
-            for server in servers:
-                server.stop()
+            with _signals_held():
+                for server in servers:
+                    server.stop()
+
+
+@contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM back while processes stop: a Ctrl-C that lands mid-stop would otherwise
+    abort it and leave the rest running. The signals are delivered (and raise) once every stop is done."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextmanager
