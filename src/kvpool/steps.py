@@ -124,7 +124,7 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     root, cell_dir = pool_root(config, cell), Path(csv_out).parent
     if not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
-                           f"re-run the cell from its populate: snakemake --forcerun populate {cell_dir}/validity.json")
+                           f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
     stored_before = kvbytes.stored_files(dirs)
     frame, meta = _run_sampled_phase(
