@@ -154,3 +154,27 @@ def test_an_exited_but_unreaped_process_counts_as_stopped():
     sleeper.kill()
     sleeper.wait()
     child.wait()
+
+
+def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
+    """The phase keeps going and keeps its rows: the failed request says which replica died and why."""
+    import asyncio
+
+    import aiohttp
+
+    from kvpool.fleet import Replica
+    from kvpool.phases import _measured
+
+    entry = fake_plan("die", count=1)["replicas"][0]
+    replica = Replica(entry, tmp_path / "replica-0.log")
+    replica.start()
+    replica.proc.wait(timeout=30)
+
+    async def request():
+        async with aiohttp.ClientSession() as session:
+            return await _measured(session, replica, [1, 2, 3], 4, 5.0)
+
+    result, counts = asyncio.run(request())
+    assert counts == {}
+    assert "replica 0" in result.error and "exited with code 3" in result.error
+    assert "CUDA out of memory" in result.error  # the log tail

@@ -37,11 +37,30 @@ class PreflightFailed(RuntimeError):
 
 async def _measured(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
                     timeout_s: float, cache_salt: str | None = None) -> tuple[RequestResult, dict[str, int]]:
-    """One request and the serving replica's token-counter deltas around it (one request in flight per replica)."""
-    before = await metrics.scrape(session, replica.url)
+    """One request and the serving replica's token-counter deltas around it (one request in flight per replica).
+
+    Failures come back as data: a replica that cannot be scraped or has died gives a row whose error
+    names it (its exit code and log tail), and the phase goes on, so the rows measured so far are kept.
+    """
+    try:
+        before = await metrics.scrape(session, replica.url)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return RequestResult(error=_replica_error(replica, "its /metrics before the request", exc)), {}
     result = await complete(session, replica.url, prompt, output_tokens, timeout_s, cache_salt)
-    after = await metrics.scrape(session, replica.url)
+    try:
+        after = await metrics.scrape(session, replica.url)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        result.error = result.error or _replica_error(replica, "its /metrics after the request", exc)
+        return result, {}
+    if result.error and not replica.alive():
+        result.error = _replica_error(replica, "the request", result.error)
     return result, metrics.delta(after, before)
+
+
+def _replica_error(replica: Replica, what: str, cause) -> str:
+    if replica.alive():
+        return f"replica {replica.index}: {what} failed: {cause}"
+    return f"{what} failed: {replica.died_error()}"
 
 
 def _record(doc_id: int, prefill: int | None, serve: int, result: RequestResult, counts: dict[str, int]) -> dict:
@@ -64,7 +83,7 @@ async def _preflight(session, replicas: list[Replica], probe: list[int], probe_f
     stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
     found, counts = await _measured(session, replicas[1], probe_followup, output_tokens, timeout_s)
     local = await complete(session, replicas[0].url, probe_followup, output_tokens, timeout_s)
-    hits = counts["external_kv_transfer"]
+    hits = counts.get("external_kv_transfer", 0)
     errors = [e for e in (stored.error, found.error, local.error) if e]
     outputs_match = not errors and found.output_text == local.output_text
     # Only a pool hit puts the pool's KV under test; an isolated arm's replica 1 computes cold.

@@ -23,11 +23,13 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell."""
     documents = config["workload"]["documents"]
     doc_tokens = config["workload"]["doc_tokens"]
-    errors = int((populate["error"].fillna("") != "").sum() + (reuse["error"].fillna("") != "").sum())
+    messages = pd.concat([populate["error"], reuse["error"]]).fillna("")
+    errors = int((messages != "").sum())
     cross = reuse["prefill_replica"] != reuse["serve_replica"]
     fractions = hit_fractions(reuse, doc_tokens)
     checks = {
-        "zero_errors": _check(errors == 0, errors, 0),
+        # the first distinct errors say why (a dead replica's exit code and log tail, say)
+        "zero_errors": {**_check(errors == 0, errors, 0), "examples": list(dict.fromkeys(messages[messages != ""]))[:3]},
         "all_documents_served": _check(len(reuse) == documents and len(populate) == documents,
                                        {"populate": len(populate), "reuse": len(reuse)}, documents),
         "cross_replica": _check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
@@ -65,4 +67,5 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
 def failures(validity: dict) -> list[str]:
     """Human-readable reasons a cell is invalid."""
     return [f"{name}: value {c['value']!r}, threshold {c['threshold']!r}"
+            + (f"; e.g. {c['examples'][0]}" if c.get("examples") else "")
             for name, c in validity["checks"].items() if not c["ok"]]
