@@ -83,6 +83,8 @@ def test_ctrl_c_while_the_fleet_stops_still_stops_every_replica(tmp_path):
     assert proc.wait(timeout=60) != 0  # the Ctrl-C still ends the run, after the stop
     assert "stopped" not in proc.stdout.read()
     _, alive = psutil.wait_procs(members, timeout=10)
+    for left in alive:  # a failing run must not leave its replicas to the next test
+        left.kill()
     assert not alive
 
 
