@@ -60,8 +60,17 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class ReusePortServer(http.server.HTTPServer):
+    def server_bind(self):
+        import socket
+
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
 if mode == "serve":
-    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    server = ReusePortServer if "--reuse-port" in sys.argv else http.server.HTTPServer
+    server(("127.0.0.1", port), Health).serve_forever()
 else:  # "silent": alive but never healthy
     import time
 

@@ -180,3 +180,19 @@ def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
     assert counts == {}
     assert "replica 0" in result.error and "exited with code 3" in result.error
     assert "CUDA out of memory" in result.error  # the log tail
+
+
+def test_a_port_another_server_also_listens_on_is_named(tmp_path):
+    """vLLM binds with SO_REUSEPORT: a second server that binds the same port (another run that planned
+    it at the same moment) silently takes a share of the requests."""
+    plan = fake_plan("serve", count=1)
+    plan["replicas"][0]["argv"].append("--reuse-port")  # as vLLM does
+    port = plan["replicas"][0]["port"]
+    with running_fleet(plan, tmp_path, timeout_s=30) as (replica,):
+        assert replica.port_owner_problem() is None
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            other.bind(("127.0.0.1", port))
+            other.listen()
+            problem = replica.port_owner_problem()
+    assert f"port {port} is also listened on by pid {os.getpid()}" in problem and "engine.ports" in problem

@@ -161,6 +161,23 @@ class Replica(ManagedProcess):
             Path(self.entry["lmcache_config_file"]).write_text(yaml.safe_dump(self.entry["lmcache_config"]))
         super().start()
 
+    def port_owner_problem(self) -> str | None:
+        """Why requests to this replica's port might reach another process, or None.
+
+        vLLM listens with SO_REUSEPORT, so a second vLLM (another run that planned the same free port at
+        the same moment) binds the same port without error and the kernel splits connections between
+        them: requests, hits and /metrics would silently mix two fleets.
+        """
+        ours = {p.pid for p in self.family}
+        others = sorted({str(c.pid) for c in psutil.net_connections(kind="tcp")
+                         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.entry["port"]
+                         and c.pid not in ours})
+        if not others:
+            return None
+        return (f"{self.name}'s port {self.entry['port']} is also listened on by pid {', '.join(others)} (another "
+                "vLLM server shares it through SO_REUSEPORT, e.g. a second kvpool run on this machine), so "
+                "requests could reach it; stop that run or give this one its own engine.ports")
+
     def healthy(self) -> bool:
         """Answers /health and serves our model: another server that took the port does not count."""
         try:
@@ -257,6 +274,9 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
                 if replica.entry["sequential_start"]:
                     wait_healthy([replica], timeout_s)
             wait_healthy(replicas, timeout_s)
+            shared_ports = [problem for r in replicas if (problem := r.port_owner_problem())]
+            if shared_ports:
+                raise FleetError("; ".join(shared_ports))
             log.info("fleet of %d healthy after %.1f s", len(replicas), time.monotonic() - started)
             yield replicas
         finally:
