@@ -3,7 +3,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -22,6 +21,19 @@ def fake_plan(mode: str, count: int = 2, ports=None, source="auto"):
         {"index": i, "host": "127.0.0.1", "port": p, "sequential_start": False, "lmcache_config_file": None,
          "env": {}, "argv": [sys.executable, FAKE, mode, "--port", str(p)]}
         for i, p in enumerate(ports)]}
+
+
+def write_driver(tmp_path, *body: str) -> Path:
+    """A Python script that runs ``body`` (lines) with Ctrl-C raising KeyboardInterrupt and tests/ importable.
+
+    A shell's background job starts with SIGINT ignored, and Python keeps it so; the Ctrl-C path is
+    what is under test, so the driver restores Python's default handler.
+    """
+    driver = tmp_path / "driver.py"
+    driver.write_text("\n".join(["import signal, sys, time",
+                                   "signal.signal(signal.SIGINT, signal.default_int_handler)",
+                                   f"sys.path.insert(0, {str(Path(__file__).parent)!r})", *body]) + "\n")
+    return driver
 
 
 def family(pid):
@@ -62,18 +74,9 @@ def test_a_killed_replica_leaves_no_orphan(tmp_path):
 
 def test_ctrl_c_while_the_fleet_stops_still_stops_every_replica(tmp_path):
     ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
-    driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent(f"""
-        import signal, sys, time
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_fleet import fake_plan
-        from kvpool.fleet import running_fleet
-        with running_fleet(fake_plan("slowstop", ports={ports}), {str(tmp_path)!r}, 30):
-            print("ready", flush=True)
-            time.sleep(1)
-        print("stopped", flush=True)
-    """))
+    driver = write_driver(tmp_path, "from test_fleet import fake_plan", "from kvpool.fleet import running_fleet",
+                          f"with running_fleet(fake_plan('slowstop', ports={ports}), {str(tmp_path)!r}, 30):",
+                          "    print('ready', flush=True)", "    time.sleep(1)", "print('stopped', flush=True)")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     members = psutil.Process(proc.pid).children(recursive=True)
@@ -117,19 +120,9 @@ def test_configured_port_in_use_is_a_clear_error():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_stop_the_fleet(tmp_path, sig):
     ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
-    driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent(f"""
-        import signal, sys, time
-        # A shell's background job starts with SIGINT ignored, and Python keeps it so; the fleet's
-        # Ctrl-C path is what is under test, so the driver restores Python's default handler.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_fleet import fake_plan
-        from kvpool.fleet import running_fleet
-        with running_fleet(fake_plan("serve", ports={ports}), {str(tmp_path)!r}, 30):
-            print("ready", flush=True)
-            time.sleep(600)
-    """))
+    driver = write_driver(tmp_path, "from test_fleet import fake_plan", "from kvpool.fleet import running_fleet",
+                          f"with running_fleet(fake_plan('serve', ports={ports}), {str(tmp_path)!r}, 30):",
+                          "    print('ready', flush=True)", "    time.sleep(600)")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     members = [p for p in psutil.Process(proc.pid).children(recursive=True)]

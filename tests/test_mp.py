@@ -1,12 +1,10 @@
 """The lmcache-mp backend without a GPU: its plan, its refusals, its server's lifecycle and metrics."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -18,7 +16,8 @@ from kvpool.cells import Cell
 from kvpool.fleet import FleetError, free_ports, resolve_server_ports, running_servers
 from kvpool.plan import fleet_plan, with_server_ports
 
-FAKE = str(Path(__file__).with_name("fake_replica.py"))
+from test_fleet import FAKE, family, write_driver
+
 REPO = Path(__file__).resolve().parents[1]
 TEST_PORTS = 38300
 
@@ -158,14 +157,6 @@ def fake_server_plan(mode, count=1):
         for i in range(count)]}
 
 
-def family(pid):
-    try:
-        proc = psutil.Process(pid)
-        return [proc] + proc.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def test_servers_start_answer_and_leave_nothing_behind(tmp_path):
     with running_servers(fake_server_plan("serve", 2), tmp_path, timeout_s=30) as (plan, servers):
         pids = [p.pid for s in servers for p in family(s.proc.pid)]
@@ -214,17 +205,9 @@ def test_a_taken_server_port_moves_before_start():
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_stop_the_servers(tmp_path, sig):
-    driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent(f"""
-        import signal, sys, time
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_mp import fake_server_plan
-        from kvpool.fleet import running_servers
-        with running_servers(fake_server_plan("serve", 2), {str(tmp_path)!r}, 30):
-            print("ready", flush=True)
-            time.sleep(600)
-    """))
+    driver = write_driver(tmp_path, "from test_mp import fake_server_plan", "from kvpool.fleet import running_servers",
+                          f"with running_servers(fake_server_plan('serve', 2), {str(tmp_path)!r}, 30):",
+                          "    print('ready', flush=True)", "    time.sleep(600)")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     members = psutil.Process(proc.pid).children(recursive=True)
