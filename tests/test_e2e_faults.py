@@ -49,10 +49,12 @@ def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     rows = pd.read_csv(cell / "reuse.csv")
     assert len(rows) == 4 and list(rows["doc_id"]) == [0, 1, 2, 3]
     served_by_victim = rows["serve_replica"] == 1
-    assert rows.loc[served_by_victim, "error"].str.contains("replica 1 .*exited with code -9", regex=True).all()
-    assert rows.loc[~served_by_victim, "error"].isna().all()  # the other replica's follow-ups were measured
+    failed = rows["error"].notna()
+    # the victim's follow-ups after the kill name its exit (one may have been served before it)
+    assert failed.any() and (failed <= served_by_victim).all()
+    assert rows.loc[failed, "error"].str.contains("replica 1 .*exited with code -9", regex=True).all()
     assert list((cell / "runs").glob("*-reuse.csv"))
     validity = json.loads((cell / "validity.json").read_text())
-    assert not validity["valid"] and validity["checks"]["zero_errors"]["value"] == served_by_victim.sum()
+    assert not validity["valid"] and validity["checks"]["zero_errors"]["value"] == failed.sum()
     assert "exited with code -9" in validity["checks"]["zero_errors"]["examples"][0]
     assert replicas_running_in(tmp_path) == []
