@@ -71,7 +71,9 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
 
 
 @pytest.mark.parametrize("name, doc_tokens, gpus, packed", [("h200-128k.yaml", 131072, {0}, True),
-                                                            ("h200x2-256k.yaml", 262144, {0, 1}, False)])
+                                                            ("h200x2-256k.yaml", 262144, {0, 1}, False),
+                                                            ("h200x2-mp-128k.yaml", 131072, {0, 1}, False),
+                                                            ("h200x2-mp-256k.yaml", 262144, {0, 1}, False)])
 def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_tokens, gpus, packed):
     """Study B's 128k and 256k contexts: a host-memory pool, both arms, prompts that fit the engine."""
     import yaml
@@ -85,8 +87,10 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
         [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
          "--configfile", str(REPO / "config" / name)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^populate\s+2$", result.stdout, re.M)  # 2 arms x the ram tier
     config = yaml.safe_load((REPO / "config" / name).read_text())
+    # 2 arms x the ram tier: the MP server's L1 runs both phases in one job
+    assert re.search(rf"^{'memory_pool_cell' if config['backends'] == ['lmcache-mp'] else 'populate'}\s+2$",
+                     result.stdout, re.M)
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
     assert config["workload"]["doc_tokens"] == doc_tokens and list(config["tiers"]) == ["ram"]
     assert problems(config, tmp_path, check_paths=False) == []
@@ -94,7 +98,8 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
     kv = config["workload"]["documents"] * doc_tokens * 65536
     assert 0.89 * kv < config["min_pool_bytes"] < 0.91 * kv
     assert pool_bytes_per_cell(config, "isolated") > pool_bytes_per_cell(config, "shared")
-    plan = fleet_plan(config, Cell("lmcache-fs", "shared", 256, "ram"), "resources/model", tmp_path, [18100, 18101],
-                      "auto")
+    backend = config["backends"][0]
+    plan = fleet_plan(config, Cell(backend, "shared", 256, "ram"), "resources/model", tmp_path, [18100, 18101],
+                      "auto", server_ports=[18102, 18103] if backend == "lmcache-mp" else None)
     assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
     assert all(r["sequential_start"] == packed for r in plan["replicas"])
