@@ -58,3 +58,11 @@ def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     assert not validity["valid"] and validity["checks"]["zero_errors"]["value"] == failed.sum()
     assert "exited with code -9" in validity["checks"]["zero_errors"]["examples"][0]
     assert replicas_running_in(tmp_path) == []
+    # measuring the cell's reuse again would read the chunks this reuse stored: refused, before any fleet starts
+    again = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs) + ["--forcerun", "reuse"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode != 0
+    reuse_log = log.read_text()
+    assert "more than populate left" in reuse_log and "--forcerun populate" in reuse_log
+    assert reuse_log.count("fleet of 2 healthy") == 1
+    assert len(list((cell / "runs").glob("*-reuse.csv"))) == 1  # the measured rows are still there

@@ -6,10 +6,10 @@ from kvpool.metrics import delta, token_counters
 from kvpool.summary import arm_metrics, table1, table1_markdown
 from kvpool.validity import evaluate, failures
 
-DOC = 1000
+DOC = 1024  # four whole chunks of 256
 
 
-def frames(arm="shared", hits=1000, errors=("",) * 4, outputs=("a", "b", "c", "d")):
+def frames(arm="shared", hits=DOC, errors=("",) * 4, outputs=("a", "b", "c", "d")):
     populate = pd.DataFrame({"doc_id": range(4), "prefill_replica": [0, 1, 0, 1], "serve_replica": [0, 1, 0, 1],
                              "error": [""] * 4, "output_text": ["x"] * 4})
     reuse = pd.DataFrame({"doc_id": range(4), "prefill_replica": [0, 1, 0, 1], "serve_replica": [1, 0, 1, 0],
@@ -38,6 +38,7 @@ def test_a_clean_shared_cell_is_valid(config):
 @pytest.mark.parametrize("kwargs, check", [
     ({"hits": 0}, "pool_hits"),                                   # a silent miss is caught, not averaged in
     ({"hits": 850}, "pool_hits"),
+    ({"hits": DOC + 256}, "hits_within_document"),                # a chunk an earlier reuse left: a warm pool
     ({"errors": ("", "HTTP 500", "", "")}, "zero_errors"),
     ({"outputs": ("a", "b", "X", "d")}, "output_matches_recompute"),
     ({"pool_bytes": 10}, "pool_bytes"),

@@ -111,9 +111,14 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
 
 
 def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate_csv: str, csv_out: str,
-              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, servers=None,
-              plan: dict | None = None) -> None:
-    """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already."""
+              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, *, populate_json: str,
+              servers=None, plan: dict | None = None) -> None:
+    """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
+
+    It measures only a pool exactly as populate left it: reuse adds chunks to a pool (follow-up
+    chunks, and the isolated arm's recomputed documents), so a pool holding more files than populate
+    recorded was warmed by an earlier reuse (a forced or interrupted one) and is refused.
+    """
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
     workload = prompts.read_workload(Path(prompts_path))
     populated = pd.read_csv(populate_csv)
@@ -127,6 +132,12 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
                            f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
     stored_before = kvbytes.stored_files(dirs)
+    populated_files = read_json(populate_json)["pool"]["files"]
+    if len(stored_before) > populated_files:
+        raise RuntimeError(
+            f"the pool of {cell.name} holds {len(stored_before)} files, {len(stored_before) - populated_files} more than "
+            f"populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; re-run the "
+            f"cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks, servers),
         drive_csv, power_csv)
@@ -158,7 +169,8 @@ def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path:
                      populate["power"], log_dirs["populate"], servers=servers, plan=plan)
         run_drop(config, plan_path, drop_out)
         run_reuse(config, cell, plan_path, prompts_path, populate["csv"], reuse["csv"], reuse["meta"], reuse["drive"],
-                  reuse["power"], reuse["digests"], log_dirs["reuse"], servers=servers, plan=plan)
+                  reuse["power"], reuse["digests"], log_dirs["reuse"], populate_json=populate["meta"],
+                  servers=servers, plan=plan)
 
 
 def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
@@ -173,7 +185,7 @@ def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str
     populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
     result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv), read_records(reference_csv),
                                reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
-                               populate_meta["preflight"])
+                               populate_meta["preflight"], chunk=cell.chunk)
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)

@@ -19,8 +19,9 @@ REFERENCE_PATH = {"shared": "after_document", "isolated": "cold"}
 
 
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
-             drop_before_reuse: dict, pool_bytes: int, preflight: dict) -> dict:
-    """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell."""
+             drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None) -> dict:
+    """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
+    ``chunk`` (default: the smallest configured, whose hit bound is the loosest)."""
     documents = config["workload"]["documents"]
     doc_tokens = config["workload"]["doc_tokens"]
     messages = pd.concat([populate["error"], reuse["error"]]).fillna("")
@@ -46,6 +47,12 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     if cell_arm == "shared":
         worst = float(fractions.min()) if len(fractions) else 0.0
         checks["pool_hits"] = _check(worst >= config["min_hit_fraction"], worst, config["min_hit_fraction"])
+        # populate stored the documents' whole chunks and nothing else: a follow-up that loaded more
+        # read chunks an earlier reuse left in the pool (its own new tokens), not a cold pool
+        most = int(reuse["external_hit_tokens"].fillna(0).max()) if len(reuse) else 0
+        chunk = chunk or min(config["chunk_sizes"])
+        whole = doc_tokens // chunk * chunk
+        checks["hits_within_document"] = _check(most <= whole, most, whole)
     else:
         loaded = int(reuse["external_hit_tokens"].fillna(0).sum())
         checks["isolation"] = _check(loaded == 0, loaded, 0)

@@ -4,6 +4,7 @@ rule reuse:
         plan=cell_path("plan.yaml"),
         prompts="results/workload/prompts.jsonl",
         populate=cell_path("populate.csv"),
+        populate_meta=cell_path("populate.json"),
         drop=cell_path("drop.json"),
     output:
         csv=cell_path("reuse.csv"),
