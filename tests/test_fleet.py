@@ -189,3 +189,26 @@ def test_a_port_another_server_also_listens_on_is_named(tmp_path):
             other.listen()
             problem = replica.port_owner_problem()
     assert f"port {port} is also listened on by pid {os.getpid()}" in problem and "engine.ports" in problem
+
+
+def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
+    """populate checks its ports before it clears the cell's old pool."""
+    import yaml
+
+    from kvpool.cells import Cell, pool_root
+    from kvpool.steps import run_populate
+
+    config["tiers"] = {"disk": str(tmp_path / "tier")}
+    cell = Cell("lmcache-fs", "shared", 256, "disk")
+    kept = pool_root(config, cell) / "shared" / "chunk.data"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"measured")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        plan = fake_plan("serve", count=1, ports=[busy.getsockname()[1]], source="config")
+        (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+        with pytest.raises(FleetError, match="configured ports are in use"):
+            run_populate(config, cell, str(tmp_path / "plan.yaml"), "prompts.jsonl", "p.csv", "p.json", "d.csv",
+                         "w.csv", str(tmp_path / "logs"))
+    assert kept.read_bytes() == b"measured"

@@ -18,7 +18,7 @@ import yaml
 from kvpool import kvbytes, mp, phases, pool, prompts, provenance, summary, validity
 from kvpool.cells import Cell, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
-from kvpool.fleet import free_ports, running_servers
+from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
 from kvpool.plan import fleet_plan, reference_plan
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, cs
                  drive_csv: str, power_csv: str, log_dir: str, servers=None, plan: dict | None = None) -> None:
     """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already."""
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
+    # a configured port that is busy fails here, before the cell's old pool is cleared
+    plan = resolve_server_ports(resolve_ports(plan))
     root = pool_root(config, cell)
     if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
         shutil.rmtree(root)
