@@ -146,3 +146,23 @@ def test_localhost_and_addresses_are_fine_hosts(config, tmp_path):
     for host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
         config["engine"]["host"] = host
         assert not [p for p in problems(config, tmp_path) if "engine.host" in p]
+
+
+def test_the_free_space_check_reads_a_real_models_kv_size(config, tmp_path):
+    """A local model's config.json gives its KV bytes per token, so a tier too small for its pools is refused."""
+    import json
+
+    from kvpool.config import pool_bytes_per_cell
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32,
+                                                   "num_key_value_heads": 8, "hidden_size": 4096,
+                                                   "torch_dtype": "bfloat16"}))
+    config["engine"].update(model=str(model), dtype="auto")
+    config["tiers"] = {"disk": str(tmp_path / "pools")}
+    workload = config["workload"]
+    # 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token
+    assert pool_bytes_per_cell(config, "shared") == workload["documents"] * (workload["doc_tokens"] + 200) * 131072
+    workload["documents"] = 10**7
+    assert any(p.startswith("tiers.disk:") and "GB available but needs" in p for p in problems(config, tmp_path))

@@ -21,12 +21,12 @@ def frames(arm="shared", hits=DOC, errors=("",) * 4, outputs=("a", "b", "c", "d"
     return populate, reuse, reference
 
 
-def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, **kw):
+def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), **kw):
     populate, reuse, reference = frames(arm, **kw)
     config["workload"].update(documents=4, doc_tokens=DOC)
     drop = drop or {"memory_backed": False, "resident_fraction": 0.0}
     preflight = preflight or {"ok": True, "hit_tokens": 512, "expect_shared": arm == "shared"}
-    return evaluate(arm, config, populate, reuse, reference, drop, pool_bytes, preflight)
+    return evaluate(arm, config, populate, reuse, reference, drop, pool_bytes, preflight, write_errors=write_errors)
 
 
 def test_a_clean_shared_cell_is_valid(config):
@@ -116,3 +116,24 @@ def test_counters_from_a_real_metrics_page():
     assert counters == {"external_hits": 5888.0, "external_kv_transfer": 5888.0, "local_compute": 312.0,
                         "local_cache_hit": 0.0}
     assert delta(counters, token_counters(""))["external_kv_transfer"] == 5888
+
+
+def test_a_failed_pool_write_is_named_by_the_gate(config):
+    result = gate(config, write_errors=["replica-0.log: OSError: [Errno 28] No space left on device"])
+    assert not result["valid"] and not result["checks"]["pool_writes"]["ok"]
+    assert any("No space left on device" in reason for reason in failures(result))
+
+
+def test_write_errors_are_read_from_this_phase_s_log_lines_only(tmp_path):
+    from kvpool.logs import log_sizes, new_lines_matching
+
+    old = tmp_path / "replica-0.log"
+    old.write_text("[Errno 28] No space left on device (an earlier run)\n")
+    since = log_sizes(tmp_path)
+    with open(old, "a") as handle:
+        handle.write("INFO stored 512 tokens\nERROR LMCache: failed to store: [Errno 28] No space left on device\n")
+    (tmp_path / "servers").mkdir()
+    (tmp_path / "servers" / "lmcache-server-0.log").write_text("OSError: [Errno 122] Disk quota exceeded\n")
+    found = new_lines_matching(tmp_path, since)
+    assert found == ["replica-0.log: ERROR LMCache: failed to store: [Errno 28] No space left on device",
+                     "lmcache-server-0.log: OSError: [Errno 122] Disk quota exceeded"]

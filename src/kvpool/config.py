@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvpool import mp
 from kvpool.cells import cells, tier_root
-from kvpool.model import kv_bytes_per_token
+from kvpool.model import kv_bytes_per_token, kv_bytes_per_token_of
 
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
@@ -107,17 +107,20 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
     """The KV bytes one cell's pool holds after its reuse phase; None for a model whose KV size this
-    workflow does not know (a real model: its config decides).
+    workflow cannot read (a real model that is not a local directory with a config.json).
 
     Populate stores every document once. In reuse the serving replica stores what it computed:
     the follow-up's new tokens in the shared arm, and in the isolated arm the whole prompt again
     (its own pool never held the document), so an isolated pool ends up about twice the size.
     """
-    if config["engine"]["model"] is not None:
+    model, dtype = config["engine"]["model"], config["engine"]["dtype"]
+    per_token = kv_bytes_per_token(config["random_model"], dtype) if model is None else kv_bytes_per_token_of(
+        Path(model), dtype)
+    if per_token is None:
         return None
     workload = config["workload"]
     stored = workload["doc_tokens"] * (2 if arm == "isolated" else 1) + workload["followup_tokens"]
-    return workload["documents"] * stored * kv_bytes_per_token(config["random_model"], config["engine"]["dtype"])
+    return workload["documents"] * stored * per_token
 
 
 def _space_problems(config: dict, tier: str, root: Path, existing: Path) -> list[str]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from pathlib import Path
 
 
 class _Tee:
@@ -29,3 +31,26 @@ def to_log(path: str) -> None:
     sys.stderr = _Tee(open(path, "w", buffering=1), sys.__stderr__)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# What a full tier looks like in a replica's or pool server's log (LMCache logs a failed store and goes on).
+WRITE_ERRORS = re.compile(r"No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\]")
+
+
+def log_sizes(log_dir: Path) -> dict[Path, int]:
+    """The size of every log under ``log_dir`` now: where this phase's lines will start (logs append)."""
+    return {path: path.stat().st_size for path in Path(log_dir).rglob("*.log")}
+
+
+def new_lines_matching(log_dir: Path, since: dict[Path, int], pattern: re.Pattern = WRITE_ERRORS,
+                       limit: int = 5) -> list[str]:
+    """Lines written under ``log_dir`` after ``since`` (from log_sizes) that match ``pattern``, as
+    ``file: line``, the first ``limit`` of them."""
+    found = []
+    for path in sorted(Path(log_dir).rglob("*.log")):
+        with open(path, "rb") as handle:
+            handle.seek(since.get(path, 0))
+            for line in handle.read().decode(errors="replace").splitlines():
+                if pattern.search(line) and len(found) < limit:
+                    found.append(f"{path.name}: {line.strip()[:300]}")
+    return found

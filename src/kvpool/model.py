@@ -36,6 +36,25 @@ def kv_bytes_per_token(spec: dict, dtype: str) -> int:
     return 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * element
 
 
+def kv_bytes_per_token_of(model_dir: Path, dtype: str) -> int | None:
+    """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V,
+    every layer); None when there is no such file or it lacks the sizes."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    try:
+        heads = cfg["num_attention_heads"]
+        spec = {"layers": cfg["num_hidden_layers"], "kv_heads": cfg.get("num_key_value_heads") or heads,
+                "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads}
+    except KeyError:
+        return None
+    if dtype == "auto":
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return kv_bytes_per_token(spec, dtype)
+
+
 def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
     """Write a random-weights Llama of ``spec`` (layers, hidden, heads...) and its tokenizer to ``out_dir``.
 

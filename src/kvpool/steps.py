@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool import kvbytes, mp, phases, pool, prompts, provenance, summary, validity
+from kvpool import kvbytes, logs, mp, phases, pool, prompts, provenance, summary, validity
 from kvpool.cells import Cell, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
@@ -92,7 +92,7 @@ def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, cs
         plan,
         lambda disks: phases.populate(plan, workload, {**config, "arm": cell.arm}, probe, Path(log_dir), disks,
                                       servers),
-        drive_csv, power_csv)
+        drive_csv, power_csv, log_dir)
     _archive(frame, Path(csv_out), "populate")
     frame.to_csv(csv_out, index=False)
     if plan.get("memory_pool"):  # no files: the pool is what the servers hold in L1
@@ -142,7 +142,7 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
             f"cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks, servers),
-        drive_csv, power_csv)
+        drive_csv, power_csv, log_dir)
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
@@ -187,7 +187,9 @@ def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str
     populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
     result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv), read_records(reference_csv),
                                reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
-                               populate_meta["preflight"], chunk=cell.chunk)
+                               populate_meta["preflight"], chunk=cell.chunk,
+                               write_errors=populate_meta.get("pool_write_errors", [])
+                               + reuse_meta.get("pool_write_errors", []))
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
@@ -262,13 +264,18 @@ def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
     return sorted({disk for record in resolved for disk in record["disks"]}), resolved
 
 
-def _run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str) -> tuple:
-    """Run one timed phase with telemetry; record drive health before and after it."""
+def _run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: str) -> tuple:
+    """Run one timed phase with telemetry; record drive health before and after it, and the pool
+    writes that failed in it (a full tier shows only in the replicas' and servers' logs)."""
     from kvpool.drive import drive_health
 
     disks, resolved = tier_disks(plan)
     health_before = [drive_health(d) for d in disks]
+    log_start = logs.log_sizes(Path(log_dir)) if Path(log_dir).is_dir() else {}
     frame, meta, sampler = run(disks)
+    meta["pool_write_errors"] = logs.new_lines_matching(Path(log_dir), log_start)
+    for line in meta["pool_write_errors"]:
+        log.error("a pool write failed (is the tier full?): %s", line)
     drive, power = sampler.frames()
     drive.to_csv(drive_csv, index=False)
     power.to_csv(power_csv, index=False)

@@ -19,7 +19,8 @@ REFERENCE_PATH = {"shared": "after_document", "isolated": "cold"}
 
 
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
-             drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None) -> dict:
+             drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
+             write_errors: list[str] = ()) -> dict:
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
     ``chunk`` (default: the smallest configured, whose hit bound is the loosest)."""
     documents = config["workload"]["documents"]
@@ -35,6 +36,8 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                                        {"populate": len(populate), "reuse": len(reuse)}, documents),
         "cross_replica": _check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
         "pool_bytes": _check(pool_bytes >= config["min_pool_bytes"], pool_bytes, config["min_pool_bytes"]),
+        # a store that failed (a full tier) leaves a pool that misses; the replicas' logs say why
+        "pool_writes": {**_check(not write_errors, len(write_errors), 0), "examples": list(write_errors)[:3]},
         "preflight": _check(preflight["ok"], {"hit_tokens": preflight["hit_tokens"],
                                               "outputs_match": preflight.get("outputs_match")},
                             "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
