@@ -94,7 +94,9 @@ def test_pools_already_in_the_tier_count_as_available(config, tmp_path, monkeypa
     config["tiers"] = {"disk": str(tmp_path / "pools")}
     config["drive_ceiling_bytes"] = 1 << 20
     assert problems(config, tmp_path) != []
-    old = tmp_path / "pools" / "kvpool-pools" / "some-cell"
+    from kvpool.cells import run_pools
+
+    old = run_pools(config, "disk", tmp_path) / "some-cell"
     old.mkdir(parents=True)
     with open(old / "chunk", "wb") as chunk:  # sparse: its size is what counts
         chunk.truncate(600_000_000)

@@ -212,3 +212,24 @@ def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
             run_populate(config, cell, str(tmp_path / "plan.yaml"), "prompts.jsonl", "p.csv", "p.json", "d.csv",
                          "w.csv", str(tmp_path / "logs"))
     assert kept.read_bytes() == b"measured"
+
+
+def test_a_second_run_in_one_working_directory_is_refused(tmp_path):
+    from kvpool.runlock import RunLocked, acquire
+
+    held = acquire(tmp_path)
+    other = subprocess.run([sys.executable, "-c", f"from kvpool.runlock import acquire; acquire({str(tmp_path)!r})"],
+                           capture_output=True, text=True)
+    assert other.returncode != 0 and f"another kvpool run (pid {os.getpid()})" in other.stderr
+    with pytest.raises(RunLocked):  # another open file description in this process conflicts too
+        acquire(tmp_path)
+    # Snakemake takes it before the first job: a second run stops at once, naming the first
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text((Path(__file__).parents[1] / "config" / "config.yaml").read_text())
+    second = subprocess.run([sys.executable, "-m", "snakemake", "results/workload/prompts.jsonl", "--cores", "1",
+                             "--directory", str(tmp_path), "-s", str(Path(__file__).parents[1] / "Snakefile")],
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0 and f"another kvpool run (pid {os.getpid()})" in second.stderr + second.stdout
+    assert not (tmp_path / "resources").exists()  # no job ran
+    held.close()
+    acquire(tmp_path).close()  # released with its holder

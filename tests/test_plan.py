@@ -105,10 +105,22 @@ def test_with_port_moves_argv_too(config):
     assert moved["port"] == 19999 and moved["argv"][moved["argv"].index("--port") + 1] == "19999"
 
 
-def test_pool_dirs_stay_inside_the_cells_folder(config):
+def test_pool_dirs_stay_inside_the_cells_folder(config, tmp_path):
     config["tiers"] = {"disk": "/data/pools"}
-    dirs = pool_dirs(config, Cell("lmcache-fs", "isolated", 256, "disk"))
-    assert all(str(d).startswith("/data/pools/kvpool-pools/backend~lmcache-fs/arm~isolated/") for d in dirs)
+    dirs = pool_dirs(config, Cell("lmcache-fs", "isolated", 256, "disk"), tmp_path / "run")
+    namespace = dirs[0].relative_to("/data/pools/kvpool-pools").parts[0]
+    assert namespace.startswith("run-")  # the working directory's own folder
+    assert all(str(d).startswith(f"/data/pools/kvpool-pools/{namespace}/backend~lmcache-fs/arm~isolated/")
+               for d in dirs)
+
+
+def test_two_working_directories_never_share_a_pool(config, tmp_path):
+    """Two runs whose tiers are one path (the default /dev/shm/kvpool) keep their pools apart."""
+    config["tiers"] = {"ram": "/dev/shm/kvpool"}
+    cell = Cell("lmcache-fs", "shared", 256, "ram")
+    a, b = (pool_dirs(config, cell, tmp_path / name / "run")[0] for name in ("a", "b"))
+    assert a.parents[5] == b.parents[5] == Path("/dev/shm/kvpool/kvpool-pools")  # same tier...
+    assert a.parents[4] != b.parents[4]  # ...each working directory its own folder
 
 
 def test_cells_of_a_tier_take_turns_when_pools_are_not_kept(config):

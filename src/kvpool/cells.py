@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,21 @@ def tier_root(config: dict, tier: str, workdir: Path | None = None) -> Path:
     return path if path.is_absolute() else (workdir or Path.cwd()) / path
 
 
+def run_pools(config: dict, tier: str, workdir: Path | None = None) -> Path:
+    """The folder of this working directory's pools in ``tier``.
+
+    Named after the working directory (its name and a hash of its absolute path), so runs from two
+    working directories that share a tier path (the default /dev/shm/kvpool, say) never touch each
+    other's pools.
+    """
+    workdir = (workdir or Path.cwd()).resolve()
+    digest = hashlib.sha256(str(workdir).encode()).hexdigest()[:8]
+    return tier_root(config, tier, workdir) / "kvpool-pools" / f"{workdir.name}-{digest}"
+
+
 def pool_root(config: dict, cell: Cell, workdir: Path | None = None) -> Path:
     """This cell's own folder inside its tier; nothing outside it is ever deleted."""
-    return tier_root(config, cell.tier, workdir) / "kvpool-pools" / cell.name
+    return run_pools(config, cell.tier, workdir) / cell.name
 
 
 def pool_dirs(config: dict, cell: Cell, workdir: Path | None = None) -> list[Path]:

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from kvpool import mp
-from kvpool.cells import cells, tier_root
+from kvpool.cells import cells, run_pools, tier_root
 from kvpool.model import kv_bytes_per_token, kv_bytes_per_token_of
 
 
@@ -84,7 +84,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             found.append(f"tiers.{tier}: {root} cannot be created ({existing} is not a writable directory)")
             continue
-        found += _space_problems(config, tier, root, existing)
+        found += _space_problems(config, tier, root, existing, workdir)
     total = workload["doc_tokens"] + workload["followup_tokens"] + workload["output_tokens"]
     if total > engine["max_model_len"]:
         found.append(f"a follow-up needs {total} tokens but engine.max_model_len is {engine['max_model_len']}")
@@ -123,7 +123,7 @@ def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
     return workload["documents"] * stored * per_token
 
 
-def _space_problems(config: dict, tier: str, root: Path, existing: Path) -> list[str]:
+def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir: Path) -> list[str]:
     # an MP memory pool lives in its server's RAM, not in the tier's directory
     sizes = [pool_bytes_per_cell(config, cell.arm) for cell in cells(config)
              if cell.tier == tier and not mp.is_memory_pool(config, cell)]
@@ -133,7 +133,7 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path) -> list
     pools = sum(sizes) if config["keep_pools"] else max(sizes)
     needed = pools + config["drive_ceiling_bytes"]
     # Pools already in the tier are replaced cell by cell, so their space counts as available.
-    available = shutil.disk_usage(existing).free + _tree_bytes(root / "kvpool-pools")
+    available = shutil.disk_usage(existing).free + _tree_bytes(run_pools(config, tier, workdir))
     if needed <= available:
         return []
     held = f"{len(sizes)} pools" if config["keep_pools"] else "the largest pool"

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from kvpool import config as kvpool_config
-from kvpool import mp
+from kvpool import mp, runlock
 from kvpool.cells import CELL_PATTERN, Cell, cells, pool_predecessor
 from kvpool.model import RANDOM_MODEL_DIR
 
@@ -14,6 +14,8 @@ if _problems:
 
 
 onstart:
+    # held until this Snakemake process ends: no second run measures in this working directory meanwhile
+    KVPOOL_RUN_LOCK = runlock.acquire(Path.cwd())
     _problems = kvpool_config.problems(config, Path.cwd(), check_paths=True)
     if _problems:
         raise ValueError("config cannot run on this machine:\n  " + "\n  ".join(_problems))
