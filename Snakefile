@@ -5,7 +5,12 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# --configfile files replace the embedded default (merged with each other, left to right); without
+# them it is config/config.yaml. --config key=value overrides either. One rule, wherever it runs.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
 
 
 validate(config, "workflow/schemas/config.schema.yaml")

@@ -168,3 +168,21 @@ def test_the_free_space_check_reads_a_real_models_kv_size(config, tmp_path):
     assert pool_bytes_per_cell(config, "shared") == workload["documents"] * (workload["doc_tokens"] + 200) * 131072
     workload["documents"] = 10**7
     assert any(p.startswith("tiers.disk:") and "GB available but needs" in p for p in problems(config, tmp_path))
+
+
+def test_a_configfile_replaces_the_default_and_config_values_layer_on_it():
+    """The README's rule, from the repository root where config/config.yaml exists: --configfile
+    replaces it (the e2e config has one tier, the default two), --config key=value layers on it."""
+    import re
+    import subprocess
+    import sys
+
+    def populates(*args):
+        out = subprocess.run([sys.executable, "-m", "snakemake", "-n", *args], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return int(re.search(r"^populate\s+(\d+)$", out.stdout, re.M).group(1))
+
+    assert populates() == 4                                            # 2 arms x 2 tiers
+    assert populates("--configfile", "tests/configs/e2e.yaml") == 2    # its one tier, not the default's two
+    assert populates("--config", "arms=[shared]") == 2                 # the default, one arm
