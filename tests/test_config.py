@@ -131,7 +131,8 @@ def test_a_run_that_cannot_fit_stops_before_any_job(tmp_path):
     ({"engine": {"host": "no-such-host.invalid"}}, "engine.host 'no-such-host.invalid' is not an IP address"),
     ({"tiers": {"disk": "~/pools"}}, "tiers.disk: '~/pools' is taken literally"),
     ({"tiers": {"disk": "$SCRATCH/pools"}}, "tiers.disk: '$SCRATCH/pools' is taken literally"),
-    ({"random_model": {"heads": 3, "kv_heads": 2}}, "random_model.heads 3 is not a multiple of random_model.kv_heads 2"),
+    ({"random_model": {"heads": 3, "kv_heads": 2}},
+     "random_model.heads 3 is not a multiple of random_model.kv_heads 2"),
     ({"engine": {"cores": [0, 4096]}}, "engine.cores lists cores [4096] that this process may not run on"),
 ])
 def test_bad_input_is_refused_with_the_key_named(config, tmp_path, change, message):

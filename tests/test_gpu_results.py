@@ -24,10 +24,10 @@ def run_config():
 def test_the_shared_ram_cell_is_valid_again_from_its_records():
     folder = RUN / "results" / "cells" / SHARED_RAM.name
     populate_meta, reuse_meta = read_json(folder / "populate.json"), read_json(folder / "reuse.json")
+    reference = read_records(RUN / "results" / "reference" / "outputs.csv")
     result = validity.evaluate("shared", run_config(), read_records(folder / "populate.csv"),
-                               read_records(folder / "reuse.csv"), read_records(RUN / "results" / "reference" / "outputs.csv"),
-                               reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"], populate_meta["preflight"],
-                               chunk=SHARED_RAM.chunk)
+                               read_records(folder / "reuse.csv"), reference, reuse_meta["drop_before_reuse"],
+                               populate_meta["pool"]["bytes"], populate_meta["preflight"], chunk=SHARED_RAM.chunk)
     recorded = read_json(folder / "validity.json")
     # every check the run recorded gives the same again (checks added since pass too)
     assert {name: (c["ok"], c["value"]) for name, c in result["checks"].items() if name in recorded["checks"]} == \

@@ -98,7 +98,8 @@ def test_refusals_name_the_key_and_the_numbers(gpu_config):
     assert "the largest request is 0.02 GiB" in disk
     # the drive tier needs room for one request only; the memory tier for the whole pool
     roomy = {**gpu_config, "lmcache_mp": {**gpu_config["lmcache_mp"], "l1_size_gib": 0.1}}
-    assert [p for p in kvpool_config.problems(roomy, REPO, check_paths=False) if "l1_size_gib" in p and "disk" in p] == []
+    found = kvpool_config.problems(roomy, REPO, check_paths=False)
+    assert [p for p in found if "l1_size_gib" in p and "disk" in p] == []
     real = {**gpu_config, "engine": {**gpu_config["engine"], "model": "/models/m"}}
     assert any("l1_size_gib must be set" in p for p in kvpool_config.problems(real, REPO, check_paths=False))
 
@@ -229,7 +230,8 @@ def test_the_real_lmcache_server_starts_reports_and_stops(gpu_config, tmp_path):
         found = server.metrics()
         assert found[mp.L1_BYTES] == 0 and server.drain(10)["pending_l2_stores"] == 0
         pids = [p.pid for p in family(server.proc.pid)]
-    assert "LMCache zmq cache server is running on 127.0.0.1" in (tmp_path / "logs" / "lmcache-server-0.log").read_text()
+    log = (tmp_path / "logs" / "lmcache-server-0.log").read_text()
+    assert "LMCache zmq cache server is running on 127.0.0.1" in log
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
@@ -258,3 +260,14 @@ def test_the_readme_rerun_command_reruns_one_cell(tmp_path):
     jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
                 if len(line.split()) == 2 and line.split()[1].isdigit())
     assert jobs["populate"] == jobs["reuse"] == jobs["validity"] == "1" and "report" not in jobs
+
+
+def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_path):
+    """The phase's rows must survive a dead pool server: its record names the exit instead."""
+    from kvpool.phases import pool_servers
+
+    with pool_servers(fake_server_plan("serve"), tmp_path, gpu_config) as (_, servers, record):
+        servers[0].proc.kill()
+        servers[0].proc.wait(timeout=10)
+    assert "lmcache server 0" in record["0"]["error"] and "exited with code -9" in record["0"]["error"]
+    assert record["0"]["metrics"] == {}

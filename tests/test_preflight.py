@@ -28,7 +28,7 @@ def run_preflight(monkeypatch, expect_shared: bool, hits: int, pool_output: str,
 
     monkeypatch.setattr(phases, "complete", complete)
     monkeypatch.setattr(phases.metrics, "scrape", scrape)
-    replicas = [SimpleNamespace(url="r0", index=0, alive=lambda: True), SimpleNamespace(url="r1", index=1, alive=lambda: True)]
+    replicas = [SimpleNamespace(url=f"r{i}", index=i, alive=lambda: True) for i in (0, 1)]
     result = asyncio.run(phases._preflight(None, replicas, PROBE, EXTENSION, 8, 60.0, expect_shared))
     # replica 0 stores the probe, replica 1 asks for the extension, then replica 0 answers it from its cache
     assert sent == [("r0", PROBE), ("r1", EXTENSION), ("r0", EXTENSION)]

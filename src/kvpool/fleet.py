@@ -290,7 +290,8 @@ def resolve_server_ports(plan: dict) -> dict:
     for server in plan.get("servers", []):
         if port_is_free(server["host"], server["port"]) and port_is_free(server["host"], server["http_port"]):
             continue
-        in_use = {p for s in plan["servers"] for p in (s["port"], s["http_port"])} | {r["port"] for r in plan["replicas"]}
+        in_use = ({p for s in plan["servers"] for p in (s["port"], s["http_port"])}
+                  | {r["port"] for r in plan["replicas"]})
         fresh = [p for p in free_ports(server["host"], len(in_use) + 2) if p not in in_use][:2]
         log.warning("lmcache server %d ports %d/%d taken since planning; moved to %s", server["index"],
                     server["port"], server["http_port"], fresh)

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import aiohttp
@@ -150,21 +150,23 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
         yield plan, [], record
         return
     settings = cfg["lmcache_mp"]
-    owned = servers is None
-    with running_servers(plan, log_dir, settings["startup_timeout_s"]) if owned else _handed(plan, servers) as (
-            plan, servers):
+    running = running_servers(plan, log_dir, settings["startup_timeout_s"]) if servers is None \
+        else nullcontext((plan, servers))
+    with running as (plan, servers):
         before = {s.index: s.metrics() for s in servers}
         yield plan, servers, record
         for server in servers:
-            drain = server.drain(settings["drain_timeout_s"])
-            after = server.metrics()
+            try:
+                drain = server.drain(settings["drain_timeout_s"])
+                after = server.metrics()
+            except OSError as exc:  # a server that died mid-phase: its record says so, the phase's rows stay
+                cause = server.died_error() if not server.alive() else exc
+                record[str(server.index)] = {"drain": {"pending_l2_stores": None}, "metrics": {}, "l1_bytes": None,
+                                             "error": f"{server.name}: {cause}"}
+                log.error("%s could not be read after the phase: %s", server.name, cause)
+                continue
             record[str(server.index)] = {"drain": drain, "metrics": mp.metrics_delta(after, before[server.index]),
                                          "l1_bytes": after.get(mp.L1_BYTES)}
-
-
-@contextmanager
-def _handed(plan: dict, servers: list[PoolServer]):
-    yield plan, servers
 
 
 def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,

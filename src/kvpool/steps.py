@@ -137,8 +137,8 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     populated_files = read_json(populate_json)["pool"]["files"]
     if len(stored_before) > populated_files:
         raise RuntimeError(
-            f"the pool of {cell.name} holds {len(stored_before)} files, {len(stored_before) - populated_files} more than "
-            f"populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; re-run the "
+            f"the pool of {cell.name} holds {len(stored_before)} files, {len(stored_before) - populated_files} "
+            f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; re-run the "
             f"cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks, servers),

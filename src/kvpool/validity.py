@@ -31,7 +31,8 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     fractions = hit_fractions(reuse, doc_tokens)
     checks = {
         # the first distinct errors say why (a dead replica's exit code and log tail, say)
-        "zero_errors": {**_check(errors == 0, errors, 0), "examples": list(dict.fromkeys(messages[messages != ""]))[:3]},
+        "zero_errors": {**_check(errors == 0, errors, 0),
+                        "examples": list(dict.fromkeys(messages[messages != ""]))[:3]},
         "all_documents_served": _check(len(reuse) == documents and len(populate) == documents,
                                        {"populate": len(populate), "reuse": len(reuse)}, documents),
         "cross_replica": _check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
