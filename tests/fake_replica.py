@@ -49,6 +49,17 @@ lmcache_mp_l1_memory_usage_bytes{backend="dram",l1_tag="_default"} 4096.0
 
 
 class Health(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # "diemid": killed while it streams a completion, as by kill -9 mid-request
+        import os
+        import signal
+
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [{"text": " w1"}]}\n\n')
+        self.wfile.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def do_GET(self):
         body = {"/health": b"", "/v1/models": b'{"data": [{"id": "kvpool-model"}]}',
                 "/healthcheck": b'{"status": "healthy"}', "/metrics": METRICS}.get(self.path)
@@ -68,6 +79,8 @@ class ReusePortServer(http.server.HTTPServer):
         super().server_bind()
 
 
+if mode == "diemid":
+    mode = "serve"
 if mode == "serve":
     server = ReusePortServer if "--reuse-port" in sys.argv else http.server.HTTPServer
     server(("127.0.0.1", port), Health).serve_forever()

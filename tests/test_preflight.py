@@ -67,4 +67,5 @@ def test_an_isolated_arm_only_needs_to_miss(monkeypatch, pool_output):
 def test_a_failed_probe_request_is_named(monkeypatch):
     result = run_preflight(monkeypatch, expect_shared=True, hits=0, pool_output="", local_output="", error="HTTP 500")
     assert not result["ok"]
-    assert "a probe request failed: HTTP 500" in phases.preflight_failure("cell-x", result)
+    message = phases.preflight_failure("cell-x", result)
+    assert "a probe request failed: replica 1: the request failed: HTTP 500" in message

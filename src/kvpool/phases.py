@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import subprocess
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -50,17 +51,28 @@ async def _measured(session: aiohttp.ClientSession, replica: Replica, prompt: li
     try:
         after = await metrics.scrape(session, replica.url)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        result.error = result.error or _replica_error(replica, "its /metrics after the request", exc)
+        # a server that stopped answering has usually just died: give its exit a moment to show
+        await asyncio.to_thread(_await_exit, replica, 2.0)
+        result.error = _replica_error(replica, "the request" if result.error else "its /metrics after the request",
+                                      result.error or exc)
         return result, {}
-    if result.error and not replica.alive():
+    if result.error:
         result.error = _replica_error(replica, "the request", result.error)
     return result, metrics.delta(after, before)
 
 
+def _await_exit(replica: Replica, timeout_s: float) -> None:
+    try:
+        replica.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def _replica_error(replica: Replica, what: str, cause) -> str:
+    """A failed request's error, naming the replica, and its exit code and log tail if it died."""
     if replica.alive():
         return f"replica {replica.index}: {what} failed: {cause}"
-    return f"{what} failed: {replica.died_error()}"
+    return f"{what} failed ({cause}): {replica.died_error()}"
 
 
 def _record(doc_id: int, prefill: int | None, serve: int, result: RequestResult, counts: dict[str, int]) -> dict:
