@@ -46,6 +46,7 @@ async def _measured(session: aiohttp.ClientSession, replica: Replica, prompt: li
     try:
         before = await metrics.scrape(session, replica.url)
     except (aiohttp.ClientError, TimeoutError) as exc:
+        await asyncio.to_thread(_await_exit, replica, 2.0)  # as below: let a dead replica's exit show
         return RequestResult(error=_replica_error(replica, "its /metrics before the request", exc)), {}
     result = await complete(session, replica.url, prompt, output_tokens, timeout_s, cache_salt)
     try:
