@@ -151,20 +151,25 @@ def test_an_exited_but_unreaped_process_counts_as_stopped():
     child.wait()
 
 
-def test_a_replica_killed_mid_request_is_named_in_that_request(tmp_path):
-    """The request in flight when its replica is killed names the exit too, not only a broken stream."""
+def measured_request(replica):
+    """One request through the phases' own measured path, as a follow-up would be sent."""
     import asyncio
 
     import aiohttp
 
     from kvpool.phases import _measured
 
-    with running_fleet(fake_plan("diemid", count=1), tmp_path, timeout_s=30) as (replica,):
-        async def request():
-            async with aiohttp.ClientSession() as session:
-                return await _measured(session, replica, [1, 2, 3], 4, 5.0)
+    async def request():
+        async with aiohttp.ClientSession() as session:
+            return await _measured(session, replica, [1, 2, 3], 4, 5.0)
 
-        result, counts = asyncio.run(request())
+    return asyncio.run(request())
+
+
+def test_a_replica_killed_mid_request_is_named_in_that_request(tmp_path):
+    """The request in flight when its replica is killed names the exit too, not only a broken stream."""
+    with running_fleet(fake_plan("diemid", count=1), tmp_path, timeout_s=30) as (replica,):
+        result, counts = measured_request(replica)
     assert counts == {}
     # the stream broke (or ended early) and the replica is gone: the row says which and why
     assert "replica 0" in result.error and "exited with code -9" in result.error
@@ -172,23 +177,12 @@ def test_a_replica_killed_mid_request_is_named_in_that_request(tmp_path):
 
 def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
     """The phase keeps going and keeps its rows: the failed request says which replica died and why."""
-    import asyncio
-
-    import aiohttp
-
     from kvpool.fleet import Replica
-    from kvpool.phases import _measured
 
-    entry = fake_plan("die", count=1)["replicas"][0]
-    replica = Replica(entry, tmp_path / "replica-0.log")
+    replica = Replica(fake_plan("die", count=1)["replicas"][0], tmp_path / "replica-0.log")
     replica.start()
     replica.proc.wait(timeout=30)
-
-    async def request():
-        async with aiohttp.ClientSession() as session:
-            return await _measured(session, replica, [1, 2, 3], 4, 5.0)
-
-    result, counts = asyncio.run(request())
+    result, counts = measured_request(replica)
     assert counts == {}
     assert "replica 0" in result.error and "exited with code 3" in result.error
     assert "CUDA out of memory" in result.error  # the log tail
