@@ -39,11 +39,14 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_ports(host: str, count: int, start: int = 18100, span: int = 10000) -> list[int]:
-    """``count`` ports free on ``host`` right now, from ``start`` on (the default range sits below the
-    kernel's ephemeral ports, so client connections never take them)."""
+def free_ports(host: str, count: int, start: int = 18100, span: int = 10000, exclude=()) -> list[int]:
+    """``count`` ports free on ``host`` right now, from ``start`` on, none of ``exclude`` (ports already
+    planned for something else); the default range sits below the kernel's ephemeral ports, so
+    client connections never take them."""
     stop = start + span
-    found = [port for port in range(start, stop) if port_is_free(host, port)][:count] if count else []
+    exclude = set(exclude)
+    found = [port for port in range(start, stop)
+             if port not in exclude and port_is_free(host, port)][:count] if count else []
     if len(found) < count:
         raise FleetError(f"no {count} free ports on {host} in {start}..{stop}")
     return found
@@ -58,8 +61,7 @@ def resolve_ports(plan: dict) -> dict:
     names = ", ".join(f"replica {r['index']} port {r['port']}" for r in taken)
     if plan["port_source"] != "auto":
         raise FleetError(f"configured ports are in use on this machine: {names}; free them or set engine.ports")
-    in_use = {r["port"] for r in replicas}
-    fresh = iter(p for p in free_ports(replicas[0]["host"], len(taken) + len(in_use)) if p not in in_use)
+    fresh = iter(free_ports(replicas[0]["host"], len(taken), exclude={r["port"] for r in replicas}))
     moved = {r["index"]: next(fresh) for r in taken}
     log.warning("planned ports taken since planning (%s); moved to %s", names, moved)
     return {**plan, "replicas": [with_port(r, moved[r["index"]]) if r["index"] in moved else r for r in replicas]}
@@ -292,7 +294,7 @@ def resolve_server_ports(plan: dict) -> dict:
             continue
         in_use = ({p for s in plan["servers"] for p in (s["port"], s["http_port"])}
                   | {r["port"] for r in plan["replicas"]})
-        fresh = [p for p in free_ports(server["host"], len(in_use) + 2) if p not in in_use][:2]
+        fresh = free_ports(server["host"], 2, exclude=in_use)
         log.warning("lmcache server %d ports %d/%d taken since planning; moved to %s", server["index"],
                     server["port"], server["http_port"], fresh)
         plan = with_server_ports(plan, server["index"], *fresh)

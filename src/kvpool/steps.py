@@ -67,7 +67,7 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     server_ports = None
     if cell.backend == mp.BACKEND:  # a ZMQ and an HTTP port per server, clear of the replicas' ports
         count = 2 * (1 if cell.arm == "shared" else config["replicas"])
-        server_ports = [p for p in free_ports(config["engine"]["host"], count + len(ports)) if p not in ports][:count]
+        server_ports = free_ports(config["engine"]["host"], count, exclude=ports)
     plan = fleet_plan(config, cell, model, Path(plan_out).parent.resolve(), ports, source, server_ports=server_ports)
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
@@ -138,8 +138,8 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     if len(stored_before) > populated_files:
         raise RuntimeError(
             f"the pool of {cell.name} holds {len(stored_before)} files, {len(stored_before) - populated_files} "
-            f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; re-run the "
-            f"cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
+            f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; "
+            f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks, servers),
         drive_csv, power_csv, log_dir)
@@ -271,7 +271,7 @@ def _run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir:
 
     disks, resolved = tier_disks(plan)
     health_before = [drive_health(d) for d in disks]
-    log_start = logs.log_sizes(Path(log_dir)) if Path(log_dir).is_dir() else {}
+    log_start = logs.log_sizes(Path(log_dir))
     frame, meta, sampler = run(disks)
     meta["pool_write_errors"] = logs.new_lines_matching(Path(log_dir), log_start)
     for line in meta["pool_write_errors"]:
