@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from kvpool import config as kvpool_config
-from kvpool import kvbytes, mp
+from kvpool import kvbytes, mp, phases, steps
 from kvpool.cells import Cell
 from kvpool.fleet import FleetError, free_ports, resolve_server_ports, running_servers
 from kvpool.plan import fleet_plan, with_server_ports
@@ -202,6 +202,18 @@ def test_a_taken_server_port_moves_before_start():
         moved = resolve_server_ports(plan)
     assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
     assert str(moved["servers"][0]["http_port"]) in moved["servers"][0]["argv"]
+
+
+def test_running_servers_keep_their_ports_through_a_phase(tmp_path):
+    """A memory pool's servers hold their own ports: a phase that re-checked them would find them
+    taken, move them, and point the replicas at ports no server listens on (seen on the GPU)."""
+    with running_servers(fake_server_plan("serve"), tmp_path, timeout_s=30) as (plan, servers):
+        assert steps.checked_ports(plan, servers) == plan
+        moved = steps.checked_ports(plan)  # a phase that starts its own servers moves taken ports
+        assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
+        with pytest.raises(FleetError, match="running servers are"):
+            with phases.pool_servers(moved, tmp_path, {"lmcache_mp": {}}, servers):
+                pass
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

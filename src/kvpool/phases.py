@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvpool import metrics, mp
 from kvpool.client import RequestResult, complete
-from kvpool.fleet import PoolServer, Replica, running_fleet, running_servers
+from kvpool.fleet import FleetError, PoolServer, Replica, running_fleet, running_servers
 from kvpool.plan import plan_gpus
 from kvpool.pool import drop_from_page_cache
 from kvpool.routing import followup_route, populate_route
@@ -163,6 +163,12 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
         yield plan, [], record
         return
     settings = cfg["lmcache_mp"]
+    if servers is not None:
+        planned = [(s["index"], s["port"], s["http_port"]) for s in plan["servers"]]
+        serving = [(s.entry["index"], s.entry["port"], s.entry["http_port"]) for s in servers]
+        if planned != serving:  # replicas would wait their whole startup for a server that is not there
+            raise FleetError(f"the phase's plan names servers (index, port, http port) {planned}, "
+                             f"but the running servers are {serving}")
     running = running_servers(plan, log_dir, settings["startup_timeout_s"]) if servers is None \
         else nullcontext((plan, servers))
     with running as (plan, servers):

@@ -75,12 +75,19 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     write_json(manifest_out, provenance.manifest(config, REPO, cell=cell.name, **notes))
 
 
+def checked_ports(plan: dict, servers=None) -> dict:
+    """The plan with its replicas' ports, and its servers' unless they run already (``servers``: a memory
+    pool's, whose ports are theirs, not taken), checked free; taken auto ports move."""
+    plan = resolve_ports(plan)
+    return plan if servers else resolve_server_ports(plan)
+
+
 def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
                  drive_csv: str, power_csv: str, log_dir: str, servers=None, plan: dict | None = None) -> None:
     """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already."""
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
     # a configured port that is busy fails here, before the cell's old pool is cleared
-    plan = resolve_server_ports(resolve_ports(plan))
+    plan = checked_ports(plan, servers)
     root = pool_root(config, cell)
     if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
         shutil.rmtree(root)
