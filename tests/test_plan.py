@@ -132,3 +132,13 @@ def test_cells_of_a_tier_take_turns_when_pools_are_not_kept(config):
         # each cell waits for the one before it in the same tier, never for another tier's
         assert [pool_predecessor(config, c) for c in chain[1:]] == chain[:-1]
     assert all(pool_predecessor({**config, "keep_pools": True}, c) is None for c in cells(config))
+
+
+def test_memory_pools_neither_wait_nor_are_waited_for(config):
+    """An MP server's L1 puts no files on its tier: its cells run whenever, file pools still take turns."""
+    config = {**config, "backends": ["lmcache-mp", "lmcache-fs"], "arms": ["shared", "isolated"],
+              "chunk_sizes": [256], "tiers": {"ram": "/dev/shm/x"}, "keep_pools": False,
+              "lmcache_mp": {**config["lmcache_mp"], "memory_tiers": ["ram"]}}
+    memory = [c for c in cells(config) if c.backend == "lmcache-mp"]
+    files = [c for c in cells(config) if c.backend == "lmcache-fs"]
+    assert [pool_predecessor(config, c) for c in memory + files] == [None, None, None, files[0]]

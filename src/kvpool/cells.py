@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CELL_PATTERN = "backend~{backend}/arm~{arm}/chunk~{chunk}/tier~{tier}"
+MP_BACKEND = "lmcache-mp"
 
 
 @dataclass(frozen=True)
@@ -36,16 +37,23 @@ def cells(config: dict) -> list[Cell]:
     ]
 
 
+def is_memory_pool(config: dict, cell: Cell) -> bool:
+    """Whether ``cell``'s pool is an LMCache MP server's L1 alone, which lives only as long as the
+    server and puts no files on its tier."""
+    return cell.backend == MP_BACKEND and cell.tier in config["lmcache_mp"]["memory_tiers"]
+
+
 def pool_predecessor(config: dict, cell: Cell) -> Cell | None:
     """The cell whose pool must be gone before ``cell`` populates, or None.
 
-    With ``keep_pools: false`` a tier is sized for one cell's pool at a time, so the cells of a
-    tier run one after another in matrix order: each waits for the previous one's reuse phase,
-    which removes its pool. With pools kept, cells are independent.
+    With ``keep_pools: false`` a tier is sized for one cell's pool of files at a time, so the cells
+    of a tier that write files run one after another in matrix order: each waits for the previous
+    one's reuse phase, which removes its pool. A memory pool writes none (its server's RAM goes with
+    the server), so it neither waits nor is waited for. With pools kept, cells are independent.
     """
-    if config["keep_pools"]:
+    if config["keep_pools"] or is_memory_pool(config, cell):
         return None
-    same_tier = [other for other in cells(config) if other.tier == cell.tier]
+    same_tier = [other for other in cells(config) if other.tier == cell.tier and not is_memory_pool(config, other)]
     position = same_tier.index(cell)
     return same_tier[position - 1] if position else None
 

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from kvpool import mp
-from kvpool.cells import cells, run_pools, tier_root
+from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.model import kv_bytes_per_token, kv_bytes_per_token_of
 
 
@@ -126,7 +126,7 @@ def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
 def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir: Path) -> list[str]:
     # an MP memory pool lives in its server's RAM, not in the tier's directory
     sizes = [pool_bytes_per_cell(config, cell.arm) for cell in cells(config)
-             if cell.tier == tier and not mp.is_memory_pool(config, cell)]
+             if cell.tier == tier and not is_memory_pool(config, cell)]
     if not sizes or None in sizes:
         return []
     # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest

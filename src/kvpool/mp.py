@@ -19,10 +19,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.cells import MP_BACKEND as BACKEND
 from kvpool.cells import Cell
 from kvpool.model import kv_bytes_per_token
 
-BACKEND = "lmcache-mp"
 CONNECTOR = "LMCacheMPConnector"
 # Counters and gauges of the server that say where chunks went (lookups, L1, L2).
 METRIC_PREFIXES = ("lmcache_mp_lookup", "lmcache_mp_l1_", "lmcache_mp_l2_", "lmcache_mp_num_chunks_loaded")
@@ -30,11 +30,6 @@ L1_BYTES = "lmcache_mp_l1_memory_usage_bytes"
 # OpenTelemetry's exporter appends the unit: lmcache_mp.l2_store_submitted_objects (chunks) is exported as
 # lmcache_mp_l2_store_submitted_objects_chunks_total (LMCache 0.5.3, seen on the H200).
 L2_STORES = ("lmcache_mp_l2_store_submitted_objects", "lmcache_mp_l2_store_completed_objects")
-
-
-def is_memory_pool(config: dict, cell: Cell) -> bool:
-    """Whether ``cell``'s pool is an MP server's L1 alone, which lives only as long as the server."""
-    return cell.backend == BACKEND and cell.tier in config["lmcache_mp"]["memory_tiers"]
 
 
 def used(config: dict) -> bool:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from kvpool import mp
-from kvpool.cells import Cell, pool_dirs
+from kvpool.cells import Cell, is_memory_pool, pool_dirs
 
 SERVED_MODEL_NAME = "kvpool-model"
 CPU_CONNECTOR_MODULE = "kvpool.cpu_connector"
@@ -144,7 +144,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
             "replicas": entries}
     if servers:
         plan["servers"] = servers
-        plan["memory_pool"] = mp.is_memory_pool(config, cell)
+        plan["memory_pool"] = is_memory_pool(config, cell)
     return plan
 
 
@@ -154,7 +154,7 @@ def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> li
     if len(ports) != 2 * count:
         raise ValueError(f"{cell.name} needs {2 * count} server ports (ZMQ and HTTP per server), got {len(ports)}")
     host = config["engine"]["host"]
-    memory = mp.is_memory_pool(config, cell)
+    memory = is_memory_pool(config, cell)
     servers = []
     for index in range(count):
         port, http_port = ports[2 * index], ports[2 * index + 1]

@@ -16,7 +16,7 @@ import pandas as pd
 import yaml
 
 from kvpool import kvbytes, logs, mp, phases, pool, prompts, provenance, summary, validity
-from kvpool.cells import Cell, pool_root
+from kvpool.cells import Cell, is_memory_pool, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
 from kvpool.plan import fleet_plan, reference_plan
@@ -226,7 +226,7 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
     # an MP memory pool is the server's L1: nothing of it is a file, so there are no bytes to hash
     no_files = {(c.backend, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
                 "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
-                for c in cells_run if mp.is_memory_pool(config, c)}
+                for c in cells_run if is_memory_pool(config, c)}
     table = kvbytes.kv_bytes_table(digests, config["workload"]["doc_tokens"], no_files)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
