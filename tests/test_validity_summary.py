@@ -21,12 +21,14 @@ def frames(arm="shared", hits=DOC, errors=("",) * 4, outputs=("a", "b", "c", "d"
     return populate, reuse, reference
 
 
-def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), **kw):
+def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), unchanged=None, **kw):
     populate, reuse, reference = frames(arm, **kw)
     config["workload"].update(documents=4, doc_tokens=DOC)
     drop = drop or {"memory_backed": False, "resident_fraction": 0.0}
     preflight = preflight or {"ok": True, "hit_tokens": 512, "expect_shared": arm == "shared"}
-    return evaluate(arm, config, populate, reuse, reference, drop, pool_bytes, preflight, write_errors=write_errors)
+    unchanged = unchanged or {"files": 16, "changed": 0, "missing": 0, "example": ""}
+    return evaluate(arm, config, populate, reuse, reference, drop, pool_bytes, preflight, write_errors=write_errors,
+                    pool_unchanged=unchanged)
 
 
 def test_a_clean_shared_cell_is_valid(config):
@@ -44,6 +46,8 @@ def test_a_clean_shared_cell_is_valid(config):
     ({"pool_bytes": 10}, "pool_bytes"),
     ({"drop": {"memory_backed": False, "resident_fraction": 0.4}}, "cold_reads"),
     ({"preflight": {"ok": False, "hit_tokens": 0, "expect_shared": True}}, "preflight"),
+    ({"unchanged": {"files": 16, "changed": 1, "missing": 0, "example": "shared/k"}}, "pool_unchanged"),
+    ({"unchanged": {"files": 16, "changed": 0, "missing": 2, "example": "shared/k"}}, "pool_unchanged"),
 ])
 def test_each_failure_invalidates_the_cell(config, kwargs, check):
     result = gate(config, **kwargs)
@@ -137,3 +141,19 @@ def test_write_errors_are_read_from_this_phase_s_log_lines_only(tmp_path):
     found = new_lines_matching(tmp_path, since)
     assert found == ["replica-0.log: ERROR LMCache: failed to store: [Errno 28] No space left on device",
                      "lmcache-server-0.log: OSError: [Errno 122] Disk quota exceeded"]
+
+
+def test_the_run_gate_fails_on_kv_bytes_that_differ_where_they_must_agree(tmp_path):
+    from kvpool.steps import gate as run_gate
+
+    (tmp_path / "validity.csv").write_text("cell,valid,reasons\nbackend~lmcache-fs/arm~shared/chunk~256/tier~disk,True,\n")
+    header = "backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,meaning\n"
+    clean = header + ("lmcache-fs,256,disk,store_across_arms,32,32,0,True,,m\n"
+                      "lmcache-fs,256,disk,recompute_against_store,32,29,3,False,k3,m\n")  # reported, not gated
+    (tmp_path / "kv.csv").write_text(clean)
+    run_gate(str(tmp_path / "validity.csv"), str(tmp_path / "kv.csv"), str(tmp_path / "ok"))
+    assert (tmp_path / "ok").read_text().startswith("1 cells valid")
+    (tmp_path / "kv.csv").write_text(clean + "lmcache-fs,256,disk,after_load_against_cold,4,3,1,True,k9,m\n")
+    with pytest.raises(SystemExit, match="after_load_against_cold: 1 of 4 chunks differ .*k9"):
+        run_gate(str(tmp_path / "validity.csv"), str(tmp_path / "kv.csv"), str(tmp_path / "ok2"))
+    assert not (tmp_path / "ok2").exists()

@@ -83,8 +83,13 @@ def checked_ports(plan: dict, servers=None) -> dict:
 
 
 def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
-                 drive_csv: str, power_csv: str, log_dir: str, servers=None, plan: dict | None = None) -> None:
-    """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already."""
+                 drive_csv: str, power_csv: str, log_dir: str, *, digests_csv: str, servers=None,
+                 plan: dict | None = None) -> None:
+    """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
+
+    Once the fleet has stopped (nothing more is stored), every pool file is hashed into ``digests_csv``:
+    the validity gate checks that reuse read exactly these bytes.
+    """
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
     # a configured port that is busy fails here, before the cell's old pool is cleared
     plan = checked_ports(plan, servers)
@@ -108,6 +113,7 @@ def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, cs
                         "source": f"{mp.L1_BYTES} of the pool's servers after populate"}
     else:
         meta["pool"] = pool.residency([Path(r["pool_dir"]) for r in plan["replicas"]])
+    kvbytes.pool_digests([Path(r["pool_dir"]) for r in plan["replicas"]]).to_csv(digests_csv, index=False)
     write_json(json_out, meta)
 
 
@@ -120,13 +126,13 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
 
 
 def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate_csv: str, csv_out: str,
-              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, *, populate_json: str,
-              servers=None, plan: dict | None = None) -> None:
+              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, *,
+              populate_digests: str, servers=None, plan: dict | None = None) -> None:
     """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
 
     It measures only a pool exactly as populate left it: reuse adds chunks to a pool (follow-up
     chunks, and the isolated arm's recomputed documents), so a pool holding more files than populate
-    recorded was warmed by an earlier reuse (a forced or interrupted one) and is refused.
+    hashed was warmed by an earlier reuse (a forced or interrupted one) and is refused.
     """
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
     workload = prompts.read_workload(Path(prompts_path))
@@ -140,11 +146,11 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
                            f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
-    stored_before = kvbytes.stored_files(dirs)
-    populated_files = read_json(populate_json)["pool"]["files"]
-    if len(stored_before) > populated_files:
+    stored = kvbytes.read_digests(populate_digests)
+    found = len(pool.pool_files(dirs))
+    if found > len(stored):
         raise RuntimeError(
-            f"the pool of {cell.name} holds {len(stored_before)} files, {len(stored_before) - populated_files} "
+            f"the pool of {cell.name} holds {found} files, {found - len(stored)} "
             f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; "
             f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     frame, meta = _run_sampled_phase(
@@ -153,7 +159,7 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
-    digests = kvbytes.pool_digests(dirs, stored_before)
+    digests = kvbytes.pool_digests(dirs, stored)
     digests.to_csv(digests_csv, index=False)
     log.info("pool digests: %d files, %d stored during reuse", len(digests), int((digests["stored_in"] == "reuse").sum()))
     if not config["keep_pools"]:  # measured; the tier holds one cell's pool at a time
@@ -168,17 +174,18 @@ def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path:
     """Populate, drop and reuse of an lmcache-mp cell on a memory tier, around one set of servers: the
     pool is their L1, so it lives exactly as long as they do. Each phase still starts its own fleet.
 
-    ``populate`` and ``reuse`` map the phase's output names (csv, meta, drive, power; reuse also
-    digests) to paths; ``log_dirs`` maps populate, reuse and servers to log folders.
+    ``populate`` and ``reuse`` map the phase's output names (csv, meta, drive, power, digests) to
+    paths; ``log_dirs`` maps populate, reuse and servers to log folders.
     """
     plan = yaml.safe_load(Path(plan_path).read_text())
     with running_servers(plan, Path(log_dirs["servers"]), config["lmcache_mp"]["startup_timeout_s"]) as (
             plan, servers):
         run_populate(config, cell, plan_path, prompts_path, populate["csv"], populate["meta"], populate["drive"],
-                     populate["power"], log_dirs["populate"], servers=servers, plan=plan)
+                     populate["power"], log_dirs["populate"], digests_csv=populate["digests"], servers=servers,
+                     plan=plan)
         run_drop(config, plan_path, drop_out)
         run_reuse(config, cell, plan_path, prompts_path, populate["csv"], reuse["csv"], reuse["meta"], reuse["drive"],
-                  reuse["power"], reuse["digests"], log_dirs["reuse"], populate_json=populate["meta"],
+                  reuse["power"], reuse["digests"], log_dirs["reuse"], populate_digests=populate["digests"],
                   servers=servers, plan=plan)
 
 
@@ -190,13 +197,18 @@ def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log
 
 
 def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
-                 reference_csv: str, out: str) -> None:
+                 reference_csv: str, out: str, *, populate_digests: str | None, reuse_digests: str | None) -> None:
+    """The cell's gate; ``populate_digests``/``reuse_digests`` None only for records kept from runs that
+    did not hash the pool at populate's end (the check is then absent, not passed)."""
     populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
+    unchanged = None
+    if populate_digests is not None and reuse_digests is not None:
+        unchanged = kvbytes.unchanged(kvbytes.read_digests(populate_digests), kvbytes.read_digests(reuse_digests))
     result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv), read_records(reference_csv),
                                reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
                                populate_meta["preflight"], chunk=cell.chunk,
                                write_errors=populate_meta.get("pool_write_errors", [])
-                               + reuse_meta.get("pool_write_errors", []))
+                               + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged)
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
@@ -227,7 +239,7 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
     no_files = {(c.backend, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
                 "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
                 for c in cells_run if is_memory_pool(config, c)}
-    table = kvbytes.kv_bytes_table(digests, config["workload"]["doc_tokens"], no_files)
+    table = kvbytes.kv_bytes_table(digests, config, no_files)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
     bad = kvbytes.unexpected(table)
@@ -250,17 +262,22 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
     pd.DataFrame(rows, columns=["cell", "valid", "reasons"]).to_csv(out, index=False)
 
 
-def gate(validity_csv: str, out: str) -> None:
-    """Fail, naming every invalid cell and why; the measured data stays where it is."""
+def gate(validity_csv: str, kv_bytes_csv: str, out: str) -> None:
+    """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
+    must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
     invalid = table[~table["valid"].astype(bool)]
-    if len(invalid):
-        lines = "\n".join(f"  {row.cell}: {row.reasons}" for row in invalid.itertuples())
+    damaged = kvbytes.unexpected(pd.read_csv(kv_bytes_csv, keep_default_na=False))
+    lines = [f"  {row.cell}: {row.reasons}" for row in invalid.itertuples()]
+    lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
+              f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
+              for row in damaged.itertuples()]
+    if lines:
         raise SystemExit(
-            f"{len(invalid)} of {len(table)} cells failed the validity gate (data kept; the tables and"
-            f" results/report.html show them):\n{lines}"
-        )
-    Path(out).write_text(f"{len(table)} cells valid\n")
+            f"{len(invalid)} of {len(table)} cells failed the validity gate and {len(damaged)} KV byte comparisons "
+            "found damage (data kept; the tables, results/kv_bytes.md and results/report.html show them):\n"
+            + "\n".join(lines))
+    Path(out).write_text(f"{len(table)} cells valid; no KV bytes differ where they must agree\n")
 
 
 def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:

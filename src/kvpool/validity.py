@@ -20,9 +20,12 @@ REFERENCE_PATH = {"shared": "after_document", "isolated": "cold"}
 
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
              drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
-             write_errors: list[str] = ()) -> dict:
+             write_errors: list[str] = (), pool_unchanged: dict | None = None) -> dict:
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
-    ``chunk`` (default: the smallest configured, whose hit bound is the loosest)."""
+    ``chunk`` (default: the smallest configured, whose hit bound is the loosest).
+
+    ``pool_unchanged`` (kvbytes.unchanged: populate's files against the pool after reuse) is None for
+    records of runs that did not hash the pool at populate's end; the check is then left out."""
     documents = config["workload"]["documents"]
     doc_tokens = config["workload"]["doc_tokens"]
     messages = pd.concat([populate["error"], reuse["error"]]).fillna("")
@@ -43,6 +46,12 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                                               "outputs_match": preflight.get("outputs_match")},
                             "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
     }
+    if pool_unchanged is not None:
+        # reuse must read the bytes populate stored: one flipped bit in a chunk fails the cell
+        checks["pool_unchanged"] = {
+            **_check(pool_unchanged["changed"] == 0 and pool_unchanged["missing"] == 0,
+                     {k: pool_unchanged[k] for k in ("files", "changed", "missing")}, "0 changed, 0 missing"),
+            "examples": [pool_unchanged["example"]] if pool_unchanged["example"] else []}
     if drop_before_reuse["memory_backed"]:
         checks["cold_reads"] = _check(True, "memory-backed tier: no device read to force", None)
     else:

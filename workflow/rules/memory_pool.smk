@@ -22,6 +22,7 @@ rule memory_pool_cell:
         populate_meta=cell_path("populate.json"),
         populate_drive=cell_path("telemetry/populate-drive.csv"),
         populate_power=cell_path("telemetry/populate-power.csv"),
+        populate_digests=cell_path("populate-digests.csv"),
         drop=cell_path("drop.json"),
         reuse_csv=cell_path("reuse.csv"),
         reuse_meta=cell_path("reuse.json"),

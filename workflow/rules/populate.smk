@@ -9,6 +9,7 @@ rule populate:
         meta=cell_path("populate.json"),
         drive=cell_path("telemetry/populate-drive.csv"),
         power=cell_path("telemetry/populate-power.csv"),
+        digests=cell_path("populate-digests.csv"),
     params:
         telemetry_hz=config["telemetry_hz"],
         log_dir=lambda wc: f"logs/populate/{Cell.from_wildcards(wc).name}/replicas",

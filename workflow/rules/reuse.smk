@@ -4,7 +4,7 @@ rule reuse:
         plan=cell_path("plan.yaml"),
         prompts="results/workload/prompts.jsonl",
         populate=cell_path("populate.csv"),
-        populate_meta=cell_path("populate.json"),
+        populate_digests=cell_path("populate-digests.csv"),
         drop=cell_path("drop.json"),
     output:
         csv=cell_path("reuse.csv"),

@@ -6,7 +6,7 @@ out = snakemake.output
 steps.run_memory_pool_cell(
     snakemake.config, Cell.from_wildcards(snakemake.wildcards), snakemake.input.plan, snakemake.input.prompts,
     populate={"csv": out.populate_csv, "meta": out.populate_meta, "drive": out.populate_drive,
-              "power": out.populate_power},
+              "power": out.populate_power, "digests": out.populate_digests},
     drop_out=out.drop,
     reuse={"csv": out.reuse_csv, "meta": out.reuse_meta, "drive": out.reuse_drive, "power": out.reuse_power,
            "digests": out.digests},
