@@ -1,8 +1,4 @@
-import copy
-
-import pytest
 import yaml
-from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from conftest import REPO
@@ -17,19 +13,6 @@ def test_schema_fills_defaults():
     assert data["engine"]["host"] == "127.0.0.1"
     assert data["arms"] == ["shared", "isolated"]
     assert data["workload"]["doc_tokens"] == 6000
-
-
-@pytest.mark.parametrize("bad", [
-    {"replicas": 2, "replicaz": 3},                  # unknown key
-    {"replicas": 1},                                   # cross-replica needs two
-    {"engine": {"kind": "sglang"}},
-    {"arms": ["shared", "shared"]},
-    {"tiers": {"bad name": "/tmp"}},
-    {"engine": {"ports": [80, 81]}},
-])
-def test_schema_rejects_bad_configs(bad):
-    with pytest.raises(WorkflowError):
-        validate(copy.deepcopy(bad), SCHEMA)
 
 
 def test_default_config_has_no_problems(config, tmp_path):
@@ -110,6 +93,7 @@ def test_a_run_that_cannot_fit_stops_before_any_job(tmp_path):
 
     overlay = yaml.safe_load((REPO / "tests" / "configs" / "e2e.yaml").read_text())
     overlay["workload"]["documents"] = 10_000_000  # ~84 TB of KV in float32
+    overlay["random_model"] = {"vocab_words": 10_000_000}  # a first token of its own per document
     config_file = tmp_path / "huge.yaml"
     config_file.write_text(yaml.safe_dump(overlay))
     command = [sys.executable, "-m", "snakemake", "--cores", "1", "-s", str(REPO / "Snakefile"),
@@ -120,29 +104,6 @@ def test_a_run_that_cannot_fit_stops_before_any_job(tmp_path):
     assert run.returncode != 0
     assert "tiers.disk" in run.stderr and "GB available but needs" in run.stderr
     assert not (tmp_path / "resources").exists() and not (tmp_path / "results").exists()
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"lmcache": {"chunk_size": 512}}, "lmcache sets chunk_size, which kvpool sets per cell"),
-    ({"lmcache": {"remote_url": "fs://localhost:0/x/"}}, "lmcache sets remote_url"),
-    ({"engine": {"extra_args": ["--port", "9000"]}}, "engine.extra_args sets --port, which kvpool sets"),
-    ({"engine": {"extra_args": ["--max-model-len=8192"]}}, "engine.extra_args sets --max-model-len"),
-    ({"lmcache_mp": {"extra_args": ["--chunk-size", "512"]}}, "lmcache_mp.extra_args sets --chunk-size"),
-    ({"engine": {"host": "no-such-host.invalid"}}, "engine.host 'no-such-host.invalid' is not an IP address"),
-    ({"tiers": {"disk": "~/pools"}}, "tiers.disk: '~/pools' is taken literally"),
-    ({"tiers": {"disk": "$SCRATCH/pools"}}, "tiers.disk: '$SCRATCH/pools' is taken literally"),
-    ({"random_model": {"heads": 3, "kv_heads": 2}},
-     "random_model.heads 3 is not a multiple of random_model.kv_heads 2"),
-    ({"engine": {"cores": [0, 4096]}}, "engine.cores lists cores [4096] that this process may not run on"),
-])
-def test_bad_input_is_refused_with_the_key_named(config, tmp_path, change, message):
-    for key, value in change.items():
-        if isinstance(config.get(key), dict) and key != "tiers":
-            config[key].update(value)
-        else:
-            config[key] = value
-    found = problems(config, tmp_path)
-    assert any(message in p for p in found), found
 
 
 def test_localhost_and_addresses_are_fine_hosts(config, tmp_path):

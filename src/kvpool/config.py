@@ -50,10 +50,20 @@ def _input_problems(config: dict) -> list[str]:
         if path.startswith("~") or "$" in path:
             found.append(f"tiers.{tier}: {path!r} is taken literally (no ~ or $VARIABLE expansion); give the "
                          "expanded path")
+    if engine["model"] is None and config["workload"]["documents"] > spec["vocab_words"]:
+        found.append(f"workload.documents {config['workload']['documents']} exceeds random_model.vocab_words "
+                     f"{spec['vocab_words']}: each document starts with a token of its own; raise vocab_words")
     if config["engine"]["model"] is None and spec["heads"] % spec["kv_heads"]:
         found.append(f"random_model.heads {spec['heads']} is not a multiple of random_model.kv_heads "
                      f"{spec['kv_heads']} (each KV head serves a whole group of query heads)")
     return found
+
+
+def _in_hub_cache(model: str) -> bool:
+    """Whether a hub model name is already in the local Hugging Face cache (its config.json is)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(model, "config.json"), str)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -78,6 +88,10 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
     model = engine["model"]
     if check_paths and model and (model.startswith(("/", ".")) or Path(model).exists()) and not Path(model).is_dir():
         found.append(f"engine.model {model!r} is not a directory")
+    elif check_paths and model and not Path(model).exists() and not _in_hub_cache(model):
+        # a download inside a replica's startup would count against startup_timeout_s, per replica
+        found.append(f"engine.model {model!r} is neither a local directory nor in the Hugging Face cache; "
+                     f"download it first (hf download {model}) or give its path")
     for tier in config["tiers"] if check_paths else []:
         root = tier_root(config, tier, workdir)
         existing = _nearest_existing(root)
