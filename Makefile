@@ -24,10 +24,13 @@ run: setup
 	$(BIN)/snakemake --cores 1 all
 
 lint: setup
+	$(BIN)/ruff check src tests bench workflow/scripts
 	$(BIN)/snakemake --lint
 
+# Lint and the unit tests first (a failure shows in seconds), then the real end-to-end runs (minutes).
 test: setup lint
-	$(BIN)/python -m pytest -v
+	$(BIN)/python -m pytest -v -m "not e2e"
+	$(BIN)/python -m pytest -v -m e2e
 
 clean-results:
 	rm -rf results/cells results/reference results/workload results/*.csv results/*.md results/gate.ok logs benchmarks

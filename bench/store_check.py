@@ -98,7 +98,8 @@ async def check(url: str, workload: list[dict], output_tokens: int, timeout_s: f
                 if result.error:  # e.g. the engine died on this setting: its log says why
                     raise RuntimeError(f"document {item['doc_id']}, {path} request failed: {result.error}")
                 counts = metrics.delta(await metrics.scrape(session, url), before)
-                row.update({f"{path}_ttft_s": result.ttft_s, f"{path}_external_hit_tokens": counts["external_kv_transfer"],
+                row.update({f"{path}_ttft_s": result.ttft_s,
+                            f"{path}_external_hit_tokens": counts["external_kv_transfer"],
                             f"{path}_output": result.output_text})
             row["matches"] = row["cold_output"] == row["reload_output"]
             rows.append(row)

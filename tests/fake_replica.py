@@ -12,7 +12,6 @@ if mode == "die":
     print("fake replica: CUDA out of memory while loading weights", flush=True)
     sys.exit(3)
 if mode == "orderly":  # like vLLM's API server: on SIGTERM it stops its engine itself, which says who stopped it
-    import os
     import signal
 
     ENGINE = ("import os, signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "

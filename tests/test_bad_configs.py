@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import yaml
+from conftest import REPO
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import update_config, validate
 
-from conftest import REPO
 from kvpool.config import problems
 
 CORPUS = sorted((REPO / "tests" / "configs" / "bad").glob("*.yaml"))

@@ -1,7 +1,7 @@
 import yaml
+from conftest import REPO
 from snakemake.utils import validate
 
-from conftest import REPO
 from kvpool.config import problems
 
 SCHEMA = str(REPO / "workflow" / "schemas" / "config.schema.yaml")

@@ -4,10 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lmcache.v1.memory_management import MemoryFormat
 
 from kvpool import cpu_connector
-from kvpool.cpu_connector import CPUPagedKVConnector, gather_tokens, scatter_tokens
-from lmcache.v1.memory_management import MemoryFormat
+from kvpool.cpu_connector import CPUPagedKVConnector, gather_tokens
 
 LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD = 3, 12, 2, 16, 8
 
@@ -49,7 +49,7 @@ def test_round_trip_through_the_connector_returns_identical_tensors():
     connector.batched_from_gpu([obj], [32], [96], kvcaches=source, slot_mapping=slot_mapping)
     connector.batched_to_gpu([obj], [32], [96], kvcaches=target, slot_mapping=slot_mapping)
     moved = slot_mapping[32:96]
-    for src, dst in zip(source, target):
+    for src, dst in zip(source, target, strict=True):
         src_k, src_v = vllm_k_v(src)
         dst_k, dst_v = vllm_k_v(dst)
         blocks, offsets = moved // BLOCK_SIZE, moved % BLOCK_SIZE

@@ -3,7 +3,6 @@
 import re
 
 import yaml
-
 from conftest import REPO
 
 

@@ -12,7 +12,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "diskstats-two-samples.txt"
 def fixture_samples(device="nvme0n1"):
     blocks = [b for b in FIXTURE.read_text().split("---")]
     rows = []
-    for t, block in zip((10.0, 12.0), blocks):
+    for t, block in zip((10.0, 12.0), blocks, strict=True):
         rows.append({"t_s": t, "device": device, **read_diskstats(block, {device})[device]})
     return pd.DataFrame(rows)
 
@@ -103,7 +103,9 @@ def test_hwmon_temperature_is_read_in_millidegrees(tmp_path):
     sensor = tmp_path / "block" / "nvme0n1" / "device" / "hwmon3"
     sensor.mkdir(parents=True)
     (sensor / "temp1_input").write_text("43850\n")
-    failing = lambda argv, **kw: __import__("subprocess").CompletedProcess(argv, 1, "", "permission denied")
+    def failing(argv, **kw):
+        return __import__("subprocess").CompletedProcess(argv, 1, "", "permission denied")
+
     record = drive_health("nvme0n1", sys_root=tmp_path, run=failing)
     assert record["hwmon_temperature_c"] == pytest.approx(43.85)
 

@@ -8,7 +8,6 @@ import sys
 import pandas as pd
 import psutil
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.e2e

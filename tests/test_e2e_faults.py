@@ -13,7 +13,6 @@ import pandas as pd
 import psutil
 import pytest
 import yaml
-
 from conftest import REPO
 from test_e2e import CELL, CONFIGS, replicas_running_in
 

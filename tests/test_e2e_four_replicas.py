@@ -5,7 +5,6 @@ import os
 
 import pandas as pd
 import pytest
-
 from conftest import REPO
 from test_e2e import CELL, replicas_running_in, snakemake
 

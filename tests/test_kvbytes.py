@@ -56,7 +56,7 @@ def test_digests_record_every_copy_and_when_it_was_stored(tmp_path):
         KEYS["doc0"]: "populate", KEYS["doc1"]: "populate", KEYS["followup0"]: "reuse", KEYS["followup1"]: "reuse"}
     isolated = run_cell(tmp_path, "isolated")
     assert len(isolated) == 6 and set(isolated["copy"]) == {"replica-0", "replica-1"}
-    assert dict(zip(shared["key"], shared["bytes"])) == {KEYS[name]: len(kv(name)) for name in KEYS}
+    assert dict(zip(shared["key"], shared["bytes"], strict=True)) == {KEYS[name]: len(kv(name)) for name in KEYS}
 
 
 def test_identical_kv_agrees_everywhere(tmp_path):

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_fleet import FAKE, family, write_driver
 
 from kvpool import config as kvpool_config
 from kvpool import kvbytes, mp, phases, steps
 from kvpool.cells import Cell
 from kvpool.fleet import FleetError, free_ports, resolve_server_ports, running_servers
 from kvpool.plan import fleet_plan, with_server_ports
-
-from test_fleet import FAKE, family, write_driver
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_PORTS = 38300
@@ -65,15 +64,17 @@ def test_isolated_arm_has_a_server_per_replica_and_nothing_else_differs(gpu_conf
              for r in isolated["replicas"]]
     assert ports == [20001, 20003]
     # the server command differs between arms only in its ports and its L2 folder
+    def strip(argv):
+        return [a for a in argv if not a.isdigit() and "base_path" not in a]
+
     for server in isolated["servers"]:
-        strip = lambda argv: [a for a in argv if not a.isdigit() and "base_path" not in a]
         assert strip(server["argv"]) == strip(shared["servers"][0]["argv"])
     l2 = [json.loads(flag(s["argv"], "--l2-adapter")) for s in isolated["servers"]]
     assert [a["base_path"] for a in l2] == [r["pool_dir"] for r in isolated["replicas"]]
     assert all(a == {"type": "fs", "base_path": a["base_path"], "use_odirect": False} for a in l2)
     assert shared["servers"][0]["l2_dir"] == shared["replicas"][0]["pool_dir"] == shared["replicas"][1]["pool_dir"]
     # the replicas' own arguments are those of the shared arm but for the connector's port
-    for r_shared, r_isolated in zip(shared["replicas"], isolated["replicas"]):
+    for r_shared, r_isolated in zip(shared["replicas"], isolated["replicas"], strict=True):
         assert [a for a in r_shared["argv"] if "LMCacheMPConnector" not in a] == \
                [a for a in r_isolated["argv"] if "LMCacheMPConnector" not in a]
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 
@@ -36,7 +35,8 @@ def test_tier_compare_target_builds_only_what_it_needs(tmp_path):
         assert not re.search(rf"^{rule}\s+\d+$", out, re.M), rule
 
 
-@pytest.mark.parametrize("name, replicas, gpus, packed", [("h200.yaml", 2, {0}, True), ("h200x2.yaml", 2, {0, 1}, False),
+@pytest.mark.parametrize("name, replicas, gpus, packed", [("h200.yaml", 2, {0}, True),
+                                                         ("h200x2.yaml", 2, {0, 1}, False),
                                                           ("h200x4.yaml", 4, {0, 1, 2, 3}, False)])
 def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gpus, packed):
     """The H200 configs dry-run here; their launch plans put replicas where the config says."""

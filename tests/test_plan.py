@@ -51,8 +51,10 @@ def test_the_pool_path_is_the_arms_only_difference(config):
     shared, isolated = plan_for(config, "shared"), plan_for(config, "isolated")
     assert len({r["pool_dir"] for r in shared["replicas"]}) == 1
     assert len({r["pool_dir"] for r in isolated["replicas"]}) == 2
-    for s, i in zip(shared["replicas"], isolated["replicas"]):
-        strip = lambda lm: {k: v for k, v in lm.items() if k != "remote_url"}
+    def strip(lmcache_config):
+        return {k: v for k, v in lmcache_config.items() if k != "remote_url"}
+
+    for s, i in zip(shared["replicas"], isolated["replicas"], strict=True):
         assert strip(s["lmcache_config"]) == strip(i["lmcache_config"])
         assert s["lmcache_config"]["remote_url"] == f"fs://localhost:0{s['pool_dir']}/"
 
@@ -127,7 +129,7 @@ def test_cells_of_a_tier_take_turns_when_pools_are_not_kept(config):
     config = {**config, "arms": ["shared", "isolated"], "chunk_sizes": [256, 1024],
               "tiers": {"ram": "/dev/shm/x", "disk": "pools/disk"}, "keep_pools": False}
     order = {tier: [c for c in cells(config) if c.tier == tier] for tier in config["tiers"]}
-    for tier, chain in order.items():
+    for chain in order.values():
         assert pool_predecessor(config, chain[0]) is None
         # each cell waits for the one before it in the same tier, never for another tier's
         assert [pool_predecessor(config, c) for c in chain[1:]] == chain[:-1]

@@ -61,5 +61,5 @@ def test_random_model_is_built_deterministically(tmp_path):
         digests.append(hashlib.sha256((tmp_path / run / "model.safetensors").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
     assert summary["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 2
-    other = build_random_model(tmp_path / "c", {**spec, "seed": 4})
+    build_random_model(tmp_path / "c", {**spec, "seed": 4})
     assert hashlib.sha256((tmp_path / "c" / "model.safetensors").read_bytes()).hexdigest() != digests[0]

@@ -19,7 +19,8 @@ def test_a_variant_sets_lmcache_settings_and_replica_environment(config, tmp_pat
     assert replica["lmcache_config"]["save_unfull_chunk"] is False
     assert "env" not in replica["lmcache_config"]  # the environment is not an LMCache setting
     # under the variant's own folder, which the script removes before and after the variant
-    assert Path(replica["pool_dir"]).is_relative_to(tmp_path / "pools" / "blocking") and Path(replica["pool_dir"]).is_dir()
+    pool_dir = Path(replica["pool_dir"])
+    assert pool_dir.is_relative_to(tmp_path / "pools" / "blocking") and pool_dir.is_dir()
     assert settings["env"] == {"CUDA_LAUNCH_BLOCKING": "1"}  # the caller's variant is left as given
 
     _, plain = store_check.variant("default={}")

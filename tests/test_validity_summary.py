@@ -94,9 +94,9 @@ def test_table1_ratio_is_isolated_over_shared():
     base = dict(backend="lmcache-fs", chunk=256, tier="disk")
     fast = {"ttft_p50_s": 2.2, "wall_clock_s": 38.0, "reload_rate": 0.89}
     slow = {"ttft_p50_s": 18.38, "wall_clock_s": 338.0, "reload_rate": 0.0}
-    fill = lambda m: {**{k: np.nan for k in ("ttft_p95_s", "ttft_p99_s", "slo_attainment", "mean_power_w",
-                                             "energy_per_followup_j", "errors", "mean_pool_hit_fraction",
-                                             "followups")}, **m}
+    def fill(m):
+        return {**{k: np.nan for k in ("ttft_p95_s", "ttft_p99_s", "slo_attainment", "mean_power_w",
+                                       "energy_per_followup_j", "errors", "mean_pool_hit_fraction", "followups")}, **m}
     table = table1([{**base, "arm": "shared", "valid": True, "metrics": fill(fast)},
                     {**base, "arm": "isolated", "valid": False, "metrics": fill(slow)}])
     row = table.set_index("metric").loc["ttft_p50_s"]
@@ -146,7 +146,8 @@ def test_write_errors_are_read_from_this_phase_s_log_lines_only(tmp_path):
 def test_the_run_gate_fails_on_kv_bytes_that_differ_where_they_must_agree(tmp_path):
     from kvpool.steps import gate as run_gate
 
-    (tmp_path / "validity.csv").write_text("cell,valid,reasons\nbackend~lmcache-fs/arm~shared/chunk~256/tier~disk,True,\n")
+    (tmp_path / "validity.csv").write_text(
+        "cell,valid,reasons\nbackend~lmcache-fs/arm~shared/chunk~256/tier~disk,True,\n")
     header = "backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,meaning\n"
     clean = header + ("lmcache-fs,256,disk,store_across_arms,32,32,0,True,,m\n"
                       "lmcache-fs,256,disk,recompute_against_store,32,29,3,False,k3,m\n")  # reported, not gated

@@ -23,7 +23,7 @@ class Cell:
         return CELL_PATTERN.format(**self.__dict__)
 
     @classmethod
-    def from_wildcards(cls, wildcards) -> "Cell":
+    def from_wildcards(cls, wildcards) -> Cell:
         return cls(wildcards.backend, wildcards.arm, int(wildcards.chunk), wildcards.tier)
 
 

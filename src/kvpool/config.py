@@ -11,7 +11,6 @@ from kvpool import mp
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.model import kv_bytes_per_token, kv_bytes_per_token_of
 
-
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
 # another value than its plan and folder name say (a chunk~256 cell at 512, a replica on another port).
 OWNED_LMCACHE_KEYS = {"chunk_size", "remote_url", "remote_serde", "local_disk", "max_local_disk_size", "local_cpu",

@@ -14,14 +14,12 @@ read by the attention kernel as ``[num_blocks, num_kv_heads, 2, block_size, head
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import torch
-
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
-from lmcache.v1.memory_management import MemoryFormat
+from collections.abc import Sequence
 
 import lmcache.v1.gpu_connector as _lmcache_gpu_connector
+import torch
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryFormat
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
     LMCacheConnectorV1 as _VllmLMCacheConnectorV1,
 )
@@ -65,7 +63,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         self.kvcaches: list[torch.Tensor] | None = None
 
     @classmethod
-    def from_metadata(cls, metadata) -> "CPUPagedKVConnector":
+    def from_metadata(cls, metadata) -> CPUPagedKVConnector:
         num_layers, _, _, num_kv_heads, head_size = metadata.kv_shape
         return cls(num_layers, num_kv_heads * head_size)
 

@@ -20,7 +20,7 @@ def read_diskstats(text: str, devices: set[str] | None = None) -> dict[str, dict
         parts = line.split()
         if len(parts) < 14 or not parts[0].isdigit() or (devices is not None and parts[2] not in devices):
             continue
-        stats[parts[2]] = dict(zip(DISKSTATS_FIELDS, map(int, parts[3:14])))
+        stats[parts[2]] = dict(zip(DISKSTATS_FIELDS, map(int, parts[3:14]), strict=False))
     return stats
 
 
@@ -76,7 +76,8 @@ def block_devices(path: Path, sys_root: Path = Path("/sys")) -> dict:
 
 def _model(disk: str, sys_root: Path) -> str | None:
     """The drive's model string where the kernel exposes one (NVMe, SATA, SCSI; not virtio)."""
-    for path in (sys_root / "block" / disk / "device" / "model", sys_root / "block" / disk / "device" / "device" / "model"):
+    device = sys_root / "block" / disk / "device"
+    for path in (device / "model", device / "device" / "model"):
         if path.exists():
             return path.read_text().strip()
     return None

@@ -8,9 +8,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from plotnine import (aes, annotate, element_text, facet_grid, facet_wrap, geom_col, geom_errorbar, geom_line,
-                      geom_point, geom_rect, geom_text, ggplot, labs, scale_alpha_manual, scale_fill_manual,
-                      stat_ecdf, theme, theme_bw)
+from plotnine import (
+    aes,
+    annotate,
+    element_text,
+    facet_grid,
+    facet_wrap,
+    geom_col,
+    geom_errorbar,
+    geom_line,
+    geom_point,
+    geom_text,
+    ggplot,
+    labs,
+    scale_alpha_manual,
+    scale_fill_manual,
+    stat_ecdf,
+    theme,
+    theme_bw,
+)
 
 ARM_COLOURS = {"shared": "#1b9e77", "isolated": "#d95f02"}
 FAINT_INVALID = {"valid": 1.0, "INVALID": 0.35}
@@ -99,7 +115,8 @@ def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFra
             series.append(cpu.assign(metric="replica CPU %", value=cpu["cpu_pct"]))
     data = pd.concat(series, ignore_index=True).dropna(subset=["value"])
     starts = {(c["cell"], phase): start for _, c in cells.iterrows() for phase, (start, _) in c["phases"].items()}
-    data["since_phase_s"] = data["since_start_s"] - [starts[(c, p)] for c, p in zip(data["cell"], data["phase"])]
+    data["since_phase_s"] = data["since_start_s"] - [starts[(c, p)]
+                                                     for c, p in zip(data["cell"], data["phase"], strict=True)]
     short = {c: c.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
              for c in cells["cell"]}
     data["column"] = data["cell"].map(short) + "\n" + data["phase"]

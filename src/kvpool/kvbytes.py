@@ -54,7 +54,7 @@ def pool_digests(dirs: list[Path], populate: pd.DataFrame | None = None) -> pd.D
     files = [(directory, path) for directory in dict.fromkeys(map(Path, dirs)) for path in pool_files([directory])]
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda item: file_digest(item[1]), files))
-    before = None if populate is None else set(zip(populate["copy"], populate["key"]))
+    before = None if populate is None else set(zip(populate["copy"], populate["key"], strict=True))
     rows = [{"copy": d.name, "key": str(p.relative_to(d)), "bytes": p.stat().st_size, "blake2b": digest,
              "stored_in": "populate" if before is None or (d.name, str(p.relative_to(d))) in before else "reuse"}
             for (d, p), digest in zip(files, digests, strict=True)]
@@ -189,18 +189,18 @@ def finding(group: pd.DataFrame) -> str:
     if exact.empty:
         verdict = "Nothing to compare bit for bit: no comparison of this setting holds chunks that must agree."
     elif differ.empty:
-        verdict = ("Every chunk that must agree bit for bit does (" + ", ".join(
-            f"{name} {row['equal']} of {row['keys']}" for name, row in exact.iterrows()) + "): the pool's bytes show no damage.")
+        agreeing = ", ".join(f"{name} {row['equal']} of {row['keys']}" for name, row in exact.iterrows())
+        verdict = f"Every chunk that must agree bit for bit does ({agreeing}): the pool's bytes show no damage."
     elif "store_across_arms" in differ.index:
-        verdict = (f"The stores differ: {count('store_across_arms')} document chunks, the same computation in both arms, "
-                   "were stored with different bytes; the store or the pool's files are damaged.")
+        verdict = (f"The stores differ: {count('store_across_arms')} document chunks, the same computation in both "
+                   "arms, were stored with different bytes; the store or the pool's files are damaged.")
     else:
         verdict = (f"Load side: the document chunks agree, yet {count('after_load_against_cold')} follow-up chunks "
                    "computed on KV loaded from the pool differ from a cold computation: the KV attended over after a "
                    "load was not the KV that was stored.")
     if loose.empty:
         return verdict
-    verdict += " Not required to agree, and differing: " + ", ".join(f"{name} {count(name)}" for name in loose.index) + "."
+    verdict += " Not required to agree, and differing: " + ", ".join(f"{n} {count(n)}" for n in loose.index) + "."
     recompute = rows.loc["recompute_against_store"]
     if recompute["keys"] > 0 and recompute["equal"] == 0 and rows.loc["store_across_arms", "differ"] == 0:
         verdict += (" No stored document chunk equals its recompute while the stores reproduce across arms: what a "

@@ -115,9 +115,10 @@ def preflight_failure(cell: str, preflight: dict) -> str:
                 f"probe from the pool but answered {preflight['pool_output']!r}, while replica 0, on the probe's "
                 f"KV in its own GPU cache, answered {preflight['local_output']!r}: the pool returned different KV "
                 "than was stored (e.g. LMCache's in-process connector on vLLM 0.26, LMCache issue #4463)")
+    expected = ("expected a hit: the pool is not shared" if preflight["expect_shared"]
+                else "expected none: the arm is not isolated")
     return (f"preflight failed for {cell}: replica 1 loaded {preflight['hit_tokens']} of the "
-            f"{preflight['probe_tokens']}-token probe replica 0 stored "
-            f"({'expected a hit: the pool is not shared' if preflight['expect_shared'] else 'expected none: the arm is not isolated'})")
+            f"{preflight['probe_tokens']}-token probe replica 0 stored ({expected})")
 
 
 async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], dict]:
@@ -146,7 +147,8 @@ async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], 
 
 def _sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
     gpus = plan_gpus(plan)
-    return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"], pids=lambda: {r.index: r.proc.pid for r in replicas},
+    return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"],
+                   pids=lambda: {r.index: r.proc.pid for r in replicas},
                    gpus=gpus or None)
 
 

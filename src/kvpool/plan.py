@@ -90,7 +90,8 @@ def placements(engine: dict, replicas: int, available_cores: list[int] | None = 
     gpus_needed = -(-replicas // per_gpu)
     gpus = list(range(gpus_needed)) if engine["gpus"] == "auto" else engine["gpus"]
     if len(gpus) < gpus_needed:
-        raise ValueError(f"{replicas} replicas at {per_gpu} per GPU need {gpus_needed} GPUs; engine.gpus lists {len(gpus)}")
+        raise ValueError(f"{replicas} replicas at {per_gpu} per GPU need {gpus_needed} GPUs; "
+                         f"engine.gpus lists {len(gpus)}")
     # Replicas sharing a GPU must start one after another: vLLM sizes its KV cache from free memory.
     return [{"core": None, "gpu": gpus[i // per_gpu], "sequential_start": per_gpu > 1} for i in range(replicas)]
 
@@ -172,7 +173,8 @@ def plan_gpus(plan: dict) -> list[int]:
     return sorted({r["gpu"] for r in plan["replicas"] if r["gpu"] is not None})
 
 
-def reference_plan(config: dict, model: str, port: int, port_source: str, available_cores: list[int] | None = None) -> dict:
+def reference_plan(config: dict, model: str, port: int, port_source: str,
+                   available_cores: list[int] | None = None) -> dict:
     """One plain replica (no connector): the recompute each cell's outputs must equal. Prefix caching
     is on so it can replay a pool hit from its own cache; its cold path salts requests instead."""
     engine = config["engine"]

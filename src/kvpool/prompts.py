@@ -16,7 +16,8 @@ def make_workload(token_ids: list[int], documents: int, doc_tokens: int, followu
     cacheable prefix.
     """
     if documents > len(token_ids):
-        raise ValueError(f"{documents} documents need {documents} distinct first tokens; the vocabulary has {len(token_ids)}")
+        raise ValueError(f"{documents} documents need {documents} distinct first tokens; "
+                         f"the vocabulary has {len(token_ids)}")
     rng = np.random.default_rng(seed)
     pool = np.asarray(token_ids)
     firsts = rng.choice(pool, size=documents, replace=False)

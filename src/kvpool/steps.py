@@ -137,7 +137,7 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
     workload = prompts.read_workload(Path(prompts_path))
     populated = pd.read_csv(populate_csv)
-    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int)))
+    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int), strict=True))
     missing = [item["doc_id"] for item in workload if item["doc_id"] not in prefill]
     if missing:
         raise RuntimeError(f"{populate_csv} has no prefill for documents {missing}; re-run populate for {cell.name}")
@@ -161,7 +161,8 @@ def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, popul
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
     digests = kvbytes.pool_digests(dirs, stored)
     digests.to_csv(digests_csv, index=False)
-    log.info("pool digests: %d files, %d stored during reuse", len(digests), int((digests["stored_in"] == "reuse").sum()))
+    log.info("pool digests: %d files, %d stored during reuse", len(digests),
+             int((digests["stored_in"] == "reuse").sum()))
     if not config["keep_pools"]:  # measured; the tier holds one cell's pool at a time
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
@@ -204,7 +205,8 @@ def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str
     unchanged = None
     if populate_digests is not None and reuse_digests is not None:
         unchanged = kvbytes.unchanged(kvbytes.read_digests(populate_digests), kvbytes.read_digests(reuse_digests))
-    result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv), read_records(reference_csv),
+    result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv),
+                               read_records(reference_csv),
                                reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
                                populate_meta["preflight"], chunk=cell.chunk,
                                write_errors=populate_meta.get("pool_write_errors", [])
@@ -389,10 +391,10 @@ def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figu
         extra.append(("energy_per_followup", figures.placeholder_note(
             "Energy per follow-up", "not measured on this machine: no GPU energy counter")))
     rates = table2[["read_active_gb_per_s", "ceiling_gb_per_s"]].astype(float) if len(table2) else pd.DataFrame()
+    why_not = "no drive read and no ceiling measured" if len(table2) else "no shared arm: no reload to compare"
     extra.append(("reload_efficiency", figures.reload_efficiency(table2)) if rates.notna().any().any()
                  else ("reload_efficiency", figures.placeholder_note(
-                     "Reload read rate against the measured ceiling",
-                     "no drive read and no ceiling measured" if len(table2) else "no shared arm: no reload to compare")))
+                     "Reload read rate against the measured ceiling", why_not)))
     if table1["chunk"].nunique() > 1:
         extra.append(("ttft_by_chunk", figures.by_chunk(table1)))
     drawn = {}

@@ -177,4 +177,5 @@ def tier_compare_markdown(table: pd.DataFrame) -> str:
             cells = [_fmt(row[t], "fraction" if row["unit"] == "fraction" else row["unit"]) for t in tiers]
             lines.append(f"| {row['signal']} | " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
-    return "\n\n".join(parts) + "\n\nn/a: not measurable on that tier (a memory-backed tier has no drive) or no source.\n"
+    note = "n/a: not measurable on that tier (a memory-backed tier has no drive) or no source."
+    return "\n\n".join(parts) + f"\n\n{note}\n"

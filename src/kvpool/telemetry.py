@@ -103,7 +103,7 @@ class Sampler:
         self.meta: dict = {}
         self._families: dict[int, tuple[float, list[psutil.Process]]] = {}
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self.meta = {"cell": self.cell, "phase": self.phase, "disks": sorted(self.disks), "hz": 1 / self.interval_s,
                      "gpus": self.nvml.indices,
                      "started_at": time.time(),
@@ -119,7 +119,7 @@ class Sampler:
         self.meta["duration_s"] = self.meta["finished_at"] - self.meta["started_at"]
         if self.nvml.available:
             end = self.nvml.energy_j()
-            self.meta["gpu_energy_j"] = [e - s for s, e in zip(self.meta.pop("gpu_energy_start_j"), end)]
+            self.meta["gpu_energy_j"] = [e - s for s, e in zip(self.meta.pop("gpu_energy_start_j"), end, strict=True)]
         else:
             self.meta.pop("gpu_energy_start_j")
             self.meta["gpu_energy_j"] = None
@@ -149,7 +149,7 @@ class Sampler:
                 stats = read_diskstats(f.read(), self.disks)
             self.drive_rows += [{**stamp, "device": device, **counters} for device, counters in stats.items()]
         if self.nvml.available:
-            for gpu, watts in zip(self.nvml.indices, self.nvml.power_w()):
+            for gpu, watts in zip(self.nvml.indices, self.nvml.power_w(), strict=True):
                 self.power_rows.append({**stamp, "source": f"gpu{gpu}", "power_w": watts})
         for replica, pid in self.pids().items():
             cpu_s, rss = 0.0, 0
