@@ -13,9 +13,12 @@ name=$(basename "$config" .yaml)
 work=/root/work/$name
 export PYTHONPATH=/root/site:$repo/src PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p "$work"
-# A replica (or an LMCache MP server) left by an earlier call that was killed would hold GPU memory.
-pkill -INT -f "vllm serve|lmcache server" && sleep 10
-pkill -KILL -f "vllm serve|lmcache server"
+# A replica (or an LMCache MP server) left by an earlier call of this config that was cut off would
+# hold GPU memory. Only those are stopped: kvpool starts them in the run's working directory.
+ours() { for pid in $(pgrep -f "vllm serve|lmcache server"); do
+  [ "$(readlink "/proc/$pid/cwd")" = "$work" ] && echo "$pid"; done; }
+left=$(ours); [ -n "$left" ] && kill -INT $left && sleep 10
+left=$(ours); [ -n "$left" ] && kill -KILL $left
 # A call cut off by the device's limit leaves Snakemake's lock behind; nothing else runs here.
 pgrep -f "python3 -m snakemake" >/dev/null || rm -rf "$work/.snakemake/locks"
 timeout -s INT "$budget" python3 -m snakemake --cores 1 -s "$repo/Snakefile" --directory "$work" \
