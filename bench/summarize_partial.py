@@ -103,7 +103,8 @@ def main() -> None:
     steps.run_summary(config, finished, [folder[c] / "reuse.csv" for c in finished],
                       [folder[c] / "reuse.json" for c in finished], [folder[c] / "validity.json" for c in finished],
                       [folder[c] / "telemetry" / "summary.json" for c in finished],
-                      results / "table1.csv", results / "table1.md")
+                      cells_csv=results / "cell_table.csv", csv_out=results / "table1.csv",
+                      md_out=results / "table1.md")
     steps.run_validity_table([folder[c] / "validity.json" for c in finished], results / "validity.csv")
     digested = [c for c in finished if (folder[c] / "pool-digests.csv").exists()]
     if digested:
@@ -114,10 +115,14 @@ def main() -> None:
     if compared:
         steps.run_tier_compare(config, compared, [folder[c] / "telemetry" / "summary.json" for c in compared],
                                [folder[c] / "reuse.csv" for c in compared],
-                               sorted({str(ceiling[c.tier]) for c in compared}),
-                               results / "tier_compare.csv", results / "tier_compare.md")
-    steps.build_report(config, finished, str(root), results / "report.html", results / "report" / "figures",
-                       results / "report" / "tables")
+                               [folder[c] / "telemetry" / "drive.csv" for c in compared],
+                               sorted({str(ceiling[c.tier]) for c in compared}), tiers_csv=results / "tier_table.csv",
+                               csv_out=results / "tier_compare.csv", md_out=results / "tier_compare.md")
+    steps.build_report(config, finished, str(root), cell_table=results / "cell_table.csv",
+                       tier_table=results / "tier_table.csv" if compared else None,
+                       kv_bytes=results / "kv_bytes.csv" if digested else None,
+                       out_html=results / "report.html", figures_dir=results / "report" / "figures",
+                       tables_dir=results / "report" / "tables")
     print(f"{len(finished)} cell(s): {results / 'table1.md'}, {results / 'validity.csv'}, {results / 'report.html'}")
 
 

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -90,20 +92,34 @@ def test_arm_metrics_percentiles_and_rates():
     assert np.isnan(m["mean_power_w"])
 
 
-def test_table1_ratio_is_isolated_over_shared():
-    base = dict(backend="lmcache-fs", chunk=256, tier="disk")
-    fast = {"ttft_p50_s": 2.2, "wall_clock_s": 38.0, "reload_rate": 0.89}
-    slow = {"ttft_p50_s": 18.38, "wall_clock_s": 338.0, "reload_rate": 0.0}
-    def fill(m):
-        return {**{k: np.nan for k in ("ttft_p95_s", "ttft_p99_s", "slo_attainment", "mean_power_w",
-                                       "energy_per_followup_j", "errors", "mean_pool_hit_fraction", "followups")}, **m}
-    table = table1([{**base, "arm": "shared", "valid": True, "metrics": fill(fast)},
-                    {**base, "arm": "isolated", "valid": False, "metrics": fill(slow)}])
-    row = table.set_index("metric").loc["ttft_p50_s"]
-    assert row["ratio"] == pytest.approx(18.38 / 2.2)
+def test_table1_is_drawn_from_the_cell_table_with_its_intervals():
+    """One cell row per arm (summary.cell_row, real records); Table 1 sets them side by side, the ratio
+    isolated over shared, each TTFT percentile with its bootstrap interval."""
+    from kvpool.cells import Cell
+    from kvpool.summary import cell_row
+
+    config = {"warm_s": 3.0, "slo_s": 5.0, "workload": {"doc_tokens": 1000}}
+    power = {"mean_power_w": None, "gpu_energy_j": None, "replicas": {"0": {"cpu_s": 4.0}}}
+    rng = np.random.default_rng(0)
+
+    def row(arm, ttft, valid):
+        records = pd.DataFrame({"ttft_s": ttft, "error": [""] * len(ttft), "external_hit_tokens": [1000] * len(ttft)})
+        return cell_row(Cell("lmcache-fs", arm, 256, "disk"), records, 40.0, power,
+                        {"valid": valid, "checks": {}}, config)
+
+    cells = pd.DataFrame([row("shared", 2.2 + rng.normal(0, 0.05, 40), True),
+                          row("isolated", 18.38 + rng.normal(0, 0.5, 40), False)])
+    assert (cells["ttft_p50_ci_low_s"] <= cells["ttft_p50_s"]).all()
+    assert (cells["ttft_p50_s"] <= cells["ttft_p50_ci_high_s"]).all()
+    assert cells.set_index("arm").loc["shared", "replica_cpu_s_per_followup"] == pytest.approx(0.1)
+    table = table1(cells)
+    p50 = table.set_index("metric").loc["ttft_p50_s"]
+    assert p50["ratio"] == pytest.approx(p50["isolated"] / p50["shared"]) and 7 < p50["ratio"] < 10
+    assert p50["shared_ci_low"] == cells.set_index("arm").loc["shared", "ttft_p50_ci_low_s"]
     assert np.isnan(table.set_index("metric").loc["reload_rate", "ratio"])
     text = table1_markdown(table)
-    assert "Isolated (INVALID)" in text and "Shared (valid)" in text and "8.4x" in text
+    assert "Isolated (INVALID)" in text and "Shared (valid)" in text
+    assert re.search(r"\| ttft_p50_s \| 18\.\d+ s \[18\.\d+, 18\.\d+\] \| 2\.\d+ s \[2\.\d+, 2\.\d+\] \|", text)
 
 
 METRICS = """# TYPE vllm:external_prefix_cache_hits_total counter

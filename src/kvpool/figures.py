@@ -68,7 +68,7 @@ def ttft_p99(table: pd.DataFrame):
 
 
 def wall_clock(table: pd.DataFrame):
-    return _bars(table, "wall_s", "Figure 3. Wall clock of the reuse phase", "seconds")
+    return _bars(table, "wall_clock_s", "Figure 3. Wall clock of the reuse phase", "seconds")
 
 
 def power(table: pd.DataFrame):
@@ -131,9 +131,10 @@ def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFra
 
 def reload_efficiency(tiers: pd.DataFrame):
     data = tiers.melt(id_vars=["backend", "chunk", "tier", "valid"],
-                      value_vars=["read_active_gb_per_s", "ceiling_gb_per_s"], var_name="what", value_name="gb_per_s")
-    data["what"] = data["what"].map({"read_active_gb_per_s": "reload read rate (reuse)",
-                                     "ceiling_gb_per_s": "measured sequential ceiling"})
+                      value_vars=["drive_read_active_gb_per_s", "ceiling_read_gb_per_s"], var_name="what",
+                      value_name="gb_per_s")
+    data["what"] = data["what"].map({"drive_read_active_gb_per_s": "reload read rate (reuse)",
+                                     "ceiling_read_gb_per_s": "measured sequential ceiling"})
     data["setting"] = data["backend"] + " / chunk " + data["chunk"].astype(str)
     return (ggplot(data.dropna(subset=["gb_per_s"]), aes("tier", "gb_per_s", fill="what"))
             + geom_col(position="dodge", width=0.7)

@@ -1,7 +1,8 @@
-"""The report: Study A's tables and figures, and what the study did not show, from measured results alone.
+"""The report: Study A's figures and what the study did not show, from measured results alone.
 
-Everything here reads the results tree; nothing is re-measured. Invalid cells are drawn and listed,
-flagged, and kept out of every aggregate.
+Its tables are the run's (kvpool.summary, written by their rules); what is read here is every
+request and sample behind the figures, the caveats and the servers' counters. Nothing is
+re-measured. Invalid cells are drawn and listed, flagged, and kept out of every aggregate.
 """
 
 from __future__ import annotations
@@ -10,30 +11,13 @@ import base64
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import yaml
-from scipy.stats import bootstrap
 
 from kvpool import mp
 from kvpool.cells import Cell
 from kvpool.files import read_frame_or_empty, read_json, read_records
-from kvpool.summary import arm_metrics
-from kvpool.telemetry import drive_per_tick
 from kvpool.validity import failures
-
-PERCENTILES = (50, 95, 99)
-
-
-def percentile_ci(values, q: float, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Bootstrap (percentile method) confidence interval of the q-th percentile; NaN with under 2 values."""
-    values = np.asarray(values, dtype=float)
-    values = values[~np.isnan(values)]
-    if len(values) < 2 or np.all(values == values[0]):
-        return (float(values[0]), float(values[0])) if len(values) else (np.nan, np.nan)
-    result = bootstrap((values,), lambda x, axis: np.percentile(x, q, axis=axis), confidence_level=confidence,
-                       n_resamples=2000, method="percentile", random_state=np.random.default_rng(seed))
-    return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
 @dataclass
@@ -106,76 +90,6 @@ def _cold_read_note(drop: dict) -> str:
     return f"verified: {100 * drop['resident_fraction']:.2f}% of {drop['bytes'] / 1e6:.0f} MB resident before reuse"
 
 
-def ttft_table(results: Results) -> pd.DataFrame:
-    """Table 1's figures per cell (summary.arm_metrics) plus bootstrap 95% CIs on the TTFT percentiles;
-    invalid cells stay, flagged."""
-    rows = []
-    cfg = results.config
-    for _, cell in results.cells.iterrows():
-        records = results.requests[results.requests["cell"] == cell["cell"]]
-        metrics = arm_metrics(records, cell["wall_s"], cfg["warm_s"], cfg["slo_s"], cfg["workload"]["doc_tokens"],
-                              mean_power_w=cell["mean_power_w"], energy_j=cell["energy_per_followup_j"] * len(records)
-                              if pd.notna(cell["energy_per_followup_j"]) else None)
-        ttft = records.loc[records["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
-        row = {k: cell[k] for k in ("backend", "chunk", "tier", "arm", "valid")}
-        for q in PERCENTILES:
-            low, high = percentile_ci(ttft, q)
-            row.update({f"ttft_p{q}_s": metrics[f"ttft_p{q}_s"], f"ttft_p{q}_ci_low_s": low,
-                        f"ttft_p{q}_ci_high_s": high})
-        row.update({"followups": metrics["followups"], "errors": metrics["errors"], "wall_s": metrics["wall_clock_s"],
-                    "reload_rate": metrics["reload_rate"], "slo_attainment": metrics["slo_attainment"],
-                    "mean_power_w": metrics["mean_power_w"], "energy_per_followup_j": metrics["energy_per_followup_j"],
-                    "replica_cpu_s_per_followup": cell["replica_cpu_s_per_followup"]})
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def headline(table: pd.DataFrame) -> pd.DataFrame:
-    """Isolated over shared per (backend, chunk, tier), from valid cells only."""
-    valid = table[table["valid"]]
-    rows = []
-    for keys, group in valid.groupby(["backend", "chunk", "tier"], sort=False):
-        arms = group.set_index("arm")
-        if {"shared", "isolated"} <= set(arms.index):
-            rows.append({"backend": keys[0], "chunk": keys[1], "tier": keys[2],
-                         **{f"{m}_ratio": arms.loc["isolated", m] / arms.loc["shared", m]
-                            for m in ("ttft_p50_s", "ttft_p99_s", "wall_s")}})
-    return pd.DataFrame(rows, columns=["backend", "chunk", "tier", "ttft_p50_s_ratio", "ttft_p99_s_ratio",
-                                       "wall_s_ratio"])
-
-
-def tier_table(results: Results) -> pd.DataFrame:
-    """Table 2 per shared cell with bootstrap CIs on the drive percentiles and TTFT."""
-    rows = []
-    for _, cell in results.cells[results.cells["arm"] == "shared"].iterrows():
-        ceiling = results.tiers.get(cell["tier"], {})
-        row = {k: cell[k] for k in ("backend", "chunk", "tier", "valid")}
-        drive = results.drive[(results.drive.get("cell") == cell["cell"]) & (results.drive.get("phase") == "reuse")] \
-            if not results.drive.empty else pd.DataFrame()
-        # The same series telemetry.summarize_drive reduces: r_await over samples with reads, queue
-        # depth summed over the tier's disks per tick.
-        r_await = drive.loc[drive["r_per_s"] > 0, "r_await_ms"] if not drive.empty else pd.Series(dtype=float)
-        queue = drive_per_tick(drive)["aqu_sz"] if not drive.empty else pd.Series(dtype=float)
-        for column, source, q in (("r_await_p50_ms", r_await, 50), ("r_await_p95_ms", r_await, 95),
-                                  ("queue_depth_p95", queue, 95)):
-            values = source.to_numpy(dtype=float)
-            low, high = percentile_ci(values, q)
-            row.update({column: np.percentile(values, q) if len(values) else np.nan,
-                        f"{column}_ci_low": low, f"{column}_ci_high": high})
-        ttft = results.requests.loc[results.requests["cell"] == cell["cell"], "ttft_s"].to_numpy(dtype=float)
-        for q in (50, 95):
-            low, high = percentile_ci(ttft, q)
-            row.update({f"ttft_p{q}_s": np.percentile(ttft, q) if len(ttft) else np.nan,
-                        f"ttft_p{q}_ci_low_s": low, f"ttft_p{q}_ci_high_s": high})
-        row.update(read_gb_per_s=cell["read_gb_per_s"], read_active_gb_per_s=cell["read_active_gb_per_s"],
-                   ceiling_gb_per_s=ceiling.get("gb_per_s"), rated_gb_per_s=ceiling.get("rated_gb_per_s"),
-                   reload_efficiency=(cell["read_active_gb_per_s"] / ceiling["gb_per_s"])
-                   if cell["read_active_gb_per_s"] and ceiling.get("gb_per_s") else np.nan,
-                   ceiling_method=ceiling.get("method"))
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def pool_server_table(root: Path, cells: list[Cell]) -> pd.DataFrame:
     """What each lmcache-mp cell's servers counted per phase (``pool_server`` in populate.json and
     reuse.json): lookups, L1 and L2 chunks, the L1 bytes held at the phase's end, L2 stores pending."""
@@ -229,3 +143,66 @@ def render_page(template: Path, out: Path, context: dict) -> None:
     env.filters["data_uri"] = image_data_uri
     env.filters["to_yaml"] = lambda data: yaml.safe_dump(data, sort_keys=False, width=120)
     out.write_text(env.get_template(template.name).render(**context))
+
+
+def _number(value, unit: str = "", digits: int = 3) -> str:
+    if value is None or pd.isna(value):
+        return "n/a"
+    if unit == "%":
+        return f"{100 * value:.0f}%"
+    return f"{value:.{digits}g}" + (f" {unit}" if unit else "")
+
+
+def _with_interval(row: pd.Series, column: str, unit: str, low: str, high: str) -> str:
+    shown = _number(row[column], unit)
+    if pd.notna(row.get(low)) and pd.notna(row.get(high)) and shown != "n/a":
+        shown += f" [{_number(row[low])}, {_number(row[high])}]"
+    return shown
+
+
+def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
+    """The per-cell table as a person reads it: one value per column with its unit, TTFT percentiles
+    with their 95% interval in brackets, three significant digits."""
+    rows = []
+    for _, row in cells.iterrows():
+        shown = {"cell": f"{row['backend']} / chunk {row['chunk']} / {row['tier']} / {row['arm']}",
+                 "gate": "valid" if row["valid"] else "INVALID"}
+        for q in (50, 95, 99):
+            shown[f"TTFT p{q}"] = _with_interval(row, f"ttft_p{q}_s", "s", f"ttft_p{q}_ci_low_s",
+                                                 f"ttft_p{q}_ci_high_s")
+        shown.update({"reload ≤ warm_s": _number(row["reload_rate"], "%"),
+                      "SLO attainment": _number(row["slo_attainment"], "%"),
+                      "wall clock": _number(row["wall_clock_s"], "s"),
+                      "GPU power": _number(row["mean_power_w"], "W"),
+                      "energy / follow-up": _number(row["energy_per_followup_j"], "J"),
+                      "document loaded": _number(row["mean_pool_hit_fraction"], "%"),
+                      "errors": f"{int(row['errors'])} of {int(row['followups'])}"})
+        rows.append(shown)
+    return pd.DataFrame(rows)
+
+
+def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
+    """The per-tier table (shared cells) as a person reads it, as :func:`cells_for_reading`."""
+    rows = []
+    for _, row in tiers.iterrows():
+        rows.append({
+            "cell": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
+            "gate": "valid" if row["valid"] else "INVALID",
+            "read (phase)": _number(row["drive_read_gb_per_s"], "GB/s"),
+            "read (active)": _number(row["drive_read_active_gb_per_s"], "GB/s"),
+            "ceiling": _number(row["ceiling_read_gb_per_s"], "GB/s"),
+            "of ceiling": _number(row["reload_efficiency"], "%"),
+            "avg read": _number(row["avg_read_kb"], "KiB"),
+            "queue p95": _with_interval(row, "queue_depth_p95", "", "queue_depth_p95_ci_low",
+                                        "queue_depth_p95_ci_high"),
+            "r_await p50": _with_interval(row, "r_await_p50_ms", "ms", "r_await_p50_ms_ci_low",
+                                          "r_await_p50_ms_ci_high"),
+            "r_await p95": _with_interval(row, "r_await_p95_ms", "ms", "r_await_p95_ms_ci_low",
+                                          "r_await_p95_ms_ci_high"),
+            "TTFT p50": _with_interval(row, "ttft_p50_s", "s", "ttft_p50_s_ci_low", "ttft_p50_s_ci_high"),
+            "temperature": _number(row["temperature_c"], "°C"),
+            # SMART reports both in percent already
+            "wear / spare": f"{row['percent_used']:.0f}% / {row['avail_spare']:.0f}%"
+            if pd.notna(row["percent_used"]) and pd.notna(row["avail_spare"]) else "n/a",
+        })
+    return pd.DataFrame(rows)

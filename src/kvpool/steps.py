@@ -217,16 +217,16 @@ def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str
 
 
 def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
-                validity_jsons: list[str], telemetry_jsons: list[str], csv_out: str, md_out: str) -> None:
-    per_cell = []
-    for cell, reuse_csv, reuse_json, validity_json, telemetry_json in zip(
-            cells, reuse_csvs, reuse_jsons, validity_jsons, telemetry_jsons, strict=True):
-        power = read_json(telemetry_json)["reuse"]["power"]
-        metrics = summary.arm_metrics(read_records(reuse_csv), read_json(reuse_json)["wall_s"], config["warm_s"],
-                                      config["slo_s"], config["workload"]["doc_tokens"],
-                                      mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
-        per_cell.append({"backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
-                         "valid": read_json(validity_json)["valid"], "metrics": metrics})
+                validity_jsons: list[str], telemetry_jsons: list[str], *, cells_csv: str, csv_out: str,
+                md_out: str) -> None:
+    """The per-cell table (``cells_csv``: every figure of every cell, with its intervals) and Study A's
+    Table 1 drawn from it."""
+    rows = [summary.cell_row(cell, read_records(reuse_csv), read_json(reuse_json)["wall_s"],
+                             read_json(telemetry_json)["reuse"]["power"], read_json(validity_json), config)
+            for cell, reuse_csv, reuse_json, validity_json, telemetry_json in zip(
+                cells, reuse_csvs, reuse_jsons, validity_jsons, telemetry_jsons, strict=True)]
+    per_cell = pd.DataFrame(rows)
+    per_cell.to_csv(cells_csv, index=False)
     table = summary.table1(per_cell)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Table 1: cross-replica follow-ups, isolated pools against a shared pool\n\n"
@@ -354,29 +354,37 @@ def run_ceiling(config: dict, tier: str, out: str) -> None:
 
 
 def run_tier_compare(config: dict, shared_cells: list[Cell], summaries: list[str], reuse_csvs: list[str],
-                     ceilings: list[str], csv_out: str, md_out: str) -> None:
+                     drive_csvs: list[str], ceilings: list[str], *, tiers_csv: str,
+                     csv_out: str, md_out: str) -> None:
+    """The per-tier table (``tiers_csv``: each shared cell's drive and TTFT figures, with intervals) and
+    Study A's Table 2 drawn from it."""
     ceiling_by_tier = {path.split("/")[-2]: read_json(path) for path in ceilings}
-    entries = []
-    for cell, summary_path, reuse_csv in zip(shared_cells, summaries, reuse_csvs, strict=True):
-        entries.append({"backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier,
-                        "reuse": read_json(summary_path)["reuse"], "records": read_records(reuse_csv),
-                        "ceiling": ceiling_by_tier[cell.tier]})
-    table = summary.tier_compare(entries)
+    rows = [summary.tier_row(cell, read_json(summary_path)["reuse"], read_records(reuse_csv),
+                             read_frame_or_empty(drive_csv), ceiling_by_tier[cell.tier])
+            for cell, summary_path, reuse_csv, drive_csv in zip(
+                shared_cells, summaries, reuse_csvs, drive_csvs, strict=True)]
+    tiers = pd.DataFrame(rows)
+    tiers.to_csv(tiers_csv, index=False)
+    table = summary.tier_compare(tiers)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Table 2: drive tiers during the shared arm's reuse phase\n\n"
                             + summary.tier_compare_markdown(table))
 
 
-def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figures_dir: str, tables_dir: str) -> None:
-    """Tables (CSV, Markdown), figures (PNG, SVG) and the self-contained page, from the results tree."""
+def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, tier_table: str | None,
+                 kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str) -> None:
+    """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
+    ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
+    and, for the figures that draw every request and sample, the cells' records under ``root``."""
     from kvpool import figures, report
 
     results = report.collect(Path(root), cells, config)
     tables, figs = Path(tables_dir), Path(figures_dir)
     tables.mkdir(parents=True, exist_ok=True)
-    table1 = report.ttft_table(results)
-    table2 = report.tier_table(results)
-    head = report.headline(table1)
+    table1 = pd.read_csv(cell_table, keep_default_na=False, na_values=[""])
+    table1["valid"] = table1["valid"].astype(bool)
+    table2 = pd.read_csv(tier_table).merge(table1[["cell", "valid"]], on="cell") if tier_table else pd.DataFrame()
+    head = summary.headline(table1)
     servers = report.pool_server_table(Path(root), cells)
     for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
         frame.to_csv(tables / f"{name}.csv", index=False)
@@ -390,7 +398,8 @@ def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figu
     else:
         extra.append(("energy_per_followup", figures.placeholder_note(
             "Energy per follow-up", "not measured on this machine: no GPU energy counter")))
-    rates = table2[["read_active_gb_per_s", "ceiling_gb_per_s"]].astype(float) if len(table2) else pd.DataFrame()
+    rates = table2[["drive_read_active_gb_per_s", "ceiling_read_gb_per_s"]].astype(float) if len(table2) \
+        else pd.DataFrame()
     why_not = "no drive read and no ceiling measured" if len(table2) else "no shared arm: no reload to compare"
     extra.append(("reload_efficiency", figures.reload_efficiency(table2)) if rates.notna().any().any()
                  else ("reload_efficiency", figures.placeholder_note(
@@ -406,16 +415,17 @@ def build_report(config: dict, cells: list[Cell], root: str, out_html: str, figu
         "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
         "hardware": manifest.get("hardware", {}), "config": config, "tiers": results.tiers,
         "cells": results.cells.to_dict("records"),
-        "headline_html": _html(head), "table1_html": _html(table1, flag=True), "table2_html": _html(table2, flag=True),
+        "headline_html": _html(head), "table1_html": _html(report.cells_for_reading(table1)),
+        "table2_html": _html(report.tiers_for_reading(table2)) if len(table2) else _html(table2),
         "study_figures": [drawn[s] for s, _ in study], "extra_figures": [drawn[s] for s, _ in extra],
         "caveats": report.caveats(results),
-        "kv_bytes_html": _kv_bytes_html(Path(root) / "results" / "kv_bytes.csv"),
+        "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
         "pool_server_html": _html(servers) if len(servers) else "",
     })
 
 
-def _kv_bytes_html(path: Path) -> str:
-    if not path.exists():
+def _kv_bytes_html(path: Path | None) -> str:
+    if path is None or not path.exists():
         return "<p>Not computed for this run (no pool digests).</p>"
     table = pd.read_csv(path, keep_default_na=False)
     findings = "".join(f"<p><b>Finding, {backend} chunk {chunk} {tier}:</b> {html.escape(found)}</p>"

@@ -1,9 +1,19 @@
-"""Study A's Table 1 from the measured reuse records: isolated against shared, per backend, chunk and tier."""
+"""Every table of a run, computed once, here: the per-cell table with its bootstrap intervals, Study A's
+Table 1 (isolated against shared) and Table 2 (drive tiers) drawn from it. Rules write them; the
+report and every other reader take the files.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy.stats import bootstrap
+
+from kvpool.cells import Cell
+from kvpool.telemetry import drive_per_tick
+from kvpool.validity import failures
+
+PERCENTILES = (50, 95, 99)
 
 # (metric, unit, ratio meaningful): the rows of the headline table, in the study's order.
 TABLE1_ROWS = [
@@ -20,7 +30,8 @@ TABLE1_ROWS = [
     ("followups", "count", False),
 ]
 TABLE1_COLUMNS = ["backend", "chunk", "tier", "metric", "unit", "isolated", "shared", "ratio",
-                  "isolated_valid", "shared_valid"]
+                  "isolated_valid", "shared_valid", "isolated_ci_low", "isolated_ci_high", "shared_ci_low",
+                  "shared_ci_high"]
 
 
 def arm_metrics(reuse: pd.DataFrame, wall_s: float, warm_s: float, slo_s: float, doc_tokens: int,
@@ -43,25 +54,69 @@ def arm_metrics(reuse: pd.DataFrame, wall_s: float, warm_s: float, slo_s: float,
     }
 
 
-def table1(per_cell: list[dict]) -> pd.DataFrame:
-    """Long-form Table 1: one row per (backend, chunk, tier, metric), the two arms side by side.
+def percentile_ci(values, q: float, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap (percentile method) confidence interval of the q-th percentile; NaN with under 2 values."""
+    values = np.asarray(values, dtype=float)
+    values = values[~np.isnan(values)]
+    if len(values) < 2 or np.all(values == values[0]):
+        return (float(values[0]), float(values[0])) if len(values) else (np.nan, np.nan)
+    result = bootstrap((values,), lambda x, axis: np.percentile(x, q, axis=axis), confidence_level=confidence,
+                       n_resamples=2000, method="percentile", random_state=np.random.default_rng(seed))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
-    ``per_cell`` items hold ``backend, chunk, tier, arm, valid`` and the ``metrics`` of :func:`arm_metrics`.
-    The ratio is isolated over shared, so "8.4x" reads as how many times better sharing is.
-    """
+
+def cell_row(cell: Cell, records: pd.DataFrame, wall_s: float, power: dict, validity: dict, config: dict) -> dict:
+    """One cell's row of the per-cell table: Table 1's figures (:func:`arm_metrics`) with bootstrap 95%
+    intervals on the TTFT percentiles, over the requests that did not fail."""
+    metrics = arm_metrics(records, wall_s, config["warm_s"], config["slo_s"], config["workload"]["doc_tokens"],
+                          mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
+    ttft = records.loc[records["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
+    row = {"cell": cell.name, "backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
+           "valid": validity["valid"], "reasons": "; ".join(failures(validity))}
+    for q in PERCENTILES:
+        low, high = percentile_ci(ttft, q)
+        row.update({f"ttft_p{q}_s": metrics[f"ttft_p{q}_s"], f"ttft_p{q}_ci_low_s": low, f"ttft_p{q}_ci_high_s": high})
+    row.update({k: metrics[k] for k in ("reload_rate", "slo_attainment", "wall_clock_s", "mean_power_w",
+                                        "energy_per_followup_j", "errors", "mean_pool_hit_fraction", "followups")})
+    row["replica_cpu_s_per_followup"] = (sum(r["cpu_s"] for r in power["replicas"].values()) / max(1, len(records)))
+    return row
+
+
+def table1(cells: pd.DataFrame) -> pd.DataFrame:
+    """Long-form Table 1 from the per-cell table: one row per (backend, chunk, tier, metric), the two
+    arms side by side, TTFT percentiles with their intervals. The ratio is isolated over shared, so
+    "8.4x" reads as how many times better sharing is."""
     rows = []
-    frame = pd.DataFrame(per_cell)
-    for (backend, chunk, tier), group in frame.groupby(["backend", "chunk", "tier"], sort=False):
+    for (backend, chunk, tier), group in cells.groupby(["backend", "chunk", "tier"], sort=False):
         arms = {row["arm"]: row for _, row in group.iterrows()}
         for metric, unit, has_ratio in TABLE1_ROWS:
-            iso = arms["isolated"]["metrics"][metric] if "isolated" in arms else np.nan
-            sha = arms["shared"]["metrics"][metric] if "shared" in arms else np.nan
+            value = {arm: arms[arm][metric] if arm in arms else np.nan for arm in ("isolated", "shared")}
+            iso, sha = value["isolated"], value["shared"]
             ratio = iso / sha if has_ratio and pd.notna(iso) and pd.notna(sha) and sha else np.nan
-            rows.append({"backend": backend, "chunk": chunk, "tier": tier, "metric": metric, "unit": unit,
-                         "isolated": iso, "shared": sha, "ratio": ratio,
-                         "isolated_valid": arms["isolated"]["valid"] if "isolated" in arms else None,
-                         "shared_valid": arms["shared"]["valid"] if "shared" in arms else None})
+            row = {"backend": backend, "chunk": chunk, "tier": tier, "metric": metric, "unit": unit,
+                   "isolated": iso, "shared": sha, "ratio": ratio,
+                   "isolated_valid": arms["isolated"]["valid"] if "isolated" in arms else None,
+                   "shared_valid": arms["shared"]["valid"] if "shared" in arms else None}
+            for arm in ("isolated", "shared"):
+                for side in ("low", "high"):
+                    column = metric.removesuffix("_s") + f"_ci_{side}_s"
+                    row[f"{arm}_ci_{side}"] = arms[arm][column] if arm in arms and column in arms[arm] else np.nan
+            rows.append(row)
     return pd.DataFrame(rows, columns=TABLE1_COLUMNS)
+
+
+def headline(cells: pd.DataFrame) -> pd.DataFrame:
+    """Isolated over shared per (backend, chunk, tier), from valid cells only."""
+    valid = cells[cells["valid"].astype(bool)]
+    rows = []
+    for keys, group in valid.groupby(["backend", "chunk", "tier"], sort=False):
+        arms = group.set_index("arm")
+        if {"shared", "isolated"} <= set(arms.index):
+            rows.append({"backend": keys[0], "chunk": keys[1], "tier": keys[2],
+                         **{f"{m}_ratio": arms.loc["isolated", m] / arms.loc["shared", m]
+                            for m in ("ttft_p50_s", "ttft_p99_s", "wall_clock_s")}})
+    return pd.DataFrame(rows, columns=["backend", "chunk", "tier", "ttft_p50_s_ratio", "ttft_p99_s_ratio",
+                                       "wall_clock_s_ratio"])
 
 
 def _fmt(value, unit: str) -> str:
@@ -72,6 +127,10 @@ def _fmt(value, unit: str) -> str:
     if unit == "count":
         return f"{int(value)}"
     return f"{value:.3g} {unit}"
+
+
+def _interval(low, high) -> str:
+    return f" [{low:.3g}, {high:.3g}]" if pd.notna(low) and pd.notna(high) else ""
 
 
 def table1_markdown(table: pd.DataFrame) -> str:
@@ -86,8 +145,9 @@ def table1_markdown(table: pd.DataFrame) -> str:
                  "|---|---|---|---|"]
         for _, row in group.iterrows():
             ratio = f"{row['ratio']:.1f}x" if pd.notna(row["ratio"]) else "n/a"
-            lines.append(f"| {row['metric']} | {_fmt(row['isolated'], row['unit'])} | "
-                         f"{_fmt(row['shared'], row['unit'])} | {ratio} |")
+            shown = {arm: _fmt(row[arm], row["unit"]) + _interval(row[f"{arm}_ci_low"], row[f"{arm}_ci_high"])
+                     for arm in ("isolated", "shared")}
+            lines.append(f"| {row['metric']} | {shown['isolated']} | {shown['shared']} | {ratio} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
@@ -98,7 +158,7 @@ TIER_SIGNALS = [
     ("rated_read_gb_per_s", "GB/s", "the drive's rated sequential read (config tier_rated_read_gbps)"),
     ("ceiling_read_gb_per_s", "GB/s", "sequential read measured on this tier in the same run"),
     ("reload_efficiency", "fraction", "active read rate over the measured ceiling"),
-    ("avg_read_kb", "kB", "average read request size"),
+    ("avg_read_kb", "KiB", "average read request size"),
     ("queue_depth_p95", "requests", "p95 of aqu-sz"),
     ("r_await_p50_ms", "ms", "p50 of r_await over samples with reads"),
     ("r_await_p95_ms", "ms", "p95 of r_await over samples with reads"),
@@ -153,16 +213,34 @@ def _dig(data: dict, *keys):
     return np.nan if data is None else data
 
 
-def tier_compare(entries: list[dict]) -> pd.DataFrame:
-    """Long rows (backend, chunk, signal, unit, meaning) with one column per tier."""
+def tier_row(cell: Cell, reuse_summary: dict, records: pd.DataFrame, drive: pd.DataFrame, ceiling: dict) -> dict:
+    """One shared cell's row of the per-tier table: :func:`tier_signals` (the telemetry's figures) with
+    bootstrap 95% intervals from the reuse phase's raw samples (``drive``: its iostat rows), the same
+    series the telemetry reduced: r_await over samples with reads, queue depth summed over the tier's
+    disks per tick."""
+    row = {"cell": cell.name, "backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier,
+           **tier_signals(reuse_summary, records, ceiling), "ceiling_method": ceiling.get("method")}
+    reuse = drive[drive["phase"] == "reuse"] if len(drive) else drive
+    r_await = reuse.loc[reuse["r_per_s"] > 0, "r_await_ms"] if len(reuse) else pd.Series(dtype=float)
+    queue = drive_per_tick(reuse)["aqu_sz"] if len(reuse) else pd.Series(dtype=float)
+    ok = records.loc[records["error"].fillna("") == "", "ttft_s"]
+    for signal, values, q in (("r_await_p50_ms", r_await, 50), ("r_await_p95_ms", r_await, 95),
+                              ("queue_depth_p95", queue, 95), ("ttft_p50_s", ok, 50), ("ttft_p95_s", ok, 95)):
+        low, high = percentile_ci(values.to_numpy(dtype=float), q)
+        row.update({f"{signal}_ci_low": low, f"{signal}_ci_high": high})
+    return row
+
+
+def tier_compare(tiers: pd.DataFrame) -> pd.DataFrame:
+    """Study A's Table 2 from the per-tier table: long rows (backend, chunk, signal, unit, meaning) with
+    one column per tier."""
     rows = []
-    frame = pd.DataFrame(entries)
-    tiers = list(dict.fromkeys(frame["tier"]))
-    for (backend, chunk), group in frame.groupby(["backend", "chunk"], sort=False):
-        signals = {e["tier"]: tier_signals(e["reuse"], e["records"], e["ceiling"]) for _, e in group.iterrows()}
+    names = list(dict.fromkeys(tiers["tier"]))
+    for (backend, chunk), group in tiers.groupby(["backend", "chunk"], sort=False):
+        by_tier = group.set_index("tier")
         for name, unit, meaning in TIER_SIGNALS:
             rows.append({"backend": backend, "chunk": chunk, "signal": name, "unit": unit, "meaning": meaning,
-                         **{tier: signals.get(tier, {}).get(name, np.nan) for tier in tiers}})
+                         **{t: by_tier.loc[t, name] if t in by_tier.index else np.nan for t in names}})
     return pd.DataFrame(rows)
 
 

@@ -11,6 +11,8 @@ rule report:
         power=cell_files("telemetry/power.csv"),
         ceilings=expand("results/tiers/{tier}/ceiling.json", tier=config["tiers"]),
         kv_bytes="results/kv_bytes.csv",
+        cell_table="results/cell_table.csv",
+        tier_table="results/tier_table.csv",
     output:
         html="results/report.html",
         figures=report(

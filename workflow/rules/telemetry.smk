@@ -39,12 +39,15 @@ rule ceiling:
 
 
 rule tier_compare:
-    """Study A's Table 2: one column per tier, from the shared arm's reuse phase."""
+    """Each shared cell's drive figures with their intervals (tier_table.csv), and Study A's Table 2
+    drawn from them: one column per tier, from the shared arm's reuse phase."""
     input:
         summaries=shared_cell_files("telemetry/summary.json"),
         reuse=shared_cell_files("reuse.csv"),
+        drive=shared_cell_files("telemetry/drive.csv"),
         ceilings=expand("results/tiers/{tier}/ceiling.json", tier=config["tiers"]),
     output:
+        tiers="results/tier_table.csv",
         csv="results/tier_compare.csv",
         md="results/tier_compare.md",
     conda:
