@@ -121,11 +121,10 @@ def preflight_failure(cell: str, preflight: dict) -> str:
             f"{preflight['probe_tokens']}-token probe replica 0 stored ({expected})")
 
 
-async def _populate(replicas, workload, route, cfg, probe) -> tuple[list[dict], dict]:
+async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) -> tuple[list[dict], dict]:
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     async with aiohttp.ClientSession() as session:
-        preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s,
-                                     expect_shared=cfg["arm"] == "shared")
+        preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s, expect_shared=expect_shared)
         if not preflight["ok"] and cfg["preflight_on_failure"] == "abort":
             return [], preflight
         rows: list[dict] = []
@@ -191,9 +190,10 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
 
 
 def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
-             disks: list[str], servers: list[PoolServer] | None = None):
-    """Start the fleet (and its pool servers unless ``servers`` run already), run the preflight, send
-    each document once round robin, stop the fleet.
+             disks: list[str], servers: list[PoolServer] | None = None, *, expect_shared: bool):
+    """Start the fleet (and its pool servers unless ``servers`` run already), run the preflight (replica 1
+    must find replica 0's probe when ``expect_shared``, must not otherwise), send each document once
+    round robin, stop the fleet.
 
     Returns the per-document records, the phase's meta data and its telemetry sampler.
     """
@@ -202,7 +202,7 @@ def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int]
         with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
             started = time.time()
             with _sampler(plan, "populate", disks, cfg, replicas) as sampler:
-                rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe))
+                rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe, expect_shared))
             wall_s = time.time() - started
     if not preflight["ok"]:
         message = preflight_failure(plan["cell"], preflight)

@@ -102,8 +102,8 @@ def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, cs
     probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
     frame, meta = _run_sampled_phase(
         plan,
-        lambda disks: phases.populate(plan, workload, {**config, "arm": cell.arm}, probe, Path(log_dir), disks,
-                                      servers),
+        lambda disks: phases.populate(plan, workload, config, probe, Path(log_dir), disks, servers,
+                                      expect_shared=cell.arm == "shared"),
         drive_csv, power_csv, log_dir)
     _archive(frame, Path(csv_out), "populate")
     frame.to_csv(csv_out, index=False)
