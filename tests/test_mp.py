@@ -7,8 +7,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pandas as pd
 import psutil
 import pytest
+import yaml
 from test_fleet import FAKE, family, write_driver
 
 from kvpool import config as kvpool_config
@@ -285,3 +287,59 @@ def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_pat
         servers[0].proc.wait(timeout=10)
     assert "lmcache server 0" in record["0"]["error"] and "exited with code -9" in record["0"]["error"]
     assert record["0"]["metrics"] == {}
+
+
+FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
+
+
+@pytest.mark.parametrize("arm", ["shared", "isolated"])
+def test_a_memory_pool_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path, arm):
+    """A memory pool's one job (populate, drop and reuse around one set of servers, a fresh fleet per
+    phase) rehearsed on CPU: LMCache's real server, stand-in engines for the replicas, whose connector
+    needs a GPU. It catches what only the GPU had shown: running servers' ports re-checked, found
+    taken (by themselves) and moved, leaving replicas to wait for a server that is not there."""
+    from kvpool import prompts
+    from kvpool.model import build_random_model
+
+    model = tmp_path / "model"
+    build_random_model(model, gpu_config["random_model"])
+    gpu_config["workload"].update(documents=2, doc_tokens=512, followup_tokens=256)
+    gpu_config["tiers"] = {"ram": str(tmp_path / "shm")}
+    gpu_config["preflight_on_failure"] = "record"
+    cell = Cell("lmcache-mp", arm, 256, "ram")
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    ports = free_ports("127.0.0.1", 6 if arm == "isolated" else 4, start=TEST_PORTS + 100)
+    plan = fleet_plan(gpu_config, cell, str(model), folder, ports[:2], "auto", server_ports=ports[2:])
+    for replica in plan["replicas"]:
+        replica["argv"] = [sys.executable, FAKE_ENGINE, "--port", str(replica["port"])]
+    (folder / "plan.yaml").write_text(yaml.safe_dump(plan))
+    w = gpu_config["workload"]
+    prompts.write_workload(tmp_path / "prompts.jsonl", prompts.make_workload(
+        steps.vocabulary(str(model)), w["documents"], w["doc_tokens"], w["followup_tokens"], w["seed"]))
+    out = {name: str(folder / name) for name in ("populate.csv", "populate.json", "drop.json", "reuse.csv",
+                                                 "reuse.json", "populate-digests.csv", "pool-digests.csv")}
+    for phase in ("populate", "reuse"):
+        for kind in ("drive", "power"):
+            out[f"{phase}-{kind}"] = str(folder / f"{phase}-{kind}.csv")
+    steps.run_memory_pool_cell(
+        gpu_config, cell, str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl"),
+        populate={"csv": out["populate.csv"], "meta": out["populate.json"], "drive": out["populate-drive"],
+                  "power": out["populate-power"], "digests": out["populate-digests.csv"]},
+        drop_out=out["drop.json"],
+        reuse={"csv": out["reuse.csv"], "meta": out["reuse.json"], "drive": out["reuse-drive"],
+               "power": out["reuse-power"], "digests": out["pool-digests.csv"]},
+        log_dirs={name: str(tmp_path / "logs" / name) for name in ("servers", "populate", "reuse")})
+    populated, reused = pd.read_csv(out["populate.csv"]), pd.read_csv(out["reuse.csv"])
+    assert len(populated) == len(reused) == 2 and (reused["error"].isna()).all()
+    assert (reused["prefill_replica"] != reused["serve_replica"]).all()
+    meta = json.loads(Path(out["populate.json"]).read_text())
+    assert len(meta["pool_server"]) == (1 if arm == "shared" else 2)  # each server's counters, read after the phase
+    assert json.loads(Path(out["drop.json"]).read_text())["memory_backed"]
+    servers = sorted((tmp_path / "logs" / "servers").glob("lmcache-server-*.log"))
+    assert len(servers) == len(meta["pool_server"])
+    assert all("LMCache zmq cache server is running on 127.0.0.1" in log.read_text() for log in servers)
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if FAKE_ENGINE in " ".join(p.info["cmdline"] or []) or any(
+                    str(port) in " ".join(p.info["cmdline"] or []) for port in ports[2:]) and "lmcache" in " ".join(
+                    p.info["cmdline"] or [])]
