@@ -292,21 +292,22 @@ def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_pat
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
 
 
-@pytest.mark.parametrize("arm", ["shared", "isolated"])
-def test_a_memory_pool_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path, arm):
-    """A memory pool's one job (populate, drop and reuse around one set of servers, a fresh fleet per
-    phase) rehearsed on CPU: LMCache's real server, stand-in engines for the replicas, whose connector
-    needs a GPU. It catches what only the GPU had shown: running servers' ports re-checked, found
-    taken (by themselves) and moved, leaving replicas to wait for a server that is not there."""
+@pytest.mark.parametrize("arm, tier", [("shared", "ram"), ("isolated", "ram"), ("shared", "disk")])
+def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path, arm, tier):
+    """An lmcache-mp cell rehearsed on CPU: LMCache's real server, stand-in engines for the replicas,
+    whose connector needs a GPU. A memory pool runs populate, drop and reuse as one job around one
+    set of servers; a drive tier starts a fresh server per phase on the same L2 folder. It catches
+    what only the GPU had shown: running servers' ports re-checked, found taken (by themselves) and
+    moved, leaving replicas to wait for a server that is not there."""
     from kvpool import prompts
     from kvpool.model import build_random_model
 
     model = tmp_path / "model"
     build_random_model(model, gpu_config["random_model"])
     gpu_config["workload"].update(documents=2, doc_tokens=512, followup_tokens=256)
-    gpu_config["tiers"] = {"ram": str(tmp_path / "shm")}
+    gpu_config["tiers"] = {tier: str(tmp_path / tier)}
     gpu_config["preflight_on_failure"] = "record"
-    cell = Cell("lmcache-mp", arm, 256, "ram")
+    cell = Cell("lmcache-mp", arm, 256, tier)
     folder = tmp_path / "cell"
     folder.mkdir()
     ports = free_ports("127.0.0.1", 6 if arm == "isolated" else 4, start=TEST_PORTS + 100)
@@ -322,24 +323,31 @@ def test_a_memory_pool_cell_runs_its_phases_around_the_real_server(gpu_config, t
     for phase in ("populate", "reuse"):
         for kind in ("drive", "power"):
             out[f"{phase}-{kind}"] = str(folder / f"{phase}-{kind}.csv")
-    steps.run_memory_pool_cell(
-        gpu_config, cell, str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl"),
-        populate={"csv": out["populate.csv"], "meta": out["populate.json"], "drive": out["populate-drive"],
-                  "power": out["populate-power"], "digests": out["populate-digests.csv"]},
-        drop_out=out["drop.json"],
-        reuse={"csv": out["reuse.csv"], "meta": out["reuse.json"], "drive": out["reuse-drive"],
-               "power": out["reuse-power"], "digests": out["pool-digests.csv"]},
-        log_dirs={name: str(tmp_path / "logs" / name) for name in ("servers", "populate", "reuse")})
+    populate = {"csv": out["populate.csv"], "meta": out["populate.json"], "drive": out["populate-drive"],
+                "power": out["populate-power"], "digests": out["populate-digests.csv"]}
+    reuse = {"csv": out["reuse.csv"], "meta": out["reuse.json"], "drive": out["reuse-drive"],
+             "power": out["reuse-power"], "digests": out["pool-digests.csv"]}
+    logs = {name: str(tmp_path / "logs" / name) for name in ("servers", "populate", "reuse")}
+    plan_path, prompts_path = str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl")
+    if tier == "ram":
+        steps.run_memory_pool_cell(gpu_config, cell, plan_path, prompts_path, populate=populate,
+                                   drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
+    else:  # the three rules: each phase starts (and stops) its own servers, whose logs sit with its replicas'
+        steps.run_populate(gpu_config, cell, plan_path, prompts_path, *[populate[k] for k in ("csv", "meta", "drive",
+                           "power")], logs["populate"], digests_csv=populate["digests"])
+        steps.run_drop(gpu_config, plan_path, out["drop.json"])
+        steps.run_reuse(gpu_config, cell, plan_path, prompts_path, out["populate.csv"], *[reuse[k] for k in (
+            "csv", "meta", "drive", "power", "digests")], logs["reuse"], populate_digests=populate["digests"])
     populated, reused = pd.read_csv(out["populate.csv"]), pd.read_csv(out["reuse.csv"])
     assert len(populated) == len(reused) == 2 and (reused["error"].isna()).all()
     assert (reused["prefill_replica"] != reused["serve_replica"]).all()
     meta = json.loads(Path(out["populate.json"]).read_text())
     assert len(meta["pool_server"]) == (1 if arm == "shared" else 2)  # each server's counters, read after the phase
-    assert json.loads(Path(out["drop.json"]).read_text())["memory_backed"]
-    servers = sorted((tmp_path / "logs" / "servers").glob("lmcache-server-*.log"))
-    assert len(servers) == len(meta["pool_server"])
+    assert json.loads(Path(out["drop.json"]).read_text())["memory_backed"] == (tier == "ram")
+    servers = sorted((tmp_path / "logs").rglob("lmcache-server-*.log"))
+    assert len(servers) == len(meta["pool_server"]) * (1 if tier == "ram" else 2)  # a fresh server for reuse
     assert all("LMCache zmq cache server is running on 127.0.0.1" in log.read_text() for log in servers)
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if FAKE_ENGINE in " ".join(p.info["cmdline"] or []) or any(
-                    str(port) in " ".join(p.info["cmdline"] or []) for port in ports[2:]) and "lmcache" in " ".join(
-                    p.info["cmdline"] or [])]
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if FAKE_ENGINE in " ".join(p.info["cmdline"] or [])
+                 or ("lmcache" in " ".join(p.info["cmdline"] or [])
+                     and any(str(port) in (p.info["cmdline"] or []) for port in ports[2:]))]
+    assert not leftovers
