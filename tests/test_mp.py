@@ -107,6 +107,18 @@ def test_refusals_name_the_key_and_the_numbers(gpu_config):
     assert any("l1_size_gib must be set" in p for p in kvpool_config.problems(real, REPO, check_paths=False))
 
 
+def test_a_local_real_models_config_sizes_the_servers_l1(gpu_config, tmp_path):
+    """A local model directory's config.json gives its KV bytes per token, so L1 is sized for its pool."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32,
+                                                      "num_key_value_heads": 8, "hidden_size": 4096,
+                                                      "torch_dtype": "bfloat16"}))
+    gpu_config["engine"].update(model=str(tmp_path), dtype="auto")
+    assert not [p for p in kvpool_config.problems(gpu_config, REPO, check_paths=False) if "l1_size_gib" in p]
+    w = gpu_config["workload"]
+    pool = w["documents"] * (w["doc_tokens"] + w["followup_tokens"]) * 131072  # 128 KiB of KV per token
+    assert mp.l1_size_gib(gpu_config, "ram") == pytest.approx(pool / 0.7 / 2**30, abs=0.1)
+
+
 def test_moving_a_server_rewires_its_replicas(gpu_config):
     plan = with_server_ports(mp_plan(gpu_config, "isolated", "disk"), 1, 21000, 21001)
     assert (flag(plan["servers"][1]["argv"], "--port"), flag(plan["servers"][1]["argv"], "--http-port")) == \

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvpool import mp
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
-from kvpool.model import kv_bytes_per_token, kv_bytes_per_token_of
+from kvpool.model import engine_kv_bytes_per_token
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
 # another value than its plan and folder name say (a chunk~256 cell at 512, a replica on another port).
@@ -126,9 +126,7 @@ def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
     the follow-up's new tokens in the shared arm, and in the isolated arm the whole prompt again
     (its own pool never held the document), so an isolated pool ends up about twice the size.
     """
-    model, dtype = config["engine"]["model"], config["engine"]["dtype"]
-    per_token = kv_bytes_per_token(config["random_model"], dtype) if model is None else kv_bytes_per_token_of(
-        Path(model), dtype)
+    per_token = engine_kv_bytes_per_token(config)
     if per_token is None:
         return None
     workload = config["workload"]

@@ -55,6 +55,15 @@ def kv_bytes_per_token_of(model_dir: Path, dtype: str) -> int | None:
     return kv_bytes_per_token(spec, dtype)
 
 
+def engine_kv_bytes_per_token(config: dict) -> int | None:
+    """KV-cache bytes per token of the configured engine's model: the random model's, or a local
+    model directory's (from its config.json); None for a model whose size cannot be read here."""
+    model, dtype = config["engine"]["model"], config["engine"]["dtype"]
+    if model is None:
+        return kv_bytes_per_token(config["random_model"], dtype)
+    return kv_bytes_per_token_of(Path(model), dtype)
+
+
 def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
     """Write a random-weights Llama of ``spec`` (layers, hidden, heads...) and its tokenizer to ``out_dir``.
 

