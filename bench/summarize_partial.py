@@ -94,11 +94,11 @@ def main() -> None:
                      "drive": path / "telemetry" / f"{phase}-drive.csv", "records": path / f"{phase}.csv"}
              for phase in ("populate", "reuse")},
             path / "telemetry" / "drive.csv", path / "telemetry" / "power.csv", path / "telemetry" / "summary.json")
-        steps.run_validity(config, cell, path / "populate.csv", path / "populate.json", path / "reuse.csv",
-                           path / "reuse.json", root / "results" / "reference" / "outputs.csv",
-                           path / "validity.json",
+        steps.run_validity(config, cell, populate_csv=path / "populate.csv", populate_json=path / "populate.json",
+                           reuse_csv=path / "reuse.csv", reuse_json=path / "reuse.json",
+                           reference_csv=root / "results" / "reference" / "outputs.csv",
                            populate_digests=_existing(path / "populate-digests.csv"),
-                           reuse_digests=_existing(path / "pool-digests.csv"))
+                           reuse_digests=_existing(path / "pool-digests.csv"), out=path / "validity.json")
     results = root / "results"
     steps.run_summary(config, finished, [folder[c] / "reuse.csv" for c in finished],
                       [folder[c] / "reuse.json" for c in finished], [folder[c] / "validity.json" for c in finished],

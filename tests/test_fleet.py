@@ -222,8 +222,9 @@ def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
         plan = fake_plan("serve", count=1, ports=[busy.getsockname()[1]], source="config")
         (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
         with pytest.raises(FleetError, match="configured ports are in use"):
-            run_populate(config, cell, str(tmp_path / "plan.yaml"), "prompts.jsonl", "p.csv", "p.json", "d.csv",
-                         "w.csv", str(tmp_path / "logs"), digests_csv="pd.csv")
+            run_populate(config, cell, plan_path=str(tmp_path / "plan.yaml"), prompts_path="prompts.jsonl",
+                         csv_out="p.csv", json_out="p.json", drive_csv="d.csv", power_csv="w.csv",
+                         digests_csv="pd.csv", log_dir=str(tmp_path / "logs"))
     assert kept.read_bytes() == b"measured"
 
 

@@ -345,11 +345,14 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
         steps.run_memory_pool_cell(gpu_config, cell, plan_path, prompts_path, populate=populate,
                                    drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
     else:  # the three rules: each phase starts (and stops) its own servers, whose logs sit with its replicas'
-        steps.run_populate(gpu_config, cell, plan_path, prompts_path, *[populate[k] for k in ("csv", "meta", "drive",
-                           "power")], logs["populate"], digests_csv=populate["digests"])
+        steps.run_populate(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
+                           json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
+                           digests_csv=populate["digests"], log_dir=logs["populate"])
         steps.run_drop(gpu_config, plan_path, out["drop.json"])
-        steps.run_reuse(gpu_config, cell, plan_path, prompts_path, out["populate.csv"], *[reuse[k] for k in (
-            "csv", "meta", "drive", "power", "digests")], logs["reuse"], populate_digests=populate["digests"])
+        steps.run_reuse(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path,
+                        populate_csv=out["populate.csv"], populate_digests=populate["digests"], csv_out=reuse["csv"],
+                        json_out=reuse["meta"], drive_csv=reuse["drive"], power_csv=reuse["power"],
+                        digests_csv=reuse["digests"], log_dir=logs["reuse"])
     populated, reused = pd.read_csv(out["populate.csv"]), pd.read_csv(out["reuse.csv"])
     assert len(populated) == len(reused) == 2 and (reused["error"].isna()).all()
     assert (reused["prefill_replica"] != reused["serve_replica"]).all()

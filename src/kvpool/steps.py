@@ -82,8 +82,8 @@ def checked_ports(plan: dict, servers=None) -> dict:
     return plan if servers else resolve_server_ports(plan)
 
 
-def run_populate(config: dict, cell: Cell, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
-                 drive_csv: str, power_csv: str, log_dir: str, *, digests_csv: str, servers=None,
+def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
+                 drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, servers=None,
                  plan: dict | None = None) -> None:
     """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
 
@@ -125,9 +125,9 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
              record["resident_bytes"])
 
 
-def run_reuse(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate_csv: str, csv_out: str,
-              json_out: str, drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, *,
-              populate_digests: str, servers=None, plan: dict | None = None) -> None:
+def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, populate_csv: str,
+              populate_digests: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, digests_csv: str,
+              log_dir: str, servers=None, plan: dict | None = None) -> None:
     """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
 
     It measures only a pool exactly as populate left it: reuse adds chunks to a pool (follow-up
@@ -181,13 +181,14 @@ def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path:
     plan = yaml.safe_load(Path(plan_path).read_text())
     with running_servers(plan, Path(log_dirs["servers"]), config["lmcache_mp"]["startup_timeout_s"]) as (
             plan, servers):
-        run_populate(config, cell, plan_path, prompts_path, populate["csv"], populate["meta"], populate["drive"],
-                     populate["power"], log_dirs["populate"], digests_csv=populate["digests"], servers=servers,
-                     plan=plan)
+        run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
+                     json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
+                     digests_csv=populate["digests"], log_dir=log_dirs["populate"], servers=servers, plan=plan)
         run_drop(config, plan_path, drop_out)
-        run_reuse(config, cell, plan_path, prompts_path, populate["csv"], reuse["csv"], reuse["meta"], reuse["drive"],
-                  reuse["power"], reuse["digests"], log_dirs["reuse"], populate_digests=populate["digests"],
-                  servers=servers, plan=plan)
+        run_reuse(config, cell, plan_path=plan_path, prompts_path=prompts_path, populate_csv=populate["csv"],
+                  populate_digests=populate["digests"], csv_out=reuse["csv"], json_out=reuse["meta"],
+                  drive_csv=reuse["drive"], power_csv=reuse["power"], digests_csv=reuse["digests"],
+                  log_dir=log_dirs["reuse"], servers=servers, plan=plan)
 
 
 def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
@@ -197,8 +198,8 @@ def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log
     frame.to_csv(csv_out, index=False)
 
 
-def run_validity(config: dict, cell: Cell, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
-                 reference_csv: str, out: str, *, populate_digests: str | None, reuse_digests: str | None) -> None:
+def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
+                 reference_csv: str, populate_digests: str | None, reuse_digests: str | None, out: str) -> None:
     """The cell's gate; ``populate_digests``/``reuse_digests`` None only for records kept from runs that
     did not hash the pool at populate's end (the check is then absent, not passed)."""
     populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)

@@ -2,7 +2,8 @@ from kvpool import logs, steps
 from kvpool.cells import Cell
 
 logs.to_log(snakemake.log[0])
-steps.run_reuse(snakemake.config, Cell.from_wildcards(snakemake.wildcards), snakemake.input.plan,
-                snakemake.input.prompts, snakemake.input.populate, snakemake.output.csv, snakemake.output.meta,
-                snakemake.output.drive, snakemake.output.power, snakemake.output.digests,
-                snakemake.params.log_dir, populate_digests=snakemake.input.populate_digests)
+steps.run_reuse(snakemake.config, Cell.from_wildcards(snakemake.wildcards), plan_path=snakemake.input.plan,
+                prompts_path=snakemake.input.prompts, populate_csv=snakemake.input.populate,
+                populate_digests=snakemake.input.populate_digests, csv_out=snakemake.output.csv,
+                json_out=snakemake.output.meta, drive_csv=snakemake.output.drive, power_csv=snakemake.output.power,
+                digests_csv=snakemake.output.digests, log_dir=snakemake.params.log_dir)
