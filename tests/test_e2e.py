@@ -64,12 +64,17 @@ def test_isolated_arm_loads_nothing(run):
 def test_table1_shows_sharing_is_faster(run):
     table = pd.read_csv(run / "results" / "table1.csv")
     assert list(table.columns) == ["backend", "chunk", "tier", "metric", "unit", "isolated", "shared", "ratio",
-                                   "isolated_valid", "shared_valid"]
+                                   "isolated_valid", "shared_valid", "isolated_ci_low", "isolated_ci_high",
+                                   "shared_ci_low", "shared_ci_high"]
     assert {"ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "reload_rate", "slo_attainment", "wall_clock_s",
             "mean_power_w", "errors"} <= set(table["metric"])
     p50 = table.set_index("metric").loc["ttft_p50_s"]
     assert p50["shared"] < p50["isolated"]
     assert p50["ratio"] > 1
+    assert p50["shared_ci_low"] <= p50["shared"] <= p50["shared_ci_high"]
+    # the per-cell table it is drawn from, and the report's copy of it, say the same
+    cells = pd.read_csv(run / "results" / "cell_table.csv").set_index("arm")
+    assert cells.loc["shared", "ttft_p50_s"] == p50["shared"] and cells.loc["isolated", "ttft_p50_s"] == p50["isolated"]
     assert "| ttft_p50_s |" in (run / "results" / "table1.md").read_text()
 
 
