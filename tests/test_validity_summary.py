@@ -174,3 +174,15 @@ def test_the_run_gate_fails_on_kv_bytes_that_differ_where_they_must_agree(tmp_pa
     with pytest.raises(SystemExit, match="after_load_against_cold: 1 of 4 chunks differ .*k9"):
         run_gate(str(tmp_path / "validity.csv"), str(tmp_path / "kv.csv"), str(tmp_path / "ok2"))
     assert not (tmp_path / "ok2").exists()
+
+
+def test_a_long_write_error_is_quoted_with_its_cause(tmp_path):
+    """LMCache names the whole chunk path before the errno: the quote keeps the cause, not the path's start."""
+    from kvpool.logs import new_lines_matching
+
+    path = "/pools/" + "x" * 400 + "@float.data"
+    (tmp_path / "replica-0.log").write_text(f"\x1b[31;20m[t] LMCache ERROR:\x1b[0m Failed to write file {path}: "
+                                            "[Errno 28] No space left on device (fs_connector.py:12)\n")
+    (found,) = new_lines_matching(tmp_path, {})
+    assert found.endswith("@float.data: [Errno 28] No space left on device (fs_connector.py:12)")
+    assert "\x1b" not in found and len(found) < 330

@@ -35,6 +35,7 @@ def to_log(path: str) -> None:
 
 # What a full tier looks like in a replica's or pool server's log (LMCache logs a failed store and goes on).
 WRITE_ERRORS = re.compile(r"No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\]")
+ANSI_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def log_sizes(log_dir: Path) -> dict[Path, int]:
@@ -45,12 +46,16 @@ def log_sizes(log_dir: Path) -> dict[Path, int]:
 def new_lines_matching(log_dir: Path, since: dict[Path, int], pattern: re.Pattern = WRITE_ERRORS,
                        limit: int = 5) -> list[str]:
     """Lines written under ``log_dir`` after ``since`` (from log_sizes) that match ``pattern``, as
-    ``file: line``, the first ``limit`` of them."""
+    ``file: line``, the first ``limit`` of them, colour codes dropped. A long line is cut to the
+    300 characters that end just past the match (LMCache names the whole file path before the cause)."""
     found = []
     for path in sorted(Path(log_dir).rglob("*.log")):
         with open(path, "rb") as handle:
             handle.seek(since.get(path, 0))
             for line in handle.read().decode(errors="replace").splitlines():
-                if pattern.search(line) and len(found) < limit:
-                    found.append(f"{path.name}: {line.strip()[:300]}")
+                line = ANSI_COLOURS.sub("", line).strip()
+                match = pattern.search(line)
+                if match and len(found) < limit:
+                    shown = line if len(line) <= 300 else "..." + line[max(0, match.end() + 60 - 300):match.end() + 60]
+                    found.append(f"{path.name}: {shown}")
     return found
