@@ -24,6 +24,14 @@ def snakemake_argv(workdir, target, *configfiles):
             "--cores", "1", "--configfile", *map(str, configfiles)]
 
 
+def wait_for_healthy_fleet(proc, log, phase):
+    """Until ``phase``'s log says its fleet is up; fails if the run ends first or takes over 10 minutes."""
+    deadline = time.monotonic() + 600
+    while not (log.exists() and "fleet of 2 healthy" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{phase} never got a healthy fleet"
+        time.sleep(0.2)
+
+
 def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     """kill -9 of one replica in reuse: the phase ends, every row is kept (and archived), the cell is
     invalid with the replica's exit as the reason, and nothing of the fleet is left running."""
@@ -38,10 +46,7 @@ def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     reuse = subprocess.Popen(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     log = tmp_path / "logs" / "reuse" / (target.removeprefix("results/cells/") + ".log")
-    deadline = time.monotonic() + 600
-    while not (log.exists() and "fleet of 2 healthy" in log.read_text()):
-        assert reuse.poll() is None and time.monotonic() < deadline, "reuse never got a healthy fleet"
-        time.sleep(0.5)
+    wait_for_healthy_fleet(reuse, log, "reuse")
     port = yaml.safe_load((cell / "plan.yaml").read_text())["replicas"][1]["port"]
     (victim,) = [p for p in psutil.process_iter(["cmdline"])
                  if "vllm.entrypoints" in " ".join(p.info["cmdline"] or []) and f"--port {port}" in " ".join(
@@ -76,11 +81,7 @@ def _interrupt_once_healthy(workdir, target, configs, phase, send):
     proc = subprocess.Popen(snakemake_argv(workdir, target, *configs), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     cell_name = CELL.format(backend="lmcache-fs", arm="shared").removeprefix("results/cells/")
-    log = workdir / "logs" / phase / f"{cell_name}.log"
-    deadline = time.monotonic() + 600
-    while not (log.exists() and "fleet of 2 healthy" in log.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, f"{phase} never got a healthy fleet"
-        time.sleep(0.2)
+    wait_for_healthy_fleet(proc, workdir / "logs" / phase / f"{cell_name}.log", phase)
     send(proc)
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode != 0, output[-3000:]
@@ -178,10 +179,7 @@ def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_g
                             stderr=subprocess.STDOUT, text=True)
     log = tmp_path / "logs" / "populate" / (target.removeprefix("results/cells/") + ".log")
     try:
-        deadline = time.monotonic() + 600
-        while not (log.exists() and "fleet of 2 healthy" in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, "populate never got a healthy fleet"
-            time.sleep(0.2)
+        wait_for_healthy_fleet(proc, log, "populate")
         fill()
         output = proc.communicate(timeout=1800)[0]
     finally:

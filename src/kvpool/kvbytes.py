@@ -99,9 +99,9 @@ def compare_arms(shared: pd.DataFrame, isolated: pd.DataFrame, followup_exact: b
       chunk holds follow-up tokens alone, and the stack computes them identically after a load; see
       ``followup_bit_exact``).
     """
-    shared_store = _single_stores(shared[shared["stored_in"] == "populate"])
-    isolated_store = _single_stores(isolated[isolated["stored_in"] == "populate"])
     isolated_populated = isolated[isolated["stored_in"] == "populate"]
+    shared_store = _single_stores(shared[shared["stored_in"] == "populate"])
+    isolated_store = _single_stores(isolated_populated)
     # the isolated serving replica recomputes the document too; only keys no populate stored are follow-up chunks
     isolated_reuse = isolated[isolated["stored_in"] == "reuse"]
     isolated_followup = isolated_reuse[~isolated_reuse["key"].isin(isolated_populated["key"])]

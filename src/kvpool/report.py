@@ -17,6 +17,7 @@ import yaml
 from kvpool import mp
 from kvpool.cells import Cell
 from kvpool.files import read_frame_or_empty, read_json, read_records
+from kvpool.summary import fmt_interval, fmt_value
 from kvpool.validity import failures
 
 
@@ -145,19 +146,9 @@ def render_page(template: Path, out: Path, context: dict) -> None:
     out.write_text(env.get_template(template.name).render(**context))
 
 
-def _number(value, unit: str = "", digits: int = 3) -> str:
-    if value is None or pd.isna(value):
-        return "n/a"
-    if unit == "%":
-        return f"{100 * value:.0f}%"
-    return f"{value:.{digits}g}" + (f" {unit}" if unit else "")
-
-
 def _with_interval(row: pd.Series, column: str, unit: str, low: str, high: str) -> str:
-    shown = _number(row[column], unit)
-    if pd.notna(row.get(low)) and pd.notna(row.get(high)) and shown != "n/a":
-        shown += f" [{_number(row[low])}, {_number(row[high])}]"
-    return shown
+    shown = fmt_value(row[column], unit)
+    return shown if shown == "n/a" else shown + fmt_interval(row.get(low), row.get(high))
 
 
 def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
@@ -170,12 +161,12 @@ def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
         for q in (50, 95, 99):
             shown[f"TTFT p{q}"] = _with_interval(row, f"ttft_p{q}_s", "s", f"ttft_p{q}_ci_low_s",
                                                  f"ttft_p{q}_ci_high_s")
-        shown.update({"reload ≤ warm_s": _number(row["reload_rate"], "%"),
-                      "SLO attainment": _number(row["slo_attainment"], "%"),
-                      "wall clock": _number(row["wall_clock_s"], "s"),
-                      "GPU power": _number(row["mean_power_w"], "W"),
-                      "energy / follow-up": _number(row["energy_per_followup_j"], "J"),
-                      "document loaded": _number(row["mean_pool_hit_fraction"], "%"),
+        shown.update({"reload ≤ warm_s": fmt_value(row["reload_rate"], "fraction"),
+                      "SLO attainment": fmt_value(row["slo_attainment"], "fraction"),
+                      "wall clock": fmt_value(row["wall_clock_s"], "s"),
+                      "GPU power": fmt_value(row["mean_power_w"], "W"),
+                      "energy / follow-up": fmt_value(row["energy_per_followup_j"], "J"),
+                      "document loaded": fmt_value(row["mean_pool_hit_fraction"], "fraction"),
                       "errors": f"{int(row['errors'])} of {int(row['followups'])}"})
         rows.append(shown)
     return pd.DataFrame(rows)
@@ -188,11 +179,11 @@ def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
         rows.append({
             "cell": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
             "gate": "valid" if row["valid"] else "INVALID",
-            "read (phase)": _number(row["drive_read_gb_per_s"], "GB/s"),
-            "read (active)": _number(row["drive_read_active_gb_per_s"], "GB/s"),
-            "ceiling": _number(row["ceiling_read_gb_per_s"], "GB/s"),
-            "of ceiling": _number(row["reload_efficiency"], "%"),
-            "avg read": _number(row["avg_read_kb"], "KiB"),
+            "read (phase)": fmt_value(row["drive_read_gb_per_s"], "GB/s"),
+            "read (active)": fmt_value(row["drive_read_active_gb_per_s"], "GB/s"),
+            "ceiling": fmt_value(row["ceiling_read_gb_per_s"], "GB/s"),
+            "of ceiling": fmt_value(row["reload_efficiency"], "fraction"),
+            "avg read": fmt_value(row["avg_read_kb"], "KiB"),
             "queue p95": _with_interval(row, "queue_depth_p95", "", "queue_depth_p95_ci_low",
                                         "queue_depth_p95_ci_high"),
             "r_await p50": _with_interval(row, "r_await_p50_ms", "ms", "r_await_p50_ms_ci_low",
@@ -200,7 +191,7 @@ def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
             "r_await p95": _with_interval(row, "r_await_p95_ms", "ms", "r_await_p95_ms_ci_low",
                                           "r_await_p95_ms_ci_high"),
             "TTFT p50": _with_interval(row, "ttft_p50_s", "s", "ttft_p50_s_ci_low", "ttft_p50_s_ci_high"),
-            "temperature": _number(row["temperature_c"], "°C"),
+            "temperature": fmt_value(row["temperature_c"], "°C"),
             # SMART reports both in percent already
             "wear / spare": f"{row['percent_used']:.0f}% / {row['avail_spare']:.0f}%"
             if pd.notna(row["percent_used"]) and pd.notna(row["avail_spare"]) else "n/a",

@@ -107,13 +107,14 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
         drive_csv, power_csv, log_dir)
     _archive(frame, Path(csv_out), "populate")
     frame.to_csv(csv_out, index=False)
+    dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
     if plan.get("memory_pool"):  # no files: the pool is what the servers hold in L1
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
         meta["pool"] = {"files": 0, "bytes": int(held), "resident_bytes": None, "resident_fraction": None,
                         "source": f"{mp.L1_BYTES} of the pool's servers after populate"}
     else:
-        meta["pool"] = pool.residency([Path(r["pool_dir"]) for r in plan["replicas"]])
-    kvbytes.pool_digests([Path(r["pool_dir"]) for r in plan["replicas"]]).to_csv(digests_csv, index=False)
+        meta["pool"] = pool.residency(dirs)
+    kvbytes.pool_digests(dirs).to_csv(digests_csv, index=False)
     write_json(json_out, meta)
 
 

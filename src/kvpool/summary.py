@@ -119,17 +119,20 @@ def headline(cells: pd.DataFrame) -> pd.DataFrame:
                                        "wall_clock_s_ratio"])
 
 
-def _fmt(value, unit: str) -> str:
-    if pd.isna(value):
+def fmt_value(value, unit: str) -> str:
+    """A measured value as the tables show it: a fraction as a percentage, a count whole, anything else
+    to three significant digits with its unit."""
+    if value is None or pd.isna(value):
         return "n/a"
     if unit == "fraction":
         return f"{100 * value:.0f}%"
     if unit == "count":
         return f"{int(value)}"
-    return f"{value:.3g} {unit}"
+    return f"{value:.3g}" + (f" {unit}" if unit else "")
 
 
-def _interval(low, high) -> str:
+def fmt_interval(low, high) -> str:
+    """An interval as the tables show it after its value, or nothing where it was not measured."""
     return f" [{low:.3g}, {high:.3g}]" if pd.notna(low) and pd.notna(high) else ""
 
 
@@ -145,7 +148,7 @@ def table1_markdown(table: pd.DataFrame) -> str:
                  "|---|---|---|---|"]
         for _, row in group.iterrows():
             ratio = f"{row['ratio']:.1f}x" if pd.notna(row["ratio"]) else "n/a"
-            shown = {arm: _fmt(row[arm], row["unit"]) + _interval(row[f"{arm}_ci_low"], row[f"{arm}_ci_high"])
+            shown = {arm: fmt_value(row[arm], row["unit"]) + fmt_interval(row[f"{arm}_ci_low"], row[f"{arm}_ci_high"])
                      for arm in ("isolated", "shared")}
             lines.append(f"| {row['metric']} | {shown['isolated']} | {shown['shared']} | {ratio} |")
         parts.append("\n".join(lines))
@@ -252,7 +255,7 @@ def tier_compare_markdown(table: pd.DataFrame) -> str:
         lines = [f"### backend {backend}, chunk {chunk}", "", "| Signal | " + " | ".join(tiers) + " |",
                  "|---" * (len(tiers) + 1) + "|"]
         for _, row in group.iterrows():
-            cells = [_fmt(row[t], "fraction" if row["unit"] == "fraction" else row["unit"]) for t in tiers]
+            cells = [fmt_value(row[t], row["unit"]) for t in tiers]
             lines.append(f"| {row['signal']} | " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     note = "n/a: not measurable on that tier (a memory-backed tier has no drive) or no source."
