@@ -6,6 +6,8 @@
 # the fleet cleanly (every replica is in its own process group and would outlive a SIGKILL).
 # Leave SECONDS at least 90 s below the device call's limit: stopping a fleet and packing the
 # results take that long, and a call cut off by its limit brings nothing back.
+# The device gets the working tree with a stale .git: name the commit, as the call's command
+# written here, KVPOOL_GIT_COMMIT=<git rev-parse HEAD> bash bench/device_run.sh ...
 set -uo pipefail
 config=$1; budget=$2; shift 2
 repo=$(pwd)
@@ -13,6 +15,7 @@ name=$(basename "$config" .yaml)
 work=/root/work/$name
 export PYTHONPATH=/root/site:$repo/src PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p "$work"
+[ -n "${KVPOOL_GIT_COMMIT:-}" ] || echo "device_run: KVPOOL_GIT_COMMIT is unset; manifests will record this copy's stale .git" >&2
 # A replica (or an LMCache MP server) left by an earlier call of this config that was cut off would
 # hold GPU memory. Only those are stopped: kvpool starts them in the run's working directory.
 ours() { for pid in $(pgrep -f "vllm serve|lmcache server"); do

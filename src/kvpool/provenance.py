@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import socket
 import subprocess
@@ -63,6 +64,11 @@ def hardware() -> dict:
 
 
 def git_commit(repo: Path) -> dict:
+    """The commit the code came from. A copy of the tree without its own history (a lent GPU machine
+    gets the working tree and a stale .git) names its commit in KVPOOL_GIT_COMMIT instead."""
+    if commit := os.environ.get("KVPOOL_GIT_COMMIT"):
+        return {"commit": commit, "dirty": None, "source": "KVPOOL_GIT_COMMIT"}
+
     def git(*args):
         out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False)
         return out.stdout.strip() if out.returncode == 0 else None
