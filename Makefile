@@ -31,6 +31,7 @@ run: setup
 
 lint: setup
 	$(BIN)/ruff check src tests bench workflow/scripts
+	$(BIN)/snakefmt --check Snakefile workflow/rules
 	$(BIN)/snakemake --lint
 
 # Lint and the unit tests first (a failure shows in seconds), then the real end-to-end runs (minutes).

@@ -12,18 +12,26 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
-
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/model.smk"
-include: "workflow/rules/workload.smk"
-include: "workflow/rules/fleet.smk"
-include: "workflow/rules/populate.smk"
-include: "workflow/rules/drop.smk"
-include: "workflow/rules/reuse.smk"
-include: "workflow/rules/memory_pool.smk"
+
+
+# The rules that measure (and build what measuring needs). With measured_only the workflow has none of
+# them: whatever a cell recorded is a source file, never re-measured.
+if not MEASURED_ONLY:
+
+    include: "workflow/rules/model.smk"
+    include: "workflow/rules/workload.smk"
+    include: "workflow/rules/fleet.smk"
+    include: "workflow/rules/populate.smk"
+    include: "workflow/rules/drop.smk"
+    include: "workflow/rules/reuse.smk"
+    include: "workflow/rules/memory_pool.smk"
+    include: "workflow/rules/ceiling.smk"
+
+
 include: "workflow/rules/telemetry.smk"
 include: "workflow/rules/validity.smk"
 include: "workflow/rules/summary.smk"
@@ -35,7 +43,7 @@ rule all:
     input:
         "results/table1.csv",
         "results/table1.md",
-        "results/tier_compare.csv",
+        TIER_COMPARE,
         "results/report.html",
         "results/validity.csv",
         "results/kv_bytes.csv",

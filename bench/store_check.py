@@ -38,11 +38,10 @@ import pandas as pd
 import yaml
 from snakemake.utils import validate
 
-from kvpool import metrics
 from kvpool.cells import Cell
-from kvpool.client import complete
 from kvpool.fleet import free_ports, running_fleet
 from kvpool.model import RANDOM_MODEL_DIR
+from kvpool.phases import measured_request
 from kvpool.plan import fleet_plan
 from kvpool.pool import pool_files
 from kvpool.prompts import read_workload
@@ -82,22 +81,22 @@ def single_replica_plan(config: dict, workdir: Path, name: str, settings: dict, 
     return plan
 
 
-async def check(url: str, workload: list[dict], output_tokens: int, timeout_s: float) -> list[dict]:
+async def check(replica, workload: list[dict], output_tokens: int, timeout_s: float) -> list[dict]:
+    """Each document's follow-up cold, then after a GPU prefix-cache reset, with the pool's hits proven
+    as the pipeline proves them (phases.measured_request: the replica's /metrics around the request)."""
     rows = []
     async with aiohttp.ClientSession() as session:
         for item in workload:
             row = {"doc_id": item["doc_id"]}
             for path in ("cold", "reload"):
                 if path == "reload":
-                    async with session.post(f"{url}/reset_prefix_cache") as response:
+                    async with session.post(f"{replica.url}/reset_prefix_cache") as response:
                         response.raise_for_status()
                         if not (await response.json())["success"]:
-                            raise RuntimeError(f"{url}/reset_prefix_cache did not reset the GPU prefix cache")
-                before = await metrics.scrape(session, url)
-                result = await complete(session, url, item["followup"], output_tokens, timeout_s)
+                            raise RuntimeError(f"{replica.url}/reset_prefix_cache did not reset the GPU prefix cache")
+                result, counts = await measured_request(session, replica, item["followup"], output_tokens, timeout_s)
                 if result.error:  # e.g. the engine died on this setting: its log says why
                     raise RuntimeError(f"document {item['doc_id']}, {path} request failed: {result.error}")
-                counts = metrics.delta(await metrics.scrape(session, url), before)
                 row.update({f"{path}_ttft_s": result.ttft_s,
                             f"{path}_external_hit_tokens": counts["external_kv_transfer"],
                             f"{path}_output": result.output_text})
@@ -128,7 +127,7 @@ def main() -> None:
         try:
             with running_fleet(plan, args.workdir / "logs" / "store-check" / name,
                                config["engine"]["startup_timeout_s"]) as replicas:
-                found = asyncio.run(check(replicas[0].url, workload, config["workload"]["output_tokens"],
+                found = asyncio.run(check(replicas[0], workload, config["workload"]["output_tokens"],
                                           config["engine"]["request_timeout_s"]))
             stored = len(pool_files([pool]))
         except Exception as error:  # one setting that does not start or answer leaves the others to run

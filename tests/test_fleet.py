@@ -151,17 +151,17 @@ def test_an_exited_but_unreaped_process_counts_as_stopped():
     child.wait()
 
 
-def measured_request(replica):
+def one_measured_request(replica):
     """One request through the phases' own measured path, as a follow-up would be sent."""
     import asyncio
 
     import aiohttp
 
-    from kvpool.phases import _measured
+    from kvpool.phases import measured_request
 
     async def request():
         async with aiohttp.ClientSession() as session:
-            return await _measured(session, replica, [1, 2, 3], 4, 5.0)
+            return await measured_request(session, replica, [1, 2, 3], 4, 5.0)
 
     return asyncio.run(request())
 
@@ -169,7 +169,7 @@ def measured_request(replica):
 def test_a_replica_killed_mid_request_is_named_in_that_request(tmp_path):
     """The request in flight when its replica is killed names the exit too, not only a broken stream."""
     with running_fleet(fake_plan("diemid", count=1), tmp_path, timeout_s=30) as (replica,):
-        result, counts = measured_request(replica)
+        result, counts = one_measured_request(replica)
     assert counts == {}
     # the stream broke (or ended early) and the replica is gone: the row says which and why
     assert "replica 0" in result.error and "exited with code -9" in result.error
@@ -182,7 +182,7 @@ def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
     replica = Replica(fake_plan("die", count=1)["replicas"][0], tmp_path / "replica-0.log")
     replica.start()
     replica.proc.wait(timeout=30)
-    result, counts = measured_request(replica)
+    result, counts = one_measured_request(replica)
     assert counts == {}
     assert "replica 0" in result.error and "exited with code 3" in result.error
     assert "CUDA out of memory" in result.error  # the log tail

@@ -115,3 +115,21 @@ def test_only_the_fleets_gpus_are_sampled(monkeypatch):
     assert summary["gpu_energy_j"] == pytest.approx(260.0)
     absent = Nvml([5])
     assert not absent.available and "not present" in absent.reason
+
+
+def test_records_of_a_sampler_that_read_every_gpu_count_only_the_fleets():
+    import pandas as pd
+
+    from kvpool.telemetry import fleet_gpus_only, summarize_power
+
+    # a fleet on GPU 1 of a 4-GPU host, sampled by a sampler that read all four
+    meta = {"gpu_energy_j": [50.0, 400.0, 60.0, 70.0], "host_energy_j": None}
+    power = pd.DataFrame({"t_s": [0.0] * 4 + [0.2] * 4, "source": ["gpu0", "gpu1", "gpu2", "gpu3"] * 2,
+                          "power_w": [60.0, 500.0, 70.0, 80.0, 62.0, 520.0, 71.0, 79.0]})
+    meta_fleet, power_fleet = fleet_gpus_only(meta, power, [1])
+    summary = summarize_power(power_fleet, meta_fleet, requests=4)
+    assert summary["gpu_energy_j"] == 400.0 and summary["energy_per_request_j"] == 100.0
+    assert summary["mean_power_w"] == 510.0
+    # a record that names its GPUs is the fleet's already
+    named = {**meta, "gpus": [0, 1, 2, 3]}
+    assert fleet_gpus_only(named, power, [1]) == (named, power)

@@ -26,6 +26,12 @@ class Cell:
     def from_wildcards(cls, wildcards) -> Cell:
         return cls(wildcards.backend, wildcards.arm, int(wildcards.chunk), wildcards.tier)
 
+    @classmethod
+    def from_name(cls, name: str) -> Cell:
+        """The cell of a folder name, ``backend~B/arm~A/chunk~C/tier~T``."""
+        fields = dict(part.split("~", 1) for part in name.split("/"))
+        return cls(fields["backend"], fields["arm"], int(fields["chunk"]), fields["tier"])
+
 
 def cells(config: dict) -> list[Cell]:
     """Every cell of the configured matrix, in a stable order."""
@@ -35,6 +41,11 @@ def cells(config: dict) -> list[Cell]:
             config["backends"], config["chunk_sizes"], config["tiers"], config["arms"]
         )
     ]
+
+
+def measured(config: dict, workdir: Path) -> list[Cell]:
+    """The matrix's cells whose reuse phase has finished in ``workdir``, in matrix order."""
+    return [cell for cell in cells(config) if (workdir / "results" / "cells" / cell.name / "reuse.json").exists()]
 
 
 def is_memory_pool(config: dict, cell: Cell) -> bool:

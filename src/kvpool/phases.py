@@ -36,7 +36,7 @@ class PreflightFailed(RuntimeError):
     isolated arm finds them)."""
 
 
-async def _measured(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
+async def measured_request(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
                     timeout_s: float, cache_salt: str | None = None) -> tuple[RequestResult, dict[str, int]]:
     """One request and the serving replica's token-counter deltas around it (one request in flight per replica).
 
@@ -94,7 +94,7 @@ async def _preflight(session, replicas: list[Replica], probe: list[int], probe_f
     before the populate phase is spent.
     """
     stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
-    found, counts = await _measured(session, replicas[1], probe_followup, output_tokens, timeout_s)
+    found, counts = await measured_request(session, replicas[1], probe_followup, output_tokens, timeout_s)
     local = await complete(session, replicas[0].url, probe_followup, output_tokens, timeout_s)
     hits = counts.get("external_kv_transfer", 0)
     errors = [e for e in (stored.error, found.error, local.error) if e]
@@ -135,7 +135,7 @@ async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) 
             for item in workload:
                 if route[item["doc_id"]] != replica.index:
                     continue
-                result, counts = await _measured(session, replica, item["document"], output_tokens, timeout_s)
+                result, counts = await measured_request(session, replica, item["document"], output_tokens, timeout_s)
                 rows.append(_record(item["doc_id"], replica.index, replica.index, result, counts))
                 bar.update()
 
@@ -224,7 +224,7 @@ async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], f
         started = time.time()
         for item in tqdm(workload, desc="reuse", unit="follow-up"):
             serve = by_index[route[item["doc_id"]]]
-            result, counts = await _measured(session, serve, item["followup"], output_tokens, timeout_s)
+            result, counts = await measured_request(session, serve, item["followup"], output_tokens, timeout_s)
             rows.append(_record(item["doc_id"], prefill[item["doc_id"]], serve.index, result, counts))
         finished = time.time()
     return rows, started, finished
@@ -263,12 +263,12 @@ async def _reference(replica: Replica, workload, cfg) -> list[dict]:
     async with aiohttp.ClientSession() as session:
         for item in tqdm(workload, desc="reference (cold)", unit="follow-up"):
             # A salt of its own: no cached block is reused, and none is left for the second path.
-            result, counts = await _measured(session, replica, item["followup"], output_tokens, timeout_s,
+            result, counts = await measured_request(session, replica, item["followup"], output_tokens, timeout_s,
                                              cache_salt=f"kvpool-cold-{item['doc_id']}")
             rows.append({**_record(item["doc_id"], None, 0, result, counts), "path": "cold"})
         for item in tqdm(workload, desc="reference (after document)", unit="follow-up"):
             stored = await complete(session, replica.url, item["document"], output_tokens, timeout_s)
-            result, counts = await _measured(session, replica, item["followup"], output_tokens, timeout_s)
+            result, counts = await measured_request(session, replica, item["followup"], output_tokens, timeout_s)
             if stored.error and not result.error:
                 result.error = f"document request failed: {stored.error}"
             rows.append({**_record(item["doc_id"], 0, 0, result, counts), "path": "after_document"})

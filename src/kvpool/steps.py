@@ -19,7 +19,7 @@ from kvpool import kvbytes, logs, mp, phases, pool, prompts, provenance, summary
 from kvpool.cells import Cell, is_memory_pool, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
-from kvpool.plan import fleet_plan, reference_plan
+from kvpool.plan import fleet_plan, plan_gpus, reference_plan
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,10 @@ def _ports(config: dict, count: int) -> tuple[list[int], str]:
     return list(ports[:count]), "config"
 
 
-def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out: str) -> None:
+def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out: str,
+              provenance_config: dict | None = None) -> None:
+    """The cell's plan from ``config`` (the settings the plan rule declares) and its manifest, which
+    records ``provenance_config`` (the whole resolved config; default ``config``)."""
     ports, source = _ports(config, config["replicas"])
     server_ports = None
     if cell.backend == mp.BACKEND:  # a ZMQ and an HTTP port per server, clear of the replicas' ports
@@ -72,7 +75,7 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
     notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
-    write_json(manifest_out, provenance.manifest(config, REPO, cell=cell.name, **notes))
+    write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name, **notes))
 
 
 def checked_ports(plan: dict, servers=None) -> dict:
@@ -312,23 +315,25 @@ def _run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir:
     return frame, meta
 
 
-def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary: str) -> None:
+def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary: str, plan_path: str) -> None:
     """Merge a cell's per-phase samples into drive.csv / power.csv and summarize each phase.
 
     ``phase_files`` maps phase -> {"meta": json, "drive": csv, "power": csv, "records": csv}.
     drive.csv keeps every raw sample, with iostat's derived columns for the interval it closes.
+    Power counts the fleet's GPUs only (``plan_path``: the cell's plan), also in records of samplers
+    that read every GPU of the host.
     """
     from kvpool.drive import iostat
-    from kvpool.telemetry import summarize_drive, summarize_power
+    from kvpool.telemetry import fleet_gpus_only, summarize_drive, summarize_power
 
+    gpus = plan_gpus(yaml.safe_load(Path(plan_path).read_text()))
     drives, powers, summary = [], [], {}
     for phase, files in phase_files.items():
-        meta = read_json(files["meta"])["telemetry"]
         raw = read_frame_or_empty(files["drive"])
         derived = iostat(raw) if not raw.empty else pd.DataFrame()
         if not raw.empty:
             raw = raw.merge(derived.drop(columns=["phase", "cell"], errors="ignore"), on=["t_s", "device"], how="left")
-        power = read_frame_or_empty(files["power"])
+        meta, power = fleet_gpus_only(read_json(files["meta"])["telemetry"], read_frame_or_empty(files["power"]), gpus)
         drives.append(raw)
         powers.append(power)
         summary[phase] = {
@@ -355,7 +360,7 @@ def run_ceiling(config: dict, tier: str, out: str) -> None:
     log.info("tier %s: sequential read %.2f GB/s (%s)", tier, result["gb_per_s"], result["method"])
 
 
-def run_tier_compare(config: dict, shared_cells: list[Cell], summaries: list[str], reuse_csvs: list[str],
+def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs: list[str],
                      drive_csvs: list[str], ceilings: list[str], *, tiers_csv: str,
                      csv_out: str, md_out: str) -> None:
     """The per-tier table (``tiers_csv``: each shared cell's drive and TTFT figures, with intervals) and

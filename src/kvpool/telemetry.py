@@ -218,6 +218,21 @@ def summarize_drive(derived: pd.DataFrame, duration_s: float) -> dict:
     }
 
 
+def fleet_gpus_only(meta: dict, power: pd.DataFrame, gpus: list[int]) -> tuple[dict, pd.DataFrame]:
+    """A phase's power meta and samples limited to the fleet's GPUs.
+
+    Samplers before the ``gpus`` meta key read every GPU of the host; on a host larger than the fleet
+    the idle GPUs' watts and joules are not the cell's. Newer records are returned as they are.
+    """
+    if "gpus" in meta or meta.get("gpu_energy_j") is None:
+        return meta, power
+    meta = {**meta, "gpus": gpus, "gpu_energy_j": [meta["gpu_energy_j"][i] for i in gpus]}
+    if not power.empty:
+        gpu_rows = power["source"].str.startswith("gpu")
+        power = power[~gpu_rows | power["source"].isin([f"gpu{i}" for i in gpus])]
+    return meta, power
+
+
 def summarize_power(power: pd.DataFrame, meta: dict, requests: int) -> dict:
     """Mean board power per GPU, energy per request, host energy, and each replica's CPU time and peak RSS."""
     summary: dict = {"requests": requests}

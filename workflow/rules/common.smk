@@ -2,7 +2,7 @@ from pathlib import Path
 
 from kvpool import config as kvpool_config
 from kvpool import mp, runlock
-from kvpool.cells import CELL_PATTERN, Cell, cells, pool_predecessor
+from kvpool.cells import CELL_PATTERN, Cell, cells, measured, pool_predecessor
 from kvpool.model import RANDOM_MODEL_DIR
 
 # What the config alone decides is checked while parsing, so a dry run catches it too. Paths and
@@ -16,11 +16,26 @@ if _problems:
 onstart:
     # held until this Snakemake process ends: no second run measures in this working directory meanwhile
     KVPOOL_RUN_LOCK = runlock.acquire(Path.cwd())
-    _problems = kvpool_config.problems(config, Path.cwd(), check_paths=True)
+    # measured_only runs nothing that needs the tiers, the model or the cores
+    _problems = [] if MEASURED_ONLY else kvpool_config.problems(config, Path.cwd(), check_paths=True)
     if _problems:
         raise ValueError("config cannot run on this machine:\n  " + "\n  ".join(_problems))
 
-CELLS = cells(config)
+
+# measured_only: the summaries of what this working directory holds, and no rule that measures
+MEASURED_ONLY = config["measured_only"]
+CELLS = measured(config, Path.cwd()) if MEASURED_ONLY else cells(config)
+if not CELLS:
+    raise ValueError(
+        f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells"
+    )
+# Table 2 compares the shared cells of tiers whose read ceiling is measured (all of them, unless measured_only)
+CEILING_TIERS = [
+    tier for tier in config["tiers"] if not MEASURED_ONLY or Path(f"results/tiers/{tier}/ceiling.json").exists()
+]
+COMPARED = [cell for cell in CELLS if cell.arm == "shared" and cell.tier in CEILING_TIERS]
+TIER_COMPARE = "results/tier_compare.csv" if COMPARED else []  # an input, or none
+TIER_TABLE = "results/tier_table.csv" if COMPARED else []
 CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'}.yaml"
 
 
@@ -41,6 +56,44 @@ def model_input(wildcards=None):
     return [] if config["engine"]["model"] else [RANDOM_MODEL_DIR]
 
 
+def settings(*keys):
+    """The config sections a rule's script reads, declared as the rule's ``settings`` param: its script
+    hands on exactly these (and fails on any other), and a change to one of them re-runs the rule.
+    """
+    return {key: config[key] for key in keys}
+
+
+# What the timed phases read: the engine's timeouts and host, the workload, where pools live, the MP
+# server's timeouts, the preflight policy, sampling, the drop and whether a pool is kept.
+PHASE_SETTINGS = (
+    "engine",
+    "workload",
+    "tiers",
+    "replicas",
+    "lmcache_mp",
+    "preflight_on_failure",
+    "telemetry_hz",
+    "drop_caches",
+    "keep_pools",
+)
+
+
+def cell_names(cells=None):
+    """The folder names of ``cells`` (default: every cell), in matrix order: a summary rule's cells."""
+    return [cell.name for cell in (CELLS if cells is None else cells)]
+
+
+def recorded(path):
+    """``path`` as an input, or no input ([]) with measured_only where it does not exist (older runs did
+    not write it)."""
+    return [] if MEASURED_ONLY and not Path(path).exists() else path
+
+
+def cell_recorded(name):
+    """``name`` in the cell folder, as an input function of the cell wildcards (see ``recorded``)."""
+    return lambda wc: recorded(f"results/cells/{Cell.from_wildcards(wc).name}/{name}")
+
+
 def cell_path(name):
     """``name`` inside the cell folder, as a pattern over the cell wildcards."""
     return f"results/cells/{CELL_PATTERN}/{name}"
@@ -51,9 +104,9 @@ def cell_files(name):
     return [f"results/cells/{cell.name}/{name}" for cell in CELLS]
 
 
-def shared_cell_files(name):
-    """``name`` in every shared-arm cell folder (the tier comparison reads only those)."""
-    return [f"results/cells/{cell.name}/{name}" for cell in CELLS if cell.arm == "shared"]
+def compared_cell_files(name):
+    """``name`` in every cell folder that Table 2 compares (shared arm, tier ceiling measured)."""
+    return [f"results/cells/{cell.name}/{name}" for cell in COMPARED]
 
 
 def pool_freed_first(wildcards):
@@ -67,3 +120,7 @@ def pool_freed_first(wildcards):
 
 def cell_log(step):
     return f"logs/{step}/{CELL_PATTERN}.log"
+
+
+# the cells whose pool files were hashed (runs before the byte-level check did not hash them)
+DIGESTED = [cell for cell in CELLS if recorded(f"results/cells/{cell.name}/pool-digests.csv")]

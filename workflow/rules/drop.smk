@@ -5,11 +5,13 @@ rule drop:
         populate=cell_path("populate.csv"),
     output:
         cell_path("drop.json"),
-    resources:
-        fleet=1,
-    conda:
-        CONDA_ENV
     log:
         cell_log("drop"),
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        settings=settings("drop_caches"),
     script:
         "../scripts/run_drop.py"

@@ -5,14 +5,23 @@ rule plan:
     output:
         plan=cell_path("plan.yaml"),
         manifest=cell_path("manifest.json"),
-    params:
-        model=model_path(),
-        # Declared so that a change to any of them re-plans (and so re-measures) the cell.
-        fleet=lambda wc: {k: config[k] for k in ("replicas", "engine", "tiers", "hash_keys", "lmcache")
-                          + (("lmcache_mp",) if wc.backend == mp.BACKEND else ())},
-    conda:
-        CONDA_ENV
     log:
         cell_log("plan"),
+    conda:
+        CONDA_ENV
+    params:
+        model=model_path(),
+        # A change to any of them re-plans (and so re-measures) the cell.
+        settings=lambda wc: settings(
+            "replicas",
+            "engine",
+            "tiers",
+            "hash_keys",
+            "lmcache",
+            "workload",
+            "random_model",
+            "min_pool_bytes",
+            *(("lmcache_mp",) if wc.backend == mp.BACKEND else ()),
+        ),
     script:
         "../scripts/make_plan.py"

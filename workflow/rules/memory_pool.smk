@@ -29,19 +29,19 @@ rule memory_pool_cell:
         reuse_drive=cell_path("telemetry/reuse-drive.csv"),
         reuse_power=cell_path("telemetry/reuse-power.csv"),
         digests=cell_path("pool-digests.csv"),
-    wildcard_constraints:
-        backend=mp.BACKEND,
-        tier="|".join(MEMORY_POOL_TIERS) or "(?!)",  # (?!) matches nothing
-    params:
-        telemetry_hz=config["telemetry_hz"],
-        log_dir=lambda wc: f"logs/memory_pool_cell/{Cell.from_wildcards(wc).name}",
-    resources:
-        fleet=1,
-    conda:
-        CONDA_ENV
     log:
         cell_log("memory_pool_cell"),
     benchmark:
         cell_path("benchmarks/memory_pool_cell.tsv")
+    wildcard_constraints:
+        backend=mp.BACKEND,
+        tier="|".join(MEMORY_POOL_TIERS) or "(?!)",  # (?!) matches nothing
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        settings=settings(*PHASE_SETTINGS),
+        log_dir=lambda wc: f"logs/memory_pool_cell/{Cell.from_wildcards(wc).name}",
     script:
         "../scripts/run_memory_pool_cell.py"

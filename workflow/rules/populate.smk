@@ -10,16 +10,16 @@ rule populate:
         drive=cell_path("telemetry/populate-drive.csv"),
         power=cell_path("telemetry/populate-power.csv"),
         digests=cell_path("populate-digests.csv"),
-    params:
-        telemetry_hz=config["telemetry_hz"],
-        log_dir=lambda wc: f"logs/populate/{Cell.from_wildcards(wc).name}/replicas",
-    resources:
-        fleet=1,
-    conda:
-        CONDA_ENV
     log:
         cell_log("populate"),
     benchmark:
         cell_path("benchmarks/populate.tsv")
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        settings=settings(*PHASE_SETTINGS),
+        log_dir=lambda wc: f"logs/populate/{Cell.from_wildcards(wc).name}/replicas",
     script:
         "../scripts/run_populate.py"

@@ -9,10 +9,10 @@ rule report:
         telemetry=cell_files("telemetry/summary.json"),
         drive=cell_files("telemetry/drive.csv"),
         power=cell_files("telemetry/power.csv"),
-        ceilings=expand("results/tiers/{tier}/ceiling.json", tier=config["tiers"]),
+        ceilings=expand("results/tiers/{tier}/ceiling.json", tier=CEILING_TIERS),
         kv_bytes="results/kv_bytes.csv",
         cell_table="results/cell_table.csv",
-        tier_table="results/tier_table.csv",
+        tier_table=TIER_TABLE,
     output:
         html="results/report.html",
         figures=report(
@@ -22,9 +22,13 @@ rule report:
             category="Figures",
         ),
         tables=directory("results/report/tables"),
-    conda:
-        CONDA_ENV
     log:
         "logs/report/report.log",
+    conda:
+        CONDA_ENV
+    params:
+        cells=cell_names(),
+        # the page states the run's settings and caveats: every key of the resolved config
+        config=config,
     script:
         "../scripts/build_report.py"

@@ -12,16 +12,16 @@ rule reuse:
         drive=cell_path("telemetry/reuse-drive.csv"),
         power=cell_path("telemetry/reuse-power.csv"),
         digests=cell_path("pool-digests.csv"),
-    params:
-        telemetry_hz=config["telemetry_hz"],
-        log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",
-    resources:
-        fleet=1,
-    conda:
-        CONDA_ENV
     log:
         cell_log("reuse"),
     benchmark:
         cell_path("benchmarks/reuse.tsv")
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        settings=settings(*PHASE_SETTINGS),
+        log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",
     script:
         "../scripts/run_reuse.py"

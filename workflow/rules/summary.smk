@@ -6,15 +6,38 @@ rule table1:
         reuse_meta=cell_files("reuse.json"),
         validity=cell_files("validity.json"),
         telemetry=cell_files("telemetry/summary.json"),
-    params:
-        thresholds={k: config[k] for k in ("warm_s", "slo_s")},
     output:
         cells="results/cell_table.csv",
         csv="results/table1.csv",
         md="results/table1.md",
-    conda:
-        CONDA_ENV
     log:
         "logs/summary/table1.log",
+    conda:
+        CONDA_ENV
+    params:
+        cells=cell_names(),
+        settings=settings("warm_s", "slo_s", "workload"),
     script:
         "../scripts/table1.py"
+
+
+rule tier_compare:
+    """Each compared (shared) cell's drive figures with their intervals (tier_table.csv), and Study A's Table 2
+    drawn from them: one column per tier, from the shared arm's reuse phase."""
+    input:
+        summaries=compared_cell_files("telemetry/summary.json"),
+        reuse=compared_cell_files("reuse.csv"),
+        drive=compared_cell_files("telemetry/drive.csv"),
+        ceilings=expand("results/tiers/{tier}/ceiling.json", tier=CEILING_TIERS),
+    output:
+        tiers="results/tier_table.csv",
+        csv="results/tier_compare.csv",
+        md="results/tier_compare.md",
+    log:
+        "logs/summary/tier_compare.log",
+    conda:
+        CONDA_ENV
+    params:
+        cells=cell_names(COMPARED),
+    script:
+        "../scripts/tier_compare.py"

@@ -5,17 +5,23 @@ rule validity:
         populate_meta=cell_path("populate.json"),
         reuse=cell_path("reuse.csv"),
         reuse_meta=cell_path("reuse.json"),
-        populate_digests=cell_path("populate-digests.csv"),
-        reuse_digests=cell_path("pool-digests.csv"),
+        populate_digests=cell_recorded("populate-digests.csv"),
+        reuse_digests=cell_recorded("pool-digests.csv"),
         reference="results/reference/outputs.csv",
-    params:
-        gate={k: config[k] for k in ("min_pool_bytes", "min_hit_fraction", "max_resident_fraction")},
     output:
         cell_path("validity.json"),
-    conda:
-        CONDA_ENV
     log:
         cell_log("validity"),
+    conda:
+        CONDA_ENV
+    params:
+        settings=settings(
+            "workload",
+            "chunk_sizes",
+            "min_pool_bytes",
+            "min_hit_fraction",
+            "max_resident_fraction",
+        ),
     script:
         "../scripts/run_validity.py"
 
@@ -26,10 +32,10 @@ rule validity_table:
         cell_files("validity.json"),
     output:
         "results/validity.csv",
-    conda:
-        CONDA_ENV
     log:
         "logs/validity/table.log",
+    conda:
+        CONDA_ENV
     script:
         "../scripts/validity_table.py"
 
@@ -44,14 +50,14 @@ rule gate:
         validity="results/validity.csv",
         kv_bytes="results/kv_bytes.csv",
         table1="results/table1.md",
-        tiers="results/tier_compare.csv",
+        tiers=TIER_COMPARE,
         report="results/report.html",
     output:
         "results/gate.ok",
-    conda:
-        CONDA_ENV
     log:
         "logs/validity/gate.log",
+    conda:
+        CONDA_ENV
     script:
         "../scripts/gate.py"
 
@@ -59,13 +65,16 @@ rule gate:
 rule kv_bytes:
     """Byte-level KV check: each stored chunk's digest in the shared pool against the isolated pools."""
     input:
-        cell_files("pool-digests.csv"),
+        [f"results/cells/{cell.name}/pool-digests.csv" for cell in DIGESTED],
     output:
         csv="results/kv_bytes.csv",
         md="results/kv_bytes.md",
-    conda:
-        CONDA_ENV
     log:
         "logs/validity/kv_bytes.log",
+    conda:
+        CONDA_ENV
+    params:
+        cells=cell_names(DIGESTED),
+        settings=settings("engine", "workload", "tiers", "lmcache_mp"),
     script:
         "../scripts/kv_bytes.py"

@@ -4,13 +4,13 @@ rule prompts:
         model_input,
     output:
         "results/workload/prompts.jsonl",
+    log:
+        "logs/prompts/prompts.log",
+    conda:
+        CONDA_ENV
     params:
         model=model_path(),
         workload=config["workload"],
-    conda:
-        CONDA_ENV
-    log:
-        "logs/prompts/prompts.log",
     script:
         "../scripts/make_prompts.py"
 
@@ -22,17 +22,17 @@ rule reference:
         prompts="results/workload/prompts.jsonl",
     output:
         "results/reference/outputs.csv",
-    params:
-        model=model_path(),
-        engine=config["engine"],
-        log_dir="logs/reference/replicas",
-    resources:
-        fleet=1,
-    conda:
-        CONDA_ENV
     log:
         "logs/reference/reference.log",
     benchmark:
         "benchmarks/reference.tsv"
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        model=model_path(),
+        settings=settings("engine", "workload", "hash_keys"),
+        log_dir="logs/reference/replicas",
     script:
         "../scripts/run_reference.py"

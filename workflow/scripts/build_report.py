@@ -1,8 +1,9 @@
 from kvpool import logs, steps
-from kvpool.cells import cells
+from kvpool.cells import Cell
 
 logs.to_log(snakemake.log[0])
-steps.build_report(snakemake.config, cells(snakemake.config), ".", cell_table=snakemake.input.cell_table,
-                   tier_table=snakemake.input.tier_table, kv_bytes=snakemake.input.kv_bytes,
+cells = [Cell.from_name(name) for name in snakemake.params.cells]
+steps.build_report(snakemake.params.config, cells, ".", cell_table=snakemake.input.cell_table,
+                   tier_table=snakemake.input.tier_table or None, kv_bytes=snakemake.input.kv_bytes,
                    out_html=snakemake.output.html, figures_dir=snakemake.output.figures,
                    tables_dir=snakemake.output.tables)

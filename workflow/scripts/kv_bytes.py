@@ -1,6 +1,6 @@
 from kvpool import logs, steps
-from kvpool.cells import cells
+from kvpool.cells import Cell
 
 logs.to_log(snakemake.log[0])
-steps.run_kv_bytes(snakemake.config, cells(snakemake.config), list(snakemake.input), snakemake.output.csv,
-                   snakemake.output.md)
+cells = [Cell.from_name(name) for name in snakemake.params.cells]
+steps.run_kv_bytes(snakemake.params.settings, cells, list(snakemake.input), snakemake.output.csv, snakemake.output.md)

@@ -2,5 +2,7 @@ from kvpool import logs, steps
 from kvpool.cells import Cell
 
 logs.to_log(snakemake.log[0])
-steps.make_plan(snakemake.config, Cell.from_wildcards(snakemake.wildcards), snakemake.params.model,
-                snakemake.output.plan, snakemake.output.manifest)
+# The manifest records the whole resolved config as provenance (what else was set when this cell was
+# measured); only the declared settings make the plan, so only they re-plan the cell when changed.
+steps.make_plan(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), snakemake.params.model,
+                snakemake.output.plan, snakemake.output.manifest, provenance_config=snakemake.config)

@@ -4,7 +4,7 @@ from kvpool.cells import Cell
 logs.to_log(snakemake.log[0])
 out = snakemake.output
 steps.run_memory_pool_cell(
-    snakemake.config, Cell.from_wildcards(snakemake.wildcards), snakemake.input.plan, snakemake.input.prompts,
+    snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), snakemake.input.plan, snakemake.input.prompts,
     populate={"csv": out.populate_csv, "meta": out.populate_meta, "drive": out.populate_drive,
               "power": out.populate_power, "digests": out.populate_digests},
     drop_out=out.drop,

@@ -6,4 +6,5 @@ files = {
             "power": snakemake.input[f"{phase}_power"], "records": snakemake.input[phase]}
     for phase in ("populate", "reuse")
 }
-steps.run_telemetry(files, snakemake.output.drive, snakemake.output.power, snakemake.output.summary)
+steps.run_telemetry(files, snakemake.output.drive, snakemake.output.power, snakemake.output.summary,
+                    plan_path=snakemake.input.plan)

@@ -1,0 +1,14 @@
+rule ceiling:
+    """The tier's sequential-read ceiling, measured on a scratch file in the same run."""
+    output:
+        "results/tiers/{tier}/ceiling.json",
+    log:
+        "logs/ceiling/{tier}.log",
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        settings=settings("tiers", "drive_ceiling_bytes", "tier_rated_read_gbps"),
+    script:
+        "../scripts/run_ceiling.py"
