@@ -97,3 +97,29 @@ def test_bar_labels_sit_on_top_of_the_interval(built):
     data = ttft_p50(table1).data
     assert (data["label_y"] >= data["ttft_p50_ci_high_s"]).all() and (data["label_y"] >= data["ttft_p50_s"]).all()
     assert (data["label_y"] > data["ttft_p50_s"]).any()  # the fixture's intervals reach above their bars
+
+
+def test_the_headline_reads_as_ratios_with_two_digits(built):
+    from kvpool.report import headline_for_reading
+
+    head = pd.read_csv(built / "report" / "tables" / "headline.csv")
+    shown = headline_for_reading(head)
+    assert list(shown.columns) == ["setting", "TTFT p50", "TTFT p99", "wall clock"]
+    ratio = head["ttft_p50_s_ratio"].iloc[0]
+    assert shown["TTFT p50"].iloc[0] == f"{ratio:.2g}x" and len(shown["TTFT p50"].iloc[0]) <= 5
+    html = (built / "report.html").read_text()
+    assert f"{ratio:.2g}x" in html and "ttft_p50_s_ratio" not in html
+
+
+def test_kv_bytes_read_as_chunks_equal_of_keys():
+    from kvpool.report import kv_bytes_for_reading
+
+    table = pd.DataFrame([
+        {"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "comparison": "store_across_arms", "keys": 184,
+         "equal": 184, "differ": 0, "bit_exact_expected": True, "example_key": "", "meaning": "m"},
+        {"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "comparison": "recompute_against_store",
+         "keys": 184, "equal": 176, "differ": 8, "bit_exact_expected": False, "example_key": "k@1", "meaning": "m"}])
+    shown = kv_bytes_for_reading(table)
+    assert list(shown["chunks equal"]) == ["184 of 184", "176 of 184"]
+    assert list(shown["must agree bit for bit"]) == ["yes", "no"]
+    assert list(shown["example of a differing chunk"]) == ["", "k@1"]

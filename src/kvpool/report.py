@@ -172,6 +172,26 @@ def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def headline_for_reading(head: pd.DataFrame) -> pd.DataFrame:
+    """The isolated / shared ratios as a person reads them: one setting per row, two significant digits."""
+    return pd.DataFrame([{"setting": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
+                          "TTFT p50": f"{row['ttft_p50_s_ratio']:.2g}x", "TTFT p99": f"{row['ttft_p99_s_ratio']:.2g}x",
+                          "wall clock": f"{row['wall_clock_s_ratio']:.2g}x"} for _, row in head.iterrows()],
+                        columns=["setting", "TTFT p50", "TTFT p99", "wall clock"])
+
+
+def kv_bytes_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """The byte-level comparisons as a person reads them: agreement as "equal of keys", and whether the
+    comparison must agree bit for bit."""
+    return pd.DataFrame([{"setting": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
+                          "comparison": row["comparison"], "chunks equal": f"{row['equal']} of {row['keys']}",
+                          "must agree bit for bit": "yes" if str(row["bit_exact_expected"]) == "True" else "no",
+                          "example of a differing chunk": row["example_key"] or ""}
+                         for _, row in table.iterrows()],
+                        columns=["setting", "comparison", "chunks equal", "must agree bit for bit",
+                                 "example of a differing chunk"])
+
+
 def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
     """The per-tier table (shared cells) as a person reads it, as :func:`cells_for_reading`."""
     rows = []

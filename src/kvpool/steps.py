@@ -422,7 +422,8 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
         "hardware": manifest.get("hardware", {}), "config": config, "tiers": results.tiers,
         "cells": results.cells.to_dict("records"),
-        "headline_html": _html(head), "table1_html": _html(report.cells_for_reading(table1)),
+        "headline_html": _html(report.headline_for_reading(head)),
+        "table1_html": _html(report.cells_for_reading(table1)),
         "table2_html": _html(report.tiers_for_reading(table2)) if len(table2) else _html(table2),
         "study_figures": [drawn[s] for s, _ in study], "extra_figures": [drawn[s] for s, _ in extra],
         "caveats": report.caveats(results),
@@ -432,12 +433,13 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
 
 
 def _kv_bytes_html(path: Path | None) -> str:
+    from kvpool import report
     if path is None or not path.exists():
         return "<p>Not computed for this run (no pool digests).</p>"
     table = pd.read_csv(path, keep_default_na=False)
     findings = "".join(f"<p><b>Finding, {backend} chunk {chunk} {tier}:</b> {html.escape(found)}</p>"
                        for (backend, chunk, tier), _, found in kvbytes.findings(table))
-    return _html(table.drop(columns=["meaning"])) + findings + "<ul>" + "".join(
+    return _html(report.kv_bytes_for_reading(table)) + findings + "<ul>" + "".join(
         f"<li><b>{name}</b>: {meaning}</li>" for name, meaning in kvbytes.COMPARISONS.items()) + "</ul>"
 
 
