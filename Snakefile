@@ -1,6 +1,10 @@
 # kvpool: does a shared KV-cache pool let vLLM replicas reuse each other's prefill?
 # The rules live in workflow/rules/, the logic in the kvpool package (src/kvpool).
+from pathlib import Path
+
 from snakemake.utils import min_version, validate
+
+from kvpool.config import resolve_extends
 
 min_version("9.0")
 
@@ -12,6 +16,8 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
+# An overlay (extends: another config file) is merged over its base before anything reads it.
+resolve_extends(config, Path(workflow.basedir))
 validate(config, "workflow/schemas/config.schema.yaml")
 
 

@@ -16,7 +16,7 @@ from conftest import REPO
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import update_config, validate
 
-from kvpool.config import problems
+from kvpool.config import problems, resolve_extends
 
 CORPUS = sorted((REPO / "tests" / "configs" / "bad").glob("*.yaml"))
 SCHEMA = str(REPO / "workflow" / "schemas" / "config.schema.yaml")
@@ -37,8 +37,9 @@ def merged(path):
 def refusals(config, workdir, at_start):
     """What refuses ``config``: the schema's message, else kvpool's problems (parse time, or at start)."""
     try:
-        validate(config, SCHEMA)  # fills the defaults in, as the Snakefile does
-    except WorkflowError as error:
+        resolve_extends(config, REPO)  # an overlay over its base, then the schema's defaults, as the Snakefile does
+        validate(config, SCHEMA)
+    except (WorkflowError, ValueError) as error:
         return [str(error)]
     return problems(config, workdir, check_paths=at_start)
 
@@ -56,7 +57,7 @@ def test_the_default_config_is_not_refused(tmp_path):
     assert refusals(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), tmp_path, True) == []
 
 
-@pytest.mark.parametrize("name", ["unknown-key", "lmcache-chunk-size", "host-name"])
+@pytest.mark.parametrize("name", ["unknown-key", "lmcache-chunk-size", "host-name", "extends-missing"])
 def test_a_dry_run_refuses_with_the_message_and_no_traceback(name, tmp_path):
     path = REPO / "tests" / "configs" / "bad" / f"{name}.yaml"
     out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--directory", str(tmp_path), "-s",

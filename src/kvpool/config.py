@@ -7,6 +7,9 @@ import os
 import shutil
 from pathlib import Path
 
+import yaml
+from snakemake.utils import update_config
+
 from kvpool import mp
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.model import engine_kv_bytes_per_token
@@ -20,6 +23,39 @@ OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--d
                       "--no-enable-prefix-caching", "--enable-prompt-tokens-details"}
 OWNED_SERVER_FLAGS = {"--host", "--port", "--http-host", "--http-port", "--chunk-size", "--l1-size-gb",
                       "--eviction-policy", "--l2-adapter"}
+
+
+def resolve_extends(config: dict, repo: Path) -> None:
+    """Resolve ``extends`` in place: the named config file (a path in this repository, or absolute) is
+    the base, itself resolved first, and ``config`` is merged over it as Snakemake merges config files
+    (mappings key by key, anything else replaced). A tier set to null is dropped, so an overlay can
+    remove one of its base's tiers. Refuses a missing base and a cycle, naming the files. The resolved
+    config keeps ``extends`` as the first base named, for its provenance."""
+    merged, first, seen = dict(config), config.get("extends"), []
+    while merged.get("extends"):
+        name = merged.pop("extends")
+        path = Path(name) if Path(name).is_absolute() else repo / name
+        if not path.is_file():
+            raise ValueError(f"extends: {name} is not a config file (looked for {path})")
+        if path.resolve() in seen:
+            raise ValueError("extends: a cycle: " + " -> ".join(str(p) for p in [*seen, path.resolve()]))
+        seen.append(path.resolve())
+        base = yaml.safe_load(path.read_text()) or {}
+        update_config(base, merged)  # the overlay over its base; the base's own extends is next
+        merged = base
+    if first:
+        merged["extends"] = first
+    if isinstance(merged.get("tiers"), dict):
+        merged["tiers"] = {tier: path for tier, path in merged["tiers"].items() if path is not None}
+    config.clear()
+    config.update(merged)
+
+
+def load(path: Path, repo: Path) -> dict:
+    """A config file as the Snakefile sees it before validation: ``extends`` resolved."""
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    resolve_extends(config, repo)
+    return config
 
 
 def _owned(args: list[str], owned: set[str]) -> list[str]:
