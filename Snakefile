@@ -36,6 +36,7 @@ if not MEASURED_ONLY:
     include: "workflow/rules/reuse.smk"
     include: "workflow/rules/memory_pool.smk"
     include: "workflow/rules/ceiling.smk"
+    include: "workflow/rules/load.smk"
 
 
 include: "workflow/rules/telemetry.smk"
@@ -53,4 +54,5 @@ rule all:
         "results/report.html",
         "results/validity.csv",
         "results/kv_bytes.csv",
+        "results/load.csv",
         "results/gate.ok",

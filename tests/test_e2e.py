@@ -184,6 +184,48 @@ def test_report_page_and_snakemake_report(run):
     assert archive.stat().st_size > 10_000
 
 
+def test_each_load_level_is_its_own_unit_with_its_rows_and_gate(run):
+    # e2e.yaml's load: concurrency [1, 2]: c1 is the reuse phase, c2 its own unit per cell
+    for arm in ("shared", "isolated"):
+        level = run / CELL.format(backend="lmcache-fs", arm=arm) / "load~c2"
+        rows = pd.read_csv(level / "requests.csv")
+        assert len(rows) == 4 and set(rows["level"]) == {"c2"}
+        assert (rows["prefill_replica"] != rows["serve_replica"]).all() and (rows["error"].fillna("") == "").all()
+        meta = json.loads((level / "level.json").read_text())
+        assert meta["valid"], meta["checks"]
+        # the responses' cached tokens and the serving replicas' /metrics over the level agree
+        assert meta["checks"]["hit_attribution"]["value"]["agree"]
+        # reuse stored chunks (follow-ups; the isolated arm's documents too): the level ran without them
+        assert meta["pool_restore"]["removed_files"] >= 4 and meta["checks"]["pool_restored"]["ok"]
+        assert meta["drop_before_level"]["resident_fraction"] <= 0.05
+        if arm == "shared":
+            assert (rows["cached_tokens"] >= 0.9 * 2048).all()
+        else:
+            assert (rows["cached_tokens"].fillna(0) == 0).all()
+    load = pd.read_csv(run / "results" / "load.csv")
+    assert sorted(zip(load["arm"], load["level"], strict=True)) == [
+        ("isolated", "c1"), ("isolated", "c2"), ("shared", "c1"), ("shared", "c2")]
+    assert load["valid"].all() and (load["errors"] == 0).all() and (load["achieved_rps"] > 0).all()
+    by_arm = load[load["level"] == "c2"].set_index("arm")
+    assert by_arm.loc["shared", "ttft_p50_s"] < by_arm.loc["isolated", "ttft_p50_s"]
+    assert by_arm.loc["shared", "hit_fraction"] >= 0.9 and by_arm.loc["isolated", "hit_fraction"] == 0
+    html = (run / "results" / "report.html").read_text()
+    assert "Under load" in html and "TTFT against follow-ups in flight" in html
+    assert replicas_running_in(run) == []
+
+
+def test_a_new_load_level_builds_only_that_level(run, tmp_path):
+    more = tmp_path / "more-load.yaml"
+    more.write_text("load:\n  concurrency: [1, 2, 4]\n")
+    argv = [sys.executable, "-m", "snakemake", "-n", "all", "-s", str(REPO / "Snakefile"), "--directory", str(run),
+            "--configfile", str(CONFIGS / "e2e.yaml"), str(more)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600).stdout
+    assert re.search(r"^load_level\s+2$", out, re.M), out[-3000:]  # c4, once per cell
+    for rule in ("populate", "reuse", "reference", "plan"):
+        assert not re.search(rf"^{rule}\s+\d+$", out, re.M), rule
+    assert "load~c4/level.json" in out and "load~c2/level.json" not in out
+
+
 def summarize_measured(tree):
     return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "all", "-s", str(REPO / "Snakefile"),
                            "--directory", str(tree), "--configfile", str(CONFIGS / "e2e.yaml"),

@@ -22,6 +22,7 @@ from plotnine import (
     ggplot,
     labs,
     scale_alpha_manual,
+    scale_colour_manual,
     scale_fill_manual,
     stat_ecdf,
     theme,
@@ -167,3 +168,47 @@ def placeholder_note(title: str, text: str):
     """A figure that says why there is nothing to draw (keeps every referenced image real)."""
     return (ggplot() + annotate("text", x=0, y=0, label=text, size=11) + theme_bw()
             + theme(figure_size=(8, 2)) + labs(title=title, x="", y=""))
+
+
+def _load_frame(load: pd.DataFrame) -> pd.DataFrame:
+    data = load.copy()
+    data["setting"] = data["backend"] + " / chunk " + data["chunk"].astype(str) + " / " + data["tier"]
+    data["series"] = data["arm"] + data["valid"].astype(bool).map({True: "", False: " (INVALID)"})
+    return data
+
+
+def load_ttft(load: pd.DataFrame):
+    """TTFT p50 (with its interval) and p99 against follow-ups in flight, per arm: where a reload path
+    saturates, its curve bends up."""
+    data = _load_frame(load[load["level_kind"] == "concurrency"])
+    long = pd.concat([data.assign(stat="p50", value=data["ttft_p50_s"]),
+                      data.assign(stat="p99", value=data["ttft_p99_s"])])
+    return (ggplot(long, aes("level_value", "value", colour="arm", linetype="stat", group="series + stat"))
+            + geom_line() + geom_point()
+            + geom_errorbar(aes(ymin="ttft_p50_ci_low_s", ymax="ttft_p50_ci_high_s"),
+                            data=data.assign(stat="p50"), width=0.1)
+            + facet_wrap("~setting") + scale_colour_manual(values=ARM_COLOURS)
+            + labs(title="TTFT against follow-ups in flight (closed loop)", x="follow-ups in flight",
+                   y="seconds", linetype="")
+            + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+
+
+def load_throughput(load: pd.DataFrame):
+    """Latency against what the fleet delivered, every level of each arm: the latency-throughput curve."""
+    data = _load_frame(load).sort_values("achieved_rps")
+    return (ggplot(data, aes("achieved_rps", "ttft_p50_s", colour="arm", group="series"))
+            + geom_line() + geom_point() + geom_text(aes(label="level"), va="bottom", size=7)
+            + facet_wrap("~setting") + scale_colour_manual(values=ARM_COLOURS)
+            + labs(title="TTFT p50 against achieved follow-ups per second (every level)",
+                   x="follow-ups per second", y="seconds")
+            + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+
+
+def load_goodput(load: pd.DataFrame):
+    """Follow-ups meeting the TTFT SLO per second against the offered rate (open loop)."""
+    data = _load_frame(load[load["level_kind"] == "rate"])
+    return (ggplot(data, aes("level_value", "goodput_rps", colour="arm", group="series"))
+            + geom_line() + geom_point() + facet_wrap("~setting") + scale_colour_manual(values=ARM_COLOURS)
+            + labs(title="Goodput (TTFT within slo_s) against the offered rate (open loop)",
+                   x="offered follow-ups per second", y="follow-ups per second within the SLO")
+            + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))

@@ -283,3 +283,57 @@ def reference(plan: dict, workload: list[dict], cfg: dict, log_dir: Path) -> pd.
     with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
         rows = asyncio.run(_reference(replicas[0], workload, cfg))
     return pd.DataFrame(rows, columns=[*RECORD_COLUMNS, "path"])
+
+
+LOAD_COLUMNS = [*RECORD_COLUMNS, "level", "due_s"]
+
+
+async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[dict], float, float, int | None]:
+    from kvpool.load import send_level
+
+    # a closed-loop level has no arrivals to draw and keeps its own N in flight
+    load = cfg["load"] if level.kind == "rate" else {"max_in_flight": int(level.value), "burstiness": 1.0, "seed": 0}
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    by_index = {r.index: r for r in replicas}
+    serving = sorted({route[item["doc_id"]] for item in workload})
+    requests = [(item["doc_id"], by_index[route[item["doc_id"]]].url, item["followup"]) for item in workload]
+    async with aiohttp.ClientSession() as session:
+        before = {i: await metrics.scrape(session, by_index[i].url) for i in serving}
+        started = time.time()
+        sent = await send_level(session, level, requests, output_tokens, timeout_s, load["max_in_flight"],
+                                load["burstiness"], load["seed"])
+        finished = time.time()
+        window = 0  # over the level's window, the serving replicas' own count of tokens loaded from the pool
+        try:
+            for i in serving:
+                after = await metrics.scrape(session, by_index[i].url)
+                window += metrics.delta(after, before[i]).get("external_kv_transfer", 0)
+        except (aiohttp.ClientError, TimeoutError):
+            window = None
+    rows = []
+    for doc_id, due, result in sent:
+        serve = by_index[route[doc_id]]
+        if result.error:
+            result.error = _replica_error(serve, "the request", result.error)
+        # a serving replica that never held the document: every cached token came from the pool
+        hits = {"external_kv_transfer": result.cached_tokens,
+                "local_compute": None if result.prompt_tokens is None or result.cached_tokens is None
+                else result.prompt_tokens - result.cached_tokens}
+        rows.append({**_record(doc_id, prefill[doc_id], serve.index, result, hits), "level": level.name,
+                     "due_s": due})
+    return rows, started, finished, window
+
+
+def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path,
+               disks: list[str], level):
+    """One load level: a fresh fleet on the restored pool, the drop checked again right before the
+    first request, every follow-up to a replica that did not prefill its document, sent at ``level``."""
+    route = followup_route(prefill, len(plan["replicas"]))
+    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+        drop = drop_pool(plan, cfg["drop_caches"])
+        with _sampler(plan, f"load~{level.name}", disks, cfg, replicas) as sampler:
+            rows, started, finished, window = asyncio.run(_load(replicas, workload, route, prefill, cfg, level))
+    frame = pd.DataFrame(rows, columns=LOAD_COLUMNS)
+    meta = {"level": level.name, "drop_before_level": drop, "wall_s": finished - started, "started_at": started,
+            "finished_at": finished, "window_external_tokens": window}
+    return frame, meta, sampler

@@ -131,7 +131,7 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
 
 def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, populate_csv: str,
               populate_digests: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, digests_csv: str,
-              log_dir: str, servers=None, plan: dict | None = None) -> None:
+              log_dir: str, servers=None, plan: dict | None = None, remove_pool: bool | None = None) -> None:
     """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
 
     It measures only a pool exactly as populate left it: reuse adds chunks to a pool (follow-up
@@ -167,10 +167,12 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     digests.to_csv(digests_csv, index=False)
     log.info("pool digests: %d files, %d stored during reuse", len(digests),
              int((digests["stored_in"] == "reuse").sum()))
-    if not config["keep_pools"]:  # measured; the tier holds one cell's pool at a time
+    # measured; the tier holds one cell's pool at a time (load levels remove it after the last level)
+    remove_pool = not config["keep_pools"] if remove_pool is None else remove_pool
+    if remove_pool:
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
-    meta["pool_removed"] = not config["keep_pools"]
+    meta["pool_removed"] = remove_pool
     write_json(json_out, meta)
 
 
@@ -269,20 +271,27 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
     pd.DataFrame(rows, columns=["cell", "valid", "reasons"]).to_csv(out, index=False)
 
 
-def gate(validity_csv: str, kv_bytes_csv: str, out: str) -> None:
+def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
     invalid = table[~table["valid"].astype(bool)]
     damaged = kvbytes.unexpected(pd.read_csv(kv_bytes_csv, keep_default_na=False))
     lines = [f"  {row.cell}: {row.reasons}" for row in invalid.itertuples()]
+    if load_csv is not None:  # the load levels beyond reuse (c1 is the cell's own gate, above)
+        levels = pd.read_csv(load_csv)
+        bad_levels = levels[(levels["level"] != "c1") & ~levels["valid"].astype(bool)] if len(levels) else levels
+        lines += [f"  {row.cell} load~{row.level}: its level.json names the failed checks"
+                  for row in bad_levels.itertuples()]
+        invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]
     if lines:
         raise SystemExit(
-            f"{len(invalid)} of {len(table)} cells failed the validity gate and {len(damaged)} KV byte comparisons "
-            "found damage (data kept; the tables, results/kv_bytes.md and results/report.html show them):\n"
+            f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate and "
+            f"{len(damaged)} KV byte comparisons found damage (data kept; the tables, results/kv_bytes.md and "
+            "results/report.html show them):\n"
             + "\n".join(lines))
     Path(out).write_text(f"{len(table)} cells valid; no KV bytes differ where they must agree\n")
 
@@ -379,7 +388,8 @@ def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs:
 
 
 def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, tier_table: str | None,
-                 kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str) -> None:
+                 kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
+                 load: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records under ``root``."""
@@ -413,8 +423,15 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
                      "Reload read rate against the measured ceiling", why_not)))
     if table1["chunk"].nunique() > 1:
         extra.append(("ttft_by_chunk", figures.by_chunk(table1)))
+    levels = pd.read_csv(load) if load and Path(load).exists() else pd.DataFrame()
+    under_load = []
+    if len(levels) and (levels["level"] != "c1").any():
+        under_load.append(("load_ttft", figures.load_ttft(levels)))
+        under_load.append(("load_throughput", figures.load_throughput(levels)))
+        if (levels["level_kind"] == "rate").any():
+            under_load.append(("load_goodput", figures.load_goodput(levels)))
     drawn = {}
-    for stem, plot in study + extra:
+    for stem, plot in study + extra + under_load:
         drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
     manifest = results.manifest
     report.render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
@@ -429,6 +446,8 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         "caveats": report.caveats(results),
         "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
         "pool_server_html": _html(servers) if len(servers) else "",
+        "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
+        "load_figures": [drawn[s] for s, _ in under_load],
     })
 
 
@@ -450,3 +469,77 @@ def _html(frame: pd.DataFrame, flag: bool = False) -> str:
     if flag and "valid" in shown:
         shown["valid"] = shown["valid"].map({True: "valid", False: "INVALID"})
     return shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="n/a", border=0)
+
+
+def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str, prompts_path: str,
+                   populate_csv: str, populate_digests: str, csv_out: str, json_out: str, drive_csv: str,
+                   power_csv: str, log_dir: str, remove_pool: bool) -> None:
+    """One load level of a cell (kvpool.load): the pool restored to what populate left, a fresh fleet,
+    the follow-ups at the level, the level's own gate and telemetry summary in ``json_out``."""
+    from kvpool import load
+    from kvpool.drive import iostat
+    from kvpool.telemetry import summarize_drive, summarize_power
+
+    level = load.Level.from_name(level_name)
+    plan = checked_ports(yaml.safe_load(Path(plan_path).read_text()))
+    workload = prompts.read_workload(Path(prompts_path))
+    populated = pd.read_csv(populate_csv)
+    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int), strict=True))
+    root = pool_root(config, cell)
+    if not root.is_dir():
+        raise RuntimeError(f"the pool of {cell.name} is gone ({root}); re-run the cell from its populate: "
+                           f"snakemake {Path(csv_out).parent}/reuse.csv --forcerun populate")
+    dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
+    stored = kvbytes.read_digests(populate_digests)
+    restored = load.restore_pool(dirs, stored)
+    unchanged = kvbytes.unchanged(stored, kvbytes.pool_digests(dirs, stored))
+    log.info("%s %s: pool restored to populate's %d files (%d removed)", cell.name, level.name,
+             restored["kept_files"], restored["removed_files"])
+    frame, meta = _run_sampled_phase(
+        plan, lambda disks: phases.load_level(plan, workload, prefill, config, Path(log_dir), disks, level),
+        drive_csv, power_csv, log_dir)
+    _archive(frame, Path(csv_out), f"load-{level.name}")
+    frame.to_csv(csv_out, index=False)
+    hits = load.attribution(frame, meta["window_external_tokens"])
+    meta.update(pool_restore={**restored, "unchanged_before": unchanged},
+                **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], unchanged,
+                                    config["workload"]["doc_tokens"], config["min_hit_fraction"],
+                                    config["max_resident_fraction"]))
+    raw = read_frame_or_empty(drive_csv)
+    derived = iostat(raw) if not raw.empty else pd.DataFrame()
+    power = read_frame_or_empty(power_csv)
+    meta["summary"] = {"drive": summarize_drive(derived, meta["telemetry"]["duration_s"]),
+                       "power": summarize_power(power, meta["telemetry"], len(frame))}
+    if remove_pool:  # the cell's last level: the tier holds one cell's pool at a time
+        shutil.rmtree(root)
+        log.info("removed the pool %s (keep_pools: false)", root)
+    meta["pool_removed"] = remove_pool
+    write_json(json_out, meta)
+    for name, check in meta["checks"].items():
+        if not check["ok"]:
+            log.error("%s %s invalid: %s is %s (needs %s)", cell.name, level.name, name, check["value"],
+                      check["threshold"])
+
+
+def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: dict, csv_out: str,
+                   md_out: str) -> None:
+    """``results/load.csv``: one row per cell and level (``c1`` is the cell's reuse phase; ``reuse``
+    maps a cell to its reuse.csv, reuse.json, validity.json and telemetry summary; ``levels`` maps
+    (cell, level) to the level's csv and json)."""
+    rows = []
+    for cell in cells_run:
+        files = reuse[cell]
+        summary_ = read_json(files["telemetry"])["reuse"]
+        rows.append(summary.load_row(cell, "c1", read_records(files["csv"]), read_json(files["meta"]),
+                                     summary_["drive"], summary_["power"], read_json(files["validity"])["valid"],
+                                     config))
+        for (level_cell, level), paths in levels.items():
+            if level_cell == cell:
+                meta = read_json(paths["meta"])
+                rows.append(summary.load_row(cell, level, read_records(paths["csv"]), meta,
+                                             meta["summary"]["drive"], meta["summary"]["power"], meta["valid"],
+                                             config))
+    table = pd.DataFrame(rows)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))
+

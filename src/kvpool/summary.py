@@ -260,3 +260,58 @@ def tier_compare_markdown(table: pd.DataFrame) -> str:
         parts.append("\n".join(lines))
     note = "n/a: not measurable on that tier (a memory-backed tier has no drive) or no source."
     return "\n\n".join(parts) + f"\n\n{note}\n"
+
+
+def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: dict, power: dict, valid: bool,
+             config: dict) -> dict:
+    """One cell at one load level: latency with bootstrap 95% intervals, what the fleet delivered
+    (achieved rate, output tokens and goodput per second of the level's window), hits, drive and power."""
+    ok = records[records["error"].fillna("") == ""]
+    ttft, e2e = ok["ttft_s"].astype(float), ok["e2e_s"].astype(float)
+    wall = meta["wall_s"]
+    row = {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+           "level": level, "level_kind": "rate" if level.startswith("r") else "concurrency",
+           "level_value": float(level[1:]), "valid": bool(valid), "requests": len(records)}
+    for q in (50, 95, 99):
+        row[f"ttft_p{q}_s"] = float(np.percentile(ttft, q)) if len(ttft) else np.nan
+        row[f"ttft_p{q}_ci_low_s"], row[f"ttft_p{q}_ci_high_s"] = percentile_ci(ttft, q)
+    row.update({
+        "e2e_p50_s": float(np.percentile(e2e, 50)) if len(e2e) else np.nan,
+        "achieved_rps": len(ok) / wall if wall else np.nan,
+        "output_tokens_per_s": len(ok) * config["workload"]["output_tokens"] / wall if wall else np.nan,
+        "goodput_rps": float((ttft <= config["slo_s"]).sum()) / wall if wall else np.nan,
+        "hit_fraction": float(records["external_hit_tokens"].fillna(0).astype(float).mean()
+                              / config["workload"]["doc_tokens"]) if len(records) else np.nan,
+        "errors": int(len(records) - len(ok)),
+        "drive_read_gb_per_s": drive.get("read_gb_per_s") if drive.get("available") else np.nan,
+        "queue_depth_p95": drive["aqu_sz"]["p95"] if drive.get("available") else np.nan,
+        "mean_power_w": power.get("mean_power_w"),
+        "energy_per_request_j": power.get("energy_per_request_j"),
+    })
+    return {key: (np.nan if value is None else value) for key, value in row.items()}
+
+
+def load_for_reading(load: pd.DataFrame) -> pd.DataFrame:
+    """The load table as a person reads it: one row per cell and level, each value with its unit, TTFT
+    p50 with its 95% interval."""
+    return pd.DataFrame([{
+        "cell": f"{row['backend']} / {row['arm']} / chunk {row['chunk']} / {row['tier']}", "level": row["level"],
+        "gate": "valid" if row["valid"] else "INVALID",
+        "TTFT p50": fmt_value(row["ttft_p50_s"], "s") + fmt_interval(row["ttft_p50_ci_low_s"],
+                                                                      row["ttft_p50_ci_high_s"]),
+        "TTFT p99": fmt_value(row["ttft_p99_s"], "s"), "E2E p50": fmt_value(row["e2e_p50_s"], "s"),
+        "achieved": fmt_value(row["achieved_rps"], "req/s"), "goodput": fmt_value(row["goodput_rps"], "req/s"),
+        "output": fmt_value(row["output_tokens_per_s"], "tok/s"),
+        "document loaded": fmt_value(row["hit_fraction"], "fraction"),
+        "errors": f"{int(row['errors'])} of {int(row['requests'])}",
+        "drive read": fmt_value(row["drive_read_gb_per_s"], "GB/s"),
+        "queue p95": fmt_value(row["queue_depth_p95"], ""), "GPU power": fmt_value(row["mean_power_w"], "W"),
+        "energy / request": fmt_value(row["energy_per_request_j"], "J"),
+    } for _, row in load.iterrows()])
+
+
+def load_markdown(table: pd.DataFrame) -> str:
+    """The load table as a person reads it (:func:`load_for_reading`), in Markdown."""
+    if table.empty:
+        return "No load level was measured.\n"
+    return load_for_reading(table).to_markdown(index=False) + "\n"

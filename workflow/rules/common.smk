@@ -2,7 +2,8 @@ from pathlib import Path
 
 from kvpool import config as kvpool_config
 from kvpool import mp, runlock
-from kvpool.cells import CELL_PATTERN, Cell, cells, measured, pool_predecessor
+from kvpool.cells import CELL_PATTERN, Cell, cells, load_cells, measured, pool_predecessor
+from kvpool.load import LEVEL_PATTERN, levels
 from kvpool.model import RANDOM_MODEL_DIR
 
 # What the config alone decides is checked while parsing, so a dry run catches it too. Paths and
@@ -43,6 +44,7 @@ wildcard_constraints:
     backend="lmcache-fs|lmcache-local-disk|lmcache-mp",
     arm="shared|isolated",
     chunk=r"\d+",
+    level=LEVEL_PATTERN,
     tier="[A-Za-z0-9_-]+",
 
 
@@ -115,11 +117,30 @@ def pool_freed_first(wildcards):
     An ordering-only input (ancient): re-measuring that cell does not make this one stale.
     """
     before = pool_predecessor(config, Cell.from_wildcards(wildcards))
-    return [ancient(f"results/cells/{before.name}/reuse.json")] if before else []
+    return [ancient(last_output(before))] if before else []
 
 
 def cell_log(step):
     return f"logs/{step}/{CELL_PATTERN}.log"
+
+
+# Load levels beyond the reuse phase (c1), in config order, for the cells whose pool is files
+LOAD_LEVELS = [level.name for level in levels(config)]
+LOAD_CELLS = load_cells(config) if LOAD_LEVELS else []
+# (cell, level) pairs in matrix and config order: with measured_only, those that finished
+LOAD_DONE = [
+    (cell, level)
+    for cell in (CELLS if MEASURED_ONLY else LOAD_CELLS)
+    for level in LOAD_LEVELS
+    if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/load~{level}/level.json").exists()
+]
+
+
+def last_output(cell):
+    """The file whose job ends a cell's use of its pool: its last load level's, else its reuse's."""
+    if cell in LOAD_CELLS:
+        return f"results/cells/{cell.name}/load~{LOAD_LEVELS[-1]}/level.json"
+    return f"results/cells/{cell.name}/reuse.json"
 
 
 # the cells whose pool files were hashed (runs before the byte-level check did not hash them)

@@ -11,6 +11,7 @@ rule report:
         power=cell_files("telemetry/power.csv"),
         ceilings=expand("results/tiers/{tier}/ceiling.json", tier=CEILING_TIERS),
         kv_bytes="results/kv_bytes.csv",
+        load="results/load.csv",
         cell_table="results/cell_table.csv",
         tier_table=TIER_TABLE,
     output:

@@ -23,5 +23,7 @@ rule reuse:
     params:
         settings=settings(*PHASE_SETTINGS),
         log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",
+        # load levels restore and reuse the pool after this phase; the last of them removes it
+        remove_pool=lambda wc: not config["keep_pools"] and Cell.from_wildcards(wc) not in LOAD_CELLS,
     script:
         "../scripts/run_reuse.py"

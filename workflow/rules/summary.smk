@@ -41,3 +41,27 @@ rule tier_compare:
         cells=cell_names(COMPARED),
     script:
         "../scripts/tier_compare.py"
+
+
+rule load_table:
+    """results/load.csv: every cell at every load level (c1 is its reuse phase), with intervals."""
+    input:
+        reuse=cell_files("reuse.csv"),
+        reuse_meta=cell_files("reuse.json"),
+        validity=cell_files("validity.json"),
+        telemetry=cell_files("telemetry/summary.json"),
+        levels=[f"results/cells/{cell.name}/load~{level}/requests.csv" for cell, level in LOAD_DONE],
+        level_meta=[f"results/cells/{cell.name}/load~{level}/level.json" for cell, level in LOAD_DONE],
+    output:
+        csv="results/load.csv",
+        md="results/load.md",
+    log:
+        "logs/summary/load.log",
+    conda:
+        CONDA_ENV
+    params:
+        cells=cell_names(),
+        levels=[[cell.name, level] for cell, level in LOAD_DONE],
+        settings=settings("workload", "slo_s"),
+    script:
+        "../scripts/load_table.py"

@@ -49,6 +49,7 @@ rule gate:
     input:
         validity="results/validity.csv",
         kv_bytes="results/kv_bytes.csv",
+        load="results/load.csv",
         table1="results/table1.md",
         tiers=TIER_COMPARE,
         report="results/report.html",

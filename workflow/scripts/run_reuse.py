@@ -6,4 +6,5 @@ steps.run_reuse(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcar
                 prompts_path=snakemake.input.prompts, populate_csv=snakemake.input.populate,
                 populate_digests=snakemake.input.populate_digests, csv_out=snakemake.output.csv,
                 json_out=snakemake.output.meta, drive_csv=snakemake.output.drive, power_csv=snakemake.output.power,
-                digests_csv=snakemake.output.digests, log_dir=snakemake.params.log_dir)
+                digests_csv=snakemake.output.digests, log_dir=snakemake.params.log_dir,
+                remove_pool=snakemake.params.remove_pool)

@@ -1,0 +1,135 @@
+"""Load as a dimension: each cell's follow-ups at several closed-loop concurrencies and open-loop rates.
+
+A level is named ``c<N>`` (N follow-ups in flight across the fleet, each starting when one ends) or
+``r<rate>`` (requests per second, seeded Poisson arrivals, optional gamma burstiness as ``vllm bench
+serve`` draws them, at most ``load.max_in_flight`` in flight). ``c1`` is the cell's reuse phase itself;
+every other level is its own measured unit, ``results/cells/<cell>/load~<level>/``, run on the pool
+restored to exactly what populate left.
+
+At more than one request in flight a replica's ``/metrics`` deltas no longer belong to one request, so
+each request's hits are its response's ``usage.prompt_tokens_details.cached_tokens`` (a serving replica
+that never held the document has nothing of it in its own cache: every cached token came from the
+pool), and their sum is checked against the serving replicas' ``/metrics`` deltas over the level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvpool.client import RequestResult, complete
+from kvpool.pool import pool_files
+
+LEVEL_PATTERN = r"c[0-9]+|r[0-9]+(\.[0-9]+)?"
+
+
+@dataclass(frozen=True)
+class Level:
+    kind: str  # "concurrency" or "rate"
+    value: float
+
+    @property
+    def name(self) -> str:
+        if self.kind == "concurrency":
+            return f"c{int(self.value)}"
+        return f"r{self.value:g}"
+
+    @classmethod
+    def from_name(cls, name: str) -> Level:
+        if name.startswith("c"):
+            return cls("concurrency", int(name[1:]))
+        if name.startswith("r"):
+            return cls("rate", float(name[1:]))
+        raise ValueError(f"a load level is c<concurrency> or r<rate>, not {name!r}")
+
+
+def levels(config: dict) -> list[Level]:
+    """The configured levels other than ``c1`` (the reuse phase), in config order."""
+    load = config["load"]
+    return ([Level("concurrency", n) for n in load["concurrency"] if n != 1]
+            + [Level("rate", float(r)) for r in load["rates"]])
+
+
+def arrival_offsets(rate: float, count: int, burstiness: float, seed: int) -> np.ndarray:
+    """Seconds from the level's start at which each of ``count`` requests is sent: gamma-distributed
+    gaps of mean 1/rate, shape ``burstiness`` (1: a Poisson process; below 1 burstier), the first at 0."""
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if count else np.array([])
+
+
+def in_flight_limit(level: Level, max_in_flight: int) -> int:
+    return int(level.value) if level.kind == "concurrency" else max_in_flight
+
+
+async def send_level(session, level: Level, requests: list[tuple[int, str, list[int]]], output_tokens: int,
+                     timeout_s: float, max_in_flight: int, burstiness: float, seed: int
+                     ) -> list[tuple[int, float, RequestResult]]:
+    """Send ``requests`` (doc_id, serving replica URL, prompt) at ``level``: closed loop, N in flight; or
+    open loop, each at its seeded arrival time, no more than ``max_in_flight`` at once. Returns
+    (doc_id, offset the request was due at, result) per request, in request order."""
+    limit = asyncio.Semaphore(in_flight_limit(level, max_in_flight))
+    due = (arrival_offsets(level.value, len(requests), burstiness, seed) if level.kind == "rate"
+           else np.zeros(len(requests)))
+    start = time.monotonic()
+
+    async def one(offset: float, doc_id: int, url: str, prompt: list[int]):
+        await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+        async with limit:
+            return doc_id, float(offset), await complete(session, url, prompt, output_tokens, timeout_s)
+
+    return await asyncio.gather(*(one(offset, *request) for offset, request in zip(due, requests, strict=True)))
+
+
+def attribution(rows: pd.DataFrame, window_external: int | None) -> dict:
+    """The level's pool hits two ways: the responses' ``cached_tokens`` summed, and the serving replicas'
+    ``/metrics`` external-transfer deltas over the level's window; they must agree."""
+    per_request = int(rows["cached_tokens"].fillna(0).sum())
+    agree = window_external is not None and per_request == window_external
+    return {"per_request_cached_tokens": per_request, "window_external_tokens": window_external, "agree": agree,
+            "used": "per-request usage.prompt_tokens_details.cached_tokens, checked against /metrics deltas "
+                    "over the level's window"}
+
+
+def restore_pool(dirs: list[Path], populate_digests: pd.DataFrame) -> dict:
+    """Back to what populate left: remove every pool file populate did not store (an earlier level's
+    serving replicas stored documents and follow-up chunks). What populate stored is left as it is;
+    the level's gate checks it is unchanged."""
+    kept = set(zip(populate_digests["copy"], populate_digests["key"], strict=True))
+    removed = 0
+    for directory in dict.fromkeys(map(Path, dirs)):
+        for path in pool_files([directory]):
+            if (directory.name, str(path.relative_to(directory))) not in kept:
+                path.unlink()
+                removed += 1
+    return {"removed_files": removed, "kept_files": len(kept)}
+
+
+def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, unchanged: dict, doc_tokens: int,
+                 min_hit_fraction: float, max_resident_fraction: float) -> dict:
+    """A level's gate: what the cell's gate asks of its reuse, on this level's requests."""
+    errors = int((rows["error"].fillna("") != "").sum())
+    fractions = rows["cached_tokens"].fillna(0).astype(float) / doc_tokens
+    checks = {
+        "zero_errors": {"ok": errors == 0, "value": errors, "threshold": 0},
+        "cross_replica": {"ok": bool(len(rows)) and bool((rows["prefill_replica"] != rows["serve_replica"]).all()),
+                          "value": float((rows["prefill_replica"] != rows["serve_replica"]).mean()) if len(rows)
+                          else 0.0, "threshold": 1.0},
+        "pool_restored": {"ok": unchanged["changed"] == 0 and unchanged["missing"] == 0, "value": unchanged,
+                          "threshold": "populate's files unchanged"},
+        "hit_attribution": {"ok": hits["agree"], "value": hits, "threshold": "the two sums equal"},
+    }
+    if drop.get("resident_fraction") is not None:
+        checks["cold_reads"] = {"ok": drop["resident_fraction"] <= max_resident_fraction,
+                                "value": drop["resident_fraction"], "threshold": max_resident_fraction}
+    if arm == "shared":
+        worst = float(fractions.min()) if len(fractions) else 0.0
+        checks["pool_hits"] = {"ok": worst >= min_hit_fraction, "value": worst, "threshold": min_hit_fraction}
+    else:
+        checks["isolation"] = {"ok": int(rows["cached_tokens"].fillna(0).sum()) == 0,
+                               "value": int(rows["cached_tokens"].fillna(0).sum()), "threshold": 0}
+    return {"valid": all(c["ok"] for c in checks.values()), "checks": checks}

@@ -1,0 +1,167 @@
+"""Load levels: seeded arrival schedules, the in-flight limit, hit attribution and the pool restore."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pandas as pd
+import pytest
+from aiohttp import web
+
+from kvpool import kvbytes
+from kvpool.load import Level, arrival_offsets, attribution, level_checks, levels, restore_pool, send_level
+
+
+def test_levels_are_named_and_parsed_back():
+    config = {"load": {"concurrency": [1, 4, 16], "rates": [0.5, 2]}}
+    assert [level.name for level in levels(config)] == ["c4", "c16", "r0.5", "r2"]  # c1 is the reuse phase
+    assert Level.from_name("c16") == Level("concurrency", 16) and Level.from_name("r0.5") == Level("rate", 0.5)
+    with pytest.raises(ValueError, match="c<concurrency> or r<rate>"):
+        Level.from_name("x3")
+
+
+def test_arrivals_are_seeded_start_at_zero_and_keep_the_mean_rate():
+    offsets = arrival_offsets(rate=4.0, count=4000, burstiness=1.0, seed=7)
+    assert len(offsets) == 4000 and offsets[0] == 0.0 and np.all(np.diff(offsets) >= 0)
+    assert np.array_equal(offsets, arrival_offsets(4.0, 4000, 1.0, 7))
+    assert not np.array_equal(offsets, arrival_offsets(4.0, 4000, 1.0, 8))
+    gaps = np.diff(offsets)
+    assert abs(gaps.mean() - 0.25) < 0.02  # 1 / rate
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.1  # Poisson: exponential gaps, coefficient of variation 1
+
+
+def test_burstiness_below_one_makes_gaps_burstier_at_the_same_rate():
+    bursty = np.diff(arrival_offsets(rate=4.0, count=4000, burstiness=0.25, seed=7))
+    assert abs(bursty.mean() - 0.25) < 0.04
+    assert bursty.std() / bursty.mean() > 1.7  # gamma shape k: coefficient of variation 1 / sqrt(k) = 2
+
+
+class StandIn:
+    """A completions server that answers after ``delay_s`` and counts the requests in flight."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.in_flight, self.most = delay_s, 0, 0
+        self.arrivals: list[float] = []
+
+    async def completions(self, request):
+        body = await request.json()
+        self.arrivals.append(time.monotonic())
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(self.delay_s)
+        self.in_flight -= 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        usage = {"prompt_tokens": len(body["prompt"]), "prompt_tokens_details": {"cached_tokens": 3}}
+        await response.write((f"data: {json.dumps({'choices': [{'text': ' w'}]})}\n\n"
+                              f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n").encode())
+        await response.write_eof()
+        return response
+
+
+async def run_level(level: Level, count: int, delay_s: float, max_in_flight: int = 32):
+    stand_in = StandIn(delay_s)
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", stand_in.completions)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            sent = await send_level(session, level, [(i, url, [1, 2, 3, 4]) for i in range(count)], 1, 30.0,
+                                    max_in_flight, 1.0, 0)
+    finally:
+        await runner.cleanup()
+    return sent, stand_in, started
+
+
+def test_a_closed_loop_level_keeps_exactly_n_in_flight():
+    sent, stand_in, _ = asyncio.run(run_level(Level("concurrency", 3), count=9, delay_s=0.2))
+    assert stand_in.most == 3
+    assert [doc_id for doc_id, _, _ in sent] == list(range(9))
+    assert all(result.ok and result.cached_tokens == 3 for _, _, result in sent)
+
+
+def test_an_open_loop_level_sends_on_schedule_capped_by_max_in_flight():
+    level = Level("rate", 20.0)
+    sent, stand_in, started = asyncio.run(run_level(level, count=12, delay_s=0.05))
+    due = arrival_offsets(20.0, 12, 1.0, 0)
+    assert [offset for _, offset, _ in sent] == pytest.approx(list(due))
+    # each request reached the server no earlier than it was due (and not long after, unloaded)
+    late = np.array(stand_in.arrivals) - started - np.sort(due)
+    assert (late > -0.005).all() and np.median(late) < 0.1
+    capped, stand_in, _ = asyncio.run(run_level(Level("rate", 1000.0), count=12, delay_s=0.2, max_in_flight=2))
+    assert stand_in.most == 2 and all(result.ok for _, _, result in capped)
+
+
+def records(cached, prefill=(0, 1), serve=(1, 0), errors=("", "")):
+    return pd.DataFrame({"cached_tokens": cached, "prefill_replica": prefill, "serve_replica": serve,
+                         "error": errors})
+
+
+def test_hits_are_attributed_per_request_and_checked_against_the_window():
+    agree = attribution(records([2048, 2048]), window_external=4096)
+    assert agree["agree"] and agree["per_request_cached_tokens"] == 4096
+    assert not attribution(records([2048, 2048]), window_external=2048)["agree"]
+    assert not attribution(records([2048, 2048]), window_external=None)["agree"]  # /metrics unreadable
+
+
+def test_a_levels_gate_fails_on_missing_hits_disagreement_or_an_isolated_hit():
+    unchanged = {"files": 9, "changed": 0, "missing": 0, "example": ""}
+    drop = {"resident_fraction": 0.0}
+
+    def gate(arm, cached, window):
+        frame = records(cached)
+        return level_checks(arm, frame, attribution(frame, window), drop, unchanged, 2048, 0.9, 0.05)
+
+    assert gate("shared", [2048, 2048], 4096)["valid"]
+    assert not gate("shared", [2048, 256], 2304)["checks"]["pool_hits"]["ok"]
+    assert not gate("shared", [2048, 2048], 2048)["checks"]["hit_attribution"]["ok"]
+    assert gate("isolated", [0, 0], 0)["valid"]
+    assert not gate("isolated", [2048, 0], 2048)["checks"]["isolation"]["ok"]
+    changed = level_checks("shared", records([2048, 2048]), attribution(records([2048, 2048]), 4096), drop,
+                           {**unchanged, "changed": 1}, 2048, 0.9, 0.05)
+    assert not changed["checks"]["pool_restored"]["ok"]
+
+
+def test_the_pool_is_restored_to_what_populate_left(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "a").mkdir(parents=True)
+    for name in ("a/doc0.pt", "a/doc1.pt"):
+        (shared / name).write_bytes(name.encode() * 100)
+    populate = kvbytes.pool_digests([shared])
+    (shared / "a" / "followup.pt").write_bytes(b"stored by a level")
+    (shared / "b").mkdir()
+    (shared / "b" / "doc0-again.pt").write_bytes(b"stored by an isolated replica")
+    assert restore_pool([shared, shared], populate) == {"removed_files": 2, "kept_files": 2}
+    after = kvbytes.pool_digests([shared], populate)
+    assert kvbytes.unchanged(populate, after)["changed"] == 0 and len(after) == 2
+    assert set(after["stored_in"]) == {"populate"}
+
+
+def test_a_load_row_reports_what_the_fleet_delivered_in_the_levels_window():
+    from kvpool.cells import Cell
+    from kvpool.summary import load_markdown, load_row
+
+    records = pd.DataFrame({"ttft_s": [0.2, 0.4, 6.0, np.nan], "e2e_s": [0.3, 0.5, 6.2, np.nan],
+                            "external_hit_tokens": [2048, 2048, 2048, 0], "error": ["", "", "", "replica 1 died"]})
+    config = {"workload": {"output_tokens": 8, "doc_tokens": 2048}, "slo_s": 5.0}
+    drive = {"available": True, "read_gb_per_s": 0.5, "aqu_sz": {"p95": 3.0}}
+    row = load_row(Cell("lmcache-fs", "shared", 256, "disk"), "c4", records, {"wall_s": 2.0}, drive,
+                   {"mean_power_w": None, "energy_per_request_j": None}, True, config)
+    assert row["level_kind"] == "concurrency" and row["level_value"] == 4 and row["requests"] == 4
+    assert row["errors"] == 1 and row["ttft_p50_s"] == pytest.approx(0.4)
+    assert row["achieved_rps"] == 1.5 and row["output_tokens_per_s"] == 12.0  # 3 answered in 2 s
+    assert row["goodput_rps"] == 1.0  # two of them within slo_s
+    assert row["hit_fraction"] == 0.75 and row["queue_depth_p95"] == 3.0 and np.isnan(row["mean_power_w"])
+    assert row["ttft_p50_ci_low_s"] <= row["ttft_p50_s"] <= row["ttft_p50_ci_high_s"]
+    table = load_markdown(pd.DataFrame([row]))
+    line = table.splitlines()[2]
+    assert [cell.strip() for cell in line.strip("|").split("|")][:4] == [
+        "lmcache-fs / shared / chunk 256 / disk", "c4", "valid", "0.4 s [0.2, 6]"]
+    assert "1.5 req/s" in line and "1 of 4" in line

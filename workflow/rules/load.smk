@@ -1,0 +1,52 @@
+# Load levels beyond the reuse phase (kvpool.load): each cell's follow-ups at one closed-loop
+# concurrency or open-loop rate, on the pool restored to what populate left. Re-measure one level
+# with --forcerun on its level.json; a new level in the config builds only that level.
+
+
+def level_after(wildcards):
+    """Ordering only (ancient): a cell's levels run after its reuse phase and one after another, on
+    its one pool; the last one removes the pool when pools are not kept."""
+    cell = Cell.from_wildcards(wildcards)
+    if wildcards.level not in LOAD_LEVELS:
+        raise ValueError(f"load~{wildcards.level} is not a configured level (load.concurrency, load.rates)")
+    position = LOAD_LEVELS.index(wildcards.level)
+    before = "reuse.json" if position == 0 else f"load~{LOAD_LEVELS[position - 1]}/level.json"
+    return ancient(f"results/cells/{cell.name}/{before}")
+
+
+rule load_level:
+    """One cell at one load level: restore the pool, a fresh fleet, drop and check, the follow-ups."""
+    input:
+        plan=cell_path("plan.yaml"),
+        prompts="results/workload/prompts.jsonl",
+        populate=cell_path("populate.csv"),
+        populate_digests=cell_path("populate-digests.csv"),
+        after=level_after,
+    output:
+        csv=cell_path("load~{level}/requests.csv"),
+        meta=cell_path("load~{level}/level.json"),
+        drive=cell_path("load~{level}/drive-samples.csv"),
+        power=cell_path("load~{level}/power-samples.csv"),
+    log:
+        f"logs/load/{CELL_PATTERN}/load~{{level}}.log",
+    benchmark:
+        cell_path("benchmarks/load~{level}.tsv")
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        # an open-loop level reads its arrival settings; a closed-loop one none of load's keys, so a
+        # new level in the lists leaves the measured levels as they are
+        settings=lambda wc: {
+            **settings(*PHASE_SETTINGS, "min_hit_fraction", "max_resident_fraction"),
+            "load": (
+                {key: config["load"][key] for key in ("max_in_flight", "burstiness", "seed")}
+                if wc.level.startswith("r")
+                else {}
+            ),
+        },
+        remove_pool=lambda wc: not config["keep_pools"] and wc.level == LOAD_LEVELS[-1],
+        log_dir=lambda wc: f"logs/load/{Cell.from_wildcards(wc).name}/load~{wc.level}/replicas",
+    script:
+        "../scripts/run_load_level.py"

@@ -1,0 +1,10 @@
+from kvpool import logs, steps
+from kvpool.cells import Cell
+
+logs.to_log(snakemake.log[0])
+steps.run_load_level(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), snakemake.wildcards.level,
+                     plan_path=snakemake.input.plan, prompts_path=snakemake.input.prompts,
+                     populate_csv=snakemake.input.populate, populate_digests=snakemake.input.populate_digests,
+                     csv_out=snakemake.output.csv, json_out=snakemake.output.meta, drive_csv=snakemake.output.drive,
+                     power_csv=snakemake.output.power, log_dir=snakemake.params.log_dir,
+                     remove_pool=snakemake.params.remove_pool)
