@@ -165,3 +165,24 @@ def test_a_load_row_reports_what_the_fleet_delivered_in_the_levels_window():
     assert [cell.strip() for cell in line.strip("|").split("|")][:4] == [
         "lmcache-fs / shared / chunk 256 / disk", "c4", "valid", "0.4 s [0.2, 6]"]
     assert "1.5 req/s" in line and "1 of 4" in line
+
+
+def test_the_load_figures_draw_from_the_load_table(tmp_path):
+    from kvpool import figures
+
+    rows = []
+    for arm, base in (("shared", 0.2), ("isolated", 1.0)):
+        for kind, value in (("concurrency", 1), ("concurrency", 2), ("concurrency", 4), ("rate", 0.5)):
+            name = f"c{value}" if kind == "concurrency" else f"r{value:g}"
+            rows.append({"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "arm": arm, "level": name,
+                         "level_kind": kind, "level_value": float(value), "valid": True,
+                         "ttft_p50_s": base * value, "ttft_p50_ci_low_s": base * value * 0.9,
+                         "ttft_p50_ci_high_s": base * value * 1.1, "ttft_p99_s": base * value * 1.5,
+                         "achieved_rps": value / base, "goodput_rps": 0.5, "drive_read_gb_per_s": 0.1 * value})
+    load = pd.DataFrame(rows)
+    ceilings = pd.DataFrame([{"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "ceiling_read_gb_per_s": 0.9}])
+    for stem, plot in (("ttft", figures.load_ttft(load)), ("throughput", figures.load_throughput(load)),
+                       ("goodput", figures.load_goodput(load)),
+                       ("reload", figures.load_reload_rate(load, ceilings))):
+        paths = figures.save(plot, tmp_path, stem)
+        assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem

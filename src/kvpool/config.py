@@ -134,6 +134,11 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             found.append(f"tiers.{tier}: {root} cannot be created ({existing} is not a writable directory)")
             continue
         found += _space_problems(config, tier, root, existing, workdir)
+    # a level sends each document's follow-up once: N in flight needs a few documents per slot
+    if deep := [n for n in config["load"]["concurrency"] if workload["documents"] < 2 * n]:
+        found.append(f"load.concurrency {max(deep)} needs at least {2 * max(deep)} documents (two per follow-up in "
+                     f"flight; each level sends every document's follow-up once) but workload.documents is "
+                     f"{workload['documents']}: add documents or lower the level")
     total = workload["doc_tokens"] + workload["followup_tokens"] + workload["output_tokens"]
     if total > engine["max_model_len"]:
         found.append(f"a follow-up needs {total} tokens but engine.max_model_len is {engine['max_model_len']}")

@@ -16,6 +16,7 @@ from plotnine import (
     facet_wrap,
     geom_col,
     geom_errorbar,
+    geom_hline,
     geom_line,
     geom_point,
     geom_text,
@@ -186,7 +187,7 @@ def load_ttft(load: pd.DataFrame):
     return (ggplot(long, aes("level_value", "value", colour="arm", linetype="stat", group="series + stat"))
             + geom_line() + geom_point()
             + geom_errorbar(aes(ymin="ttft_p50_ci_low_s", ymax="ttft_p50_ci_high_s"),
-                            data=data.assign(stat="p50"), width=0.1)
+                            data=data.assign(stat="p50", value=data["ttft_p50_s"]), width=0.1)
             + facet_wrap("~setting") + scale_colour_manual(values=ARM_COLOURS)
             + labs(title="TTFT against follow-ups in flight (closed loop)", x="follow-ups in flight",
                    y="seconds", linetype="")
@@ -211,4 +212,18 @@ def load_goodput(load: pd.DataFrame):
             + geom_line() + geom_point() + facet_wrap("~setting") + scale_colour_manual(values=ARM_COLOURS)
             + labs(title="Goodput (TTFT within slo_s) against the offered rate (open loop)",
                    x="offered follow-ups per second", y="follow-ups per second within the SLO")
+            + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+
+
+def load_reload_rate(load: pd.DataFrame, ceilings: pd.DataFrame):
+    """The shared arm's drive read rate against follow-ups in flight, beside the tier's measured
+    ceiling (dashed): where the curve flattens below the line, the reload path, not the drive, saturates."""
+    data = _load_frame(load[(load["level_kind"] == "concurrency") & (load["arm"] == "shared")])
+    lines = _load_frame(ceilings.assign(arm="shared", valid=True))
+    return (ggplot(data, aes("level_value", "drive_read_gb_per_s", group="series"))
+            + geom_line(colour=ARM_COLOURS["shared"]) + geom_point(colour=ARM_COLOURS["shared"])
+            + geom_hline(aes(yintercept="ceiling_read_gb_per_s"), data=lines, linetype="dashed")
+            + facet_wrap("~setting")
+            + labs(title="Reload read rate against follow-ups in flight (dashed: the tier's measured ceiling)",
+                   x="follow-ups in flight", y="GB/s read during the level")
             + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))

@@ -430,6 +430,10 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         under_load.append(("load_throughput", figures.load_throughput(levels)))
         if (levels["level_kind"] == "rate").any():
             under_load.append(("load_goodput", figures.load_goodput(levels)))
+        read = levels["drive_read_gb_per_s"].notna() & (levels["arm"] == "shared")
+        if len(table2) and read.any():
+            ceilings = table2[["backend", "chunk", "tier", "ceiling_read_gb_per_s"]].drop_duplicates()
+            under_load.append(("load_reload_rate", figures.load_reload_rate(levels, ceilings)))
     drawn = {}
     for stem, plot in study + extra + under_load:
         drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
