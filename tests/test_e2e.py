@@ -216,14 +216,14 @@ def test_each_load_level_is_its_own_unit_with_its_rows_and_gate(run):
 
 def test_a_new_load_level_builds_only_that_level(run, tmp_path):
     more = tmp_path / "more-load.yaml"
-    more.write_text("load:\n  concurrency: [1, 2, 4]\n")
+    more.write_text("load:\n  concurrency: [1, 2]\n  rates: [2.0]\n")  # 4 documents: no deeper concurrency
     argv = [sys.executable, "-m", "snakemake", "-n", "all", "-s", str(REPO / "Snakefile"), "--directory", str(run),
             "--configfile", str(CONFIGS / "e2e.yaml"), str(more)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600).stdout
-    assert re.search(r"^load_level\s+2$", out, re.M), out[-3000:]  # c4, once per cell
+    assert re.search(r"^load_level\s+2$", out, re.M), out[-3000:]  # r2, once per cell
     for rule in ("populate", "reuse", "reference", "plan"):
         assert not re.search(rf"^{rule}\s+\d+$", out, re.M), rule
-    assert "load~c4/level.json" in out and "load~c2/level.json" not in out
+    assert "load~r2/level.json" in out and "load~c2/level.json" not in out
 
 
 def summarize_measured(tree):
