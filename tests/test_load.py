@@ -113,7 +113,7 @@ def test_hits_are_attributed_per_request_and_checked_against_the_window():
 
 def test_a_levels_gate_fails_on_missing_hits_disagreement_or_an_isolated_hit():
     unchanged = {"files": 9, "changed": 0, "missing": 0, "example": ""}
-    drop = {"resident_fraction": 0.0}
+    drop = {"resident_fraction": 0.0, "memory_backed": False}
 
     def gate(arm, cached, window):
         frame = records(cached)
@@ -127,6 +127,13 @@ def test_a_levels_gate_fails_on_missing_hits_disagreement_or_an_isolated_hit():
     changed = level_checks("shared", records([2048, 2048]), attribution(records([2048, 2048]), 4096), drop,
                            {**unchanged, "changed": 1}, 2048, 0.9, 0.05)
     assert not changed["checks"]["pool_restored"]["ok"]
+    # a page-cache-resident pool fails on a drive, as the cell's gate; a RAM tier has nothing to drop
+    warm = {"resident_fraction": 1.0, "memory_backed": False}
+    shared = records([2048, 2048])
+    assert not level_checks("shared", shared, attribution(shared, 4096), warm, unchanged, 2048, 0.9,
+                            0.05)["checks"]["cold_reads"]["ok"]
+    assert level_checks("shared", shared, attribution(shared, 4096), {**warm, "memory_backed": True}, unchanged,
+                        2048, 0.9, 0.05)["valid"]
 
 
 def test_the_pool_is_restored_to_what_populate_left(tmp_path):
