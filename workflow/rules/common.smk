@@ -145,3 +145,14 @@ def last_output(cell):
 
 # the cells whose pool files were hashed (runs before the byte-level check did not hash them)
 DIGESTED = [cell for cell in CELLS if recorded(f"results/cells/{cell.name}/pool-digests.csv")]
+
+
+def level_after(wildcards):
+    """Ordering only (ancient): a cell's levels run after its reuse phase and one after another, on
+    its one pool; the last one removes the pool when pools are not kept."""
+    cell = Cell.from_wildcards(wildcards)
+    if wildcards.level not in LOAD_LEVELS:
+        raise ValueError(f"load~{wildcards.level} is not a configured level (load.concurrency, load.rates)")
+    position = LOAD_LEVELS.index(wildcards.level)
+    before = "reuse.json" if position == 0 else f"load~{LOAD_LEVELS[position - 1]}/level.json"
+    return ancient(f"results/cells/{cell.name}/{before}")

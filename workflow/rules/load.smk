@@ -3,17 +3,6 @@
 # with --forcerun on its level.json; a new level in the config builds only that level.
 
 
-def level_after(wildcards):
-    """Ordering only (ancient): a cell's levels run after its reuse phase and one after another, on
-    its one pool; the last one removes the pool when pools are not kept."""
-    cell = Cell.from_wildcards(wildcards)
-    if wildcards.level not in LOAD_LEVELS:
-        raise ValueError(f"load~{wildcards.level} is not a configured level (load.concurrency, load.rates)")
-    position = LOAD_LEVELS.index(wildcards.level)
-    before = "reuse.json" if position == 0 else f"load~{LOAD_LEVELS[position - 1]}/level.json"
-    return ancient(f"results/cells/{cell.name}/{before}")
-
-
 rule load_level:
     """One cell at one load level: restore the pool, a fresh fleet, drop and check, the follow-ups."""
     input:
