@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvpool import validity
 from kvpool.client import RequestResult, complete
 from kvpool.pool import pool_files
 
@@ -123,11 +124,7 @@ def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, unchanged
                           "threshold": "populate's files unchanged"},
         "hit_attribution": {"ok": hits["agree"], "value": hits, "threshold": "the two sums equal"},
     }
-    if drop.get("memory_backed"):  # as the cell's gate: a RAM tier has no device read to force
-        checks["cold_reads"] = {"ok": True, "value": "memory-backed tier: no device read to force", "threshold": None}
-    else:
-        checks["cold_reads"] = {"ok": drop["resident_fraction"] <= max_resident_fraction,
-                                "value": drop["resident_fraction"], "threshold": max_resident_fraction}
+    checks["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)  # as the cell's gate
     if arm == "shared":
         worst = float(fractions.min()) if len(fractions) else 0.0
         checks["pool_hits"] = {"ok": worst >= min_hit_fraction, "value": worst, "threshold": min_hit_fraction}

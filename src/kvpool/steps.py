@@ -129,6 +129,16 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
              record["resident_bytes"])
 
 
+def _prefills(populate_csv: str, workload: list[dict], cell: Cell) -> dict[int, int]:
+    """Document -> the replica that prefilled it, as populate recorded; every document must have one."""
+    populated = pd.read_csv(populate_csv)
+    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int), strict=True))
+    missing = [item["doc_id"] for item in workload if item["doc_id"] not in prefill]
+    if missing:
+        raise RuntimeError(f"{populate_csv} has no prefill for documents {missing}; re-run populate for {cell.name}")
+    return prefill
+
+
 def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, populate_csv: str,
               populate_digests: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, digests_csv: str,
               log_dir: str, servers=None, plan: dict | None = None, remove_pool: bool | None = None) -> None:
@@ -140,11 +150,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     """
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
     workload = prompts.read_workload(Path(prompts_path))
-    populated = pd.read_csv(populate_csv)
-    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int), strict=True))
-    missing = [item["doc_id"] for item in workload if item["doc_id"] not in prefill]
-    if missing:
-        raise RuntimeError(f"{populate_csv} has no prefill for documents {missing}; re-run populate for {cell.name}")
+    prefill = _prefills(populate_csv, workload, cell)
     root, cell_dir = pool_root(config, cell), Path(csv_out).parent
     if not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
@@ -487,8 +493,7 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
     level = load.Level.from_name(level_name)
     plan = checked_ports(yaml.safe_load(Path(plan_path).read_text()))
     workload = prompts.read_workload(Path(prompts_path))
-    populated = pd.read_csv(populate_csv)
-    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int), strict=True))
+    prefill = _prefills(populate_csv, workload, cell)
     root = pool_root(config, cell)
     if not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}); re-run the cell from its populate: "

@@ -14,6 +14,15 @@ def hit_fractions(reuse: pd.DataFrame, doc_tokens: int) -> pd.Series:
     return reuse["external_hit_tokens"].fillna(0).astype(float) / doc_tokens
 
 
+def cold_reads(drop: dict, max_resident_fraction: float) -> dict:
+    """The pool was out of the page cache right before the first request (a drop record of
+    pool.drop_from_page_cache); a memory-backed tier has no device read to force."""
+    if drop["memory_backed"]:
+        return _check(True, "memory-backed tier: no device read to force", None)
+    return _check(drop["resident_fraction"] <= max_resident_fraction, drop["resident_fraction"],
+                  max_resident_fraction)
+
+
 # The reference path (phases.reference) each arm's outputs must equal.
 REFERENCE_PATH = {"shared": "after_document", "isolated": "cold"}
 
@@ -52,11 +61,7 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
             **_check(pool_unchanged["changed"] == 0 and pool_unchanged["missing"] == 0,
                      {k: pool_unchanged[k] for k in ("files", "changed", "missing")}, "0 changed, 0 missing"),
             "examples": [pool_unchanged["example"]] if pool_unchanged["example"] else []}
-    if drop_before_reuse["memory_backed"]:
-        checks["cold_reads"] = _check(True, "memory-backed tier: no device read to force", None)
-    else:
-        checks["cold_reads"] = _check(drop_before_reuse["resident_fraction"] <= config["max_resident_fraction"],
-                                      drop_before_reuse["resident_fraction"], config["max_resident_fraction"])
+    checks["cold_reads"] = cold_reads(drop_before_reuse, config["max_resident_fraction"])
     if cell_arm == "shared":
         worst = float(fractions.min()) if len(fractions) else 0.0
         checks["pool_hits"] = _check(worst >= config["min_hit_fraction"], worst, config["min_hit_fraction"])
