@@ -37,6 +37,7 @@ if not MEASURED_ONLY:
     include: "workflow/rules/memory_pool.smk"
     include: "workflow/rules/ceiling.smk"
     include: "workflow/rules/load.smk"
+    include: "workflow/rules/studyb.smk"
 
 
 include: "workflow/rules/telemetry.smk"
@@ -55,4 +56,5 @@ rule all:
         "results/validity.csv",
         "results/kv_bytes.csv",
         "results/load.csv",
+        STUDYB_TARGETS.get("md", []),
         "results/gate.ok",

@@ -8,6 +8,7 @@ import sys
 import pandas as pd
 import psutil
 import pytest
+import yaml
 from conftest import REPO
 
 pytestmark = pytest.mark.e2e
@@ -238,11 +239,12 @@ def test_measured_only_summarizes_a_brought_back_tree_as_the_run_did(run, tmp_pa
     # or the pools. measured_only must give the run's own tables and measure nothing.
     tree = tmp_path / "tree"
     (tree / "results").mkdir(parents=True)
-    for part in ("cells", "reference", "tiers"):
+    for part in ("cells", "reference", "tiers", "studyb"):
         subprocess.run(["cp", "-r", str(run / "results" / part), str(tree / "results")], check=True)
+    (tree / "results" / "studyb" / "validity.json").unlink()  # Study B's blocks, not its tables
     result = summarize_measured(tree)
     assert result.returncode == 0, result.stderr[-3000:]
-    for table in ("table1.csv", "validity.csv", "kv_bytes.csv", "tier_compare.csv"):
+    for table in ("table1.csv", "validity.csv", "kv_bytes.csv", "tier_compare.csv", "locality.csv", "sessions.csv"):
         pd.testing.assert_frame_equal(pd.read_csv(tree / "results" / table), pd.read_csv(run / "results" / table),
                                       obj=table)
     assert (tree / "results" / "report.html").stat().st_size > 10_000
@@ -286,6 +288,40 @@ def test_store_check_reloads_a_replicas_own_kv_exactly_on_cpu(run, tmp_path):
     assert not (tmp_path / "pools" / "default").exists()
     model = str(run / "resources" / "model")  # in every replica's argv
     assert not [proc.pid for proc in psutil.process_iter(["cmdline"]) if model in (proc.info["cmdline"] or [])]
+
+
+STUDYB = "results/studyb/backend~lmcache-fs/chunk~256/tier~disk"
+
+
+def test_study_b_blocks_run_off_on_on_off_and_the_pool_serves_only_cross_replica_steps(run):
+    blocks = ["1-off", "2-on", "3-on", "4-off"]
+    metas = [json.loads((run / STUDYB / f"block~{b}" / "block.json").read_text()) for b in blocks]
+    assert all(m["valid"] for m in metas), [m["checks"] for m in metas]
+    assert [m["started_at"] for m in metas] == sorted(m["started_at"] for m in metas)  # each a fresh fleet, in order
+    for block in blocks:  # OFF has no connector and no pool; ON the study's shared fs pool
+        plan = yaml.safe_load((run / STUDYB / f"block~{block}" / "plan.yaml").read_text())
+        transfer = {json.dumps(r["kv_transfer"]) for r in plan["replicas"]}
+        assert (transfer == {"null"}) == block.endswith("-off"), (block, transfer)
+    gate = json.loads((run / "results" / "studyb" / "validity.json").read_text())
+    assert gate["valid"] and gate["checks"]["outputs_equal_across_pairs"]["value"] == \
+        gate["checks"]["outputs_equal_across_pairs"]["threshold"] > 0
+    locality = pd.read_csv(run / "results" / "locality.csv").set_index(["context", "step"])
+    assert set(locality.index) == {(c, s) for c in (256, 1024) for s in ("cold", "local-1", "local-2", "cross",
+                                                                         "local-B")}
+    for context in (256, 1024):
+        cross = locality.loc[(context, "cross")]
+        assert cross["on_external_hit_tokens"] == context and cross["off_external_hit_tokens"] == 0
+        assert cross["off_local_hit_tokens"] == 0 and cross["pairs_matched"] == cross["outputs_equal"] == 2
+        assert locality.loc[(context, "local-1"), "on_local_hit_tokens"] == context  # vLLM's own cache, ON and OFF
+    assert locality.loc[(1024, "cross"), "mean_paired_change_pct"] < 0  # a reload beats recomputing 1024 tokens
+    sessions = pd.read_csv(run / "results" / "sessions.csv")
+    assert len(sessions) == 4 * 2 * 6 and sessions["error"].isna().all()
+    alternating_on = sessions[(sessions["placement"] == "alternating") & (sessions["arm"] == "on")]
+    assert (alternating_on.loc[alternating_on["turn"] == 1, "external_hit_tokens"] >= 512).all()
+    assert (sessions.loc[sessions["arm"] == "off", "external_hit_tokens"] == 0).all()
+    page = (run / "results" / "studyb.md").read_text()
+    assert "**Gate: VALID.**" in page and "(Study B's Table 3)" in page
+    assert (run / "results" / "studyb" / "figures" / "locality.png").stat().st_size > 10_000
 
 
 # Last: it re-runs `all` in the same folder with another matrix, which rewrites the shared tables.

@@ -91,17 +91,17 @@ def _interrupt_at(workdir, target, configs, phase, send, line="fleet of 2 health
 
 @pytest.mark.parametrize("in_populate, in_reuse", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM)],
                          ids=["term-populate-int-reuse", "int-populate-term-reuse"])
-def test_interrupted_phases_resume_on_the_pool_populate_left_and_a_flipped_bit_fails_the_cell(
+def test_interrupted_phases_resume_on_the_pool_populate_left_and_an_injected_fault_fails_the_cell(
         tmp_path, in_populate, in_reuse):
     """SIGTERM (a service manager's stop) or Ctrl-C (SIGINT), each to the whole process group, in
     populate once its fleet is healthy and in reuse while its fleet starts: no replica is left, a
     resumed populate completes the pool, and the resumed reuse measures the pool exactly as populate
     left it. (Four CPU follow-ups take under a second once the fleet is healthy: too short a window to
     hit on a loaded CI machine, so reuse is signalled once its second replica's process exists, and
-    populate, which may finish first, is judged on either outcome.) Then (once) one bit flipped in a
-    stored chunk between populate and reuse fails the cell: the gate checks that reuse read the bytes
-    populate stored. (SIGTERM to snakemake alone lets the running job finish and starts no other:
-    Snakemake's graceful exit.)"""
+    populate, which may finish first, is judged on either outcome.) Then (once) the fault-injection run
+    option corrupts a stored chunk between populate and reuse, and the cell fails: the gate checks
+    that reuse read the bytes populate stored. (SIGTERM to snakemake alone lets the running job finish
+    and starts no other: Snakemake's graceful exit.)"""
     shared_only = tmp_path / "shared-only.yaml"
     shared_only.write_text("arms: [shared]\n")
     configs = (CONFIGS / "e2e.yaml", shared_only)
@@ -126,23 +126,25 @@ def test_interrupted_phases_resume_on_the_pool_populate_left_and_a_flipped_bit_f
     assert validity["valid"], validity
     assert validity["checks"]["pool_unchanged"]["value"]["changed"] == 0
     if in_populate == signal.SIGINT:
-        return  # the flipped bit needs one more populate; once is enough
+        return  # the injected fault needs one more populate; once is enough
 
     repopulated = subprocess.run(snakemake_argv(tmp_path, f"{target}/populate.csv", *configs)
                                  + ["--forcerun", "populate"], capture_output=True, text=True, timeout=1800)
     assert repopulated.returncode == 0, repopulated.stderr[-4000:]
-    pool_dir = Path(yaml.safe_load((cell / "plan.yaml").read_text())["replicas"][0]["pool_dir"])
-    chunk = max(pool_dir.rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else -1)
-    data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    chunk.write_bytes(bytes(data))
-    measured = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), capture_output=True,
-                              text=True, timeout=1800)
+    # the run option fault_injection.corrupt_stored_chunk flips bytes of the largest pool file after
+    # populate, before the drop (only the drop and what follows it re-run): the gate must catch it
+    fault = tmp_path / "fault.yaml"
+    fault.write_text("fault_injection: {corrupt_stored_chunk: true}\n")
+    measured = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs, fault),
+                              capture_output=True, text=True, timeout=1800)
     assert measured.returncode == 0, measured.stderr[-4000:]
+    pool_dir = Path(yaml.safe_load((cell / "plan.yaml").read_text())["replicas"][0]["pool_dir"])
+    corrupted = Path(json.loads((cell / "drop.json").read_text())["fault_injection"]["file"])
     validity = json.loads((cell / "validity.json").read_text())
     check = validity["checks"]["pool_unchanged"]
     assert not validity["valid"] and not check["ok"]
-    assert check["value"]["changed"] == 1 and check["examples"] == [f"{pool_dir.name}/{chunk.relative_to(pool_dir)}"]
+    assert check["value"]["changed"] == 1
+    assert check["examples"] == [f"{pool_dir.name}/{corrupted.relative_to(pool_dir)}"]
     assert replicas_running_in(tmp_path) == []
 
 
@@ -198,4 +200,23 @@ def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_g
     check = validity["checks"]["pool_writes"]
     assert not validity["valid"] and not check["ok"] and check["value"] >= 1
     assert "No space left on device" in check["examples"][0]
+    assert replicas_running_in(tmp_path) == []
+
+
+def test_a_corrupted_chunk_fails_study_b_s_on_block(tmp_path):
+    """The fault-injection run option in Study B: before each chain's cross-replica step the first chunk
+    its cold step stored is corrupted; the serving replica loads it (the hit counters alone would pass)
+    and its answer differs from the chain's other four, so the ON block fails. The OFF block before it
+    injects nothing and stays valid."""
+    fault = tmp_path / "fault.yaml"
+    fault.write_text("fault_injection: {corrupt_stored_chunk: true}\n")
+    studyb = "results/studyb/backend~lmcache-fs/chunk~256/tier~disk"
+    done = subprocess.run(snakemake_argv(tmp_path, f"{studyb}/block~2-on/block.json", CONFIGS / "e2e.yaml", fault),
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    off, on = (json.loads((tmp_path / studyb / f"block~{b}" / "block.json").read_text()) for b in ("1-off", "2-on"))
+    assert off["valid"] and "fault_injection" not in off
+    assert not on["valid"] and len(on["fault_injection"]) == 2  # one per chain (contexts 256 and 1024)
+    assert not on["checks"]["chain_answers_agree"]["ok"]
+    assert on["checks"]["cross_loads_the_document"]["ok"]  # the pool served the corrupted chunk: hits look fine
     assert replicas_running_in(tmp_path) == []

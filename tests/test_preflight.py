@@ -16,7 +16,7 @@ def run_preflight(monkeypatch, expect_shared: bool, hits: int, pool_output: str,
     counters = {"r1": 0}
     sent = []
 
-    async def complete(session, url, prompt, output_tokens, timeout_s, cache_salt=None):
+    async def complete(session, url, prompt, output_tokens, timeout_s, cache_salt=None, token_ids=False):
         sent.append((url, prompt))
         if url == "r1":
             counters["r1"] += hits

@@ -176,6 +176,33 @@ def test_the_run_gate_fails_on_kv_bytes_that_differ_where_they_must_agree(tmp_pa
     assert not (tmp_path / "ok2").exists()
 
 
+def test_the_run_gate_fails_on_an_invalid_study_b_block_or_pairing(tmp_path):
+    import json
+
+    from kvpool.steps import gate as run_gate
+
+    (tmp_path / "validity.csv").write_text(
+        "cell,valid,reasons\nbackend~lmcache-fs/arm~shared/chunk~256/tier~disk,True,\n")
+    (tmp_path / "kv.csv").write_text("backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,"
+                                     "meaning\n")
+    study = {"valid": True, "blocks": {"1-off": {"arm": "off", "valid": True, "failed": []},
+                                       "2-on": {"arm": "on", "valid": True, "failed": []}},
+             "checks": {"outputs_equal_across_pairs": {"ok": True, "value": 12, "threshold": 12}}}
+    (tmp_path / "studyb.json").write_text(json.dumps(study))
+    run_gate(str(tmp_path / "validity.csv"), str(tmp_path / "kv.csv"), str(tmp_path / "ok"),
+             studyb_json=str(tmp_path / "studyb.json"))
+    assert "Study B's blocks valid" in (tmp_path / "ok").read_text()
+    study["valid"] = False
+    study["blocks"]["2-on"].update(valid=False, failed=["chain_answers_agree"])
+    study["checks"]["outputs_equal_across_pairs"].update(ok=False, value=9)
+    (tmp_path / "studyb.json").write_text(json.dumps(study))
+    with pytest.raises(SystemExit, match=r"(?s)block 2-on \(on\): chain_answers_agree.*outputs_equal_across_pairs: 9 "
+                                         r"of 12"):
+        run_gate(str(tmp_path / "validity.csv"), str(tmp_path / "kv.csv"), str(tmp_path / "ok2"),
+                 studyb_json=str(tmp_path / "studyb.json"))
+    assert not (tmp_path / "ok2").exists()
+
+
 def test_a_long_write_error_is_quoted_with_its_cause(tmp_path):
     """LMCache names the whole chunk path before the errno: the quote keeps the cause, not the path's start."""
     from kvpool.logs import new_lines_matching

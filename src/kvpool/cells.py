@@ -98,9 +98,10 @@ def pool_root(config: dict, cell: Cell, workdir: Path | None = None) -> Path:
     return run_pools(config, cell.tier, workdir) / cell.name
 
 
-def pool_dirs(config: dict, cell: Cell, workdir: Path | None = None) -> list[Path]:
-    """Pool directory per replica: one shared by all, or one each in the isolated arm."""
-    root = pool_root(config, cell, workdir)
+def pool_dirs(config: dict, cell: Cell, workdir: Path | None = None, root: Path | None = None) -> list[Path]:
+    """Pool directory per replica: one shared by all, or one each in the isolated arm (under ``root``,
+    by default the cell's own folder)."""
+    root = root or pool_root(config, cell, workdir)
     if cell.arm == "shared":
         return [root / "shared"] * config["replicas"]
     return [root / f"replica-{i}" for i in range(config["replicas"])]

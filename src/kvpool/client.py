@@ -18,6 +18,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     output_text: str = ""
+    output_token_ids: list[int] = field(default_factory=list)  # filled when asked for (``return_token_ids``)
     error: str = ""
     started_at: float = field(default_factory=time.time)  # wall clock, lines up with telemetry
 
@@ -27,11 +28,12 @@ class RequestResult:
 
 
 async def complete(session: aiohttp.ClientSession, base_url: str, prompt: list[int], output_tokens: int,
-                   timeout_s: float, cache_salt: str | None = None) -> RequestResult:
+                   timeout_s: float, cache_salt: str | None = None, token_ids: bool = False) -> RequestResult:
     """Send ``prompt`` (token ids) for a greedy streamed completion; failures come back as data.
 
     A ``cache_salt`` keeps the request from reusing, or leaving behind, prefix-cache blocks that
-    requests without the same salt could use.
+    requests without the same salt could use. With ``token_ids`` the answer's token ids come back
+    too (vLLM's ``return_token_ids``), so a next turn can extend the prompt by exactly them.
     """
     payload = {
         "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": output_tokens, "min_tokens": output_tokens,
@@ -39,6 +41,8 @@ async def complete(session: aiohttp.ClientSession, base_url: str, prompt: list[i
     }
     if cache_salt is not None:
         payload["cache_salt"] = cache_salt
+    if token_ids:
+        payload["return_token_ids"] = True
     result = RequestResult()
     start = time.perf_counter()
     try:
@@ -59,12 +63,16 @@ async def complete(session: aiohttp.ClientSession, base_url: str, prompt: list[i
                     if result.ttft_s != result.ttft_s:  # first streamed chunk (nan check)
                         result.ttft_s = time.perf_counter() - start
                     result.output_text += chunk["choices"][0].get("text") or ""
+                    result.output_token_ids += chunk["choices"][0].get("token_ids") or []
                 if usage := chunk.get("usage"):
                     result.prompt_tokens = usage.get("prompt_tokens")
                     result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         result.e2e_s = time.perf_counter() - start
         if result.ttft_s != result.ttft_s:
             result.error = "stream ended without a token"
+        elif token_ids and len(result.output_token_ids) != output_tokens:
+            result.error = (f"asked for the answer's token ids and got {len(result.output_token_ids)} of "
+                            f"{output_tokens} (does this vLLM support return_token_ids?)")
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

@@ -156,6 +156,19 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
         if missing:
             found.append(f"engine.cores lists cores {missing} that this process may not run on "
                          f"(it may use {sorted(os.sched_getaffinity(0))})")
+    if config["fault_injection"]["corrupt_stored_chunk"]:
+        from kvpool.cells import cells, is_memory_pool
+
+        if memory := [cell.name for cell in cells(config) if is_memory_pool(config, cell)]:
+            found.append(f"fault_injection.corrupt_stored_chunk needs pools of files; {memory[0]} is an MP "
+                         "server's memory (drop its tier from lmcache_mp.memory_tiers or the matrix)")
+    if config["study_b"]["enabled"]:
+        from kvpool import studyb
+
+        try:
+            studyb.resolved(config)
+        except ValueError as exc:
+            found.append(str(exc))
     return found + _input_problems(config) + mp.problems(config)
 
 

@@ -227,3 +227,42 @@ def load_reload_rate(load: pd.DataFrame, ceilings: pd.DataFrame):
             + labs(title="Reload read rate against follow-ups in flight (dashed: the tier's measured ceiling)",
                    x="follow-ups in flight", y="GB/s read during the level")
             + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+
+
+STUDYB_COLOURS = {"off": "#7570b3", "on": "#1b9e77"}
+
+
+def locality(rows: pd.DataFrame):
+    """Study B's Figure 3: TTFT against context per chain step, OFF and ON, every observation and the
+    medians (log axes)."""
+    from plotnine import scale_x_log10, scale_y_log10
+
+    from kvpool.studyb import CHAIN
+
+    chains = rows[(rows["kind"] == "chain") & rows["ttft_s"].notna()].copy()
+    chains["step"] = pd.Categorical(chains["step"], [step for step, _ in CHAIN])
+    medians = chains.groupby(["arm", "step", "context"], observed=True)["ttft_s"].median().reset_index()
+    return (ggplot(chains, aes("context", "ttft_s", colour="arm"))
+            + geom_point(alpha=0.5, size=1.5)
+            + geom_line(aes(group="arm"), data=medians)
+            + facet_wrap("~step", nrow=1)
+            + scale_x_log10(breaks=sorted(chains["context"].unique())) + scale_y_log10()
+            + scale_colour_manual(values=STUDYB_COLOURS)
+            + labs(title="Study B's locality chain: TTFT per step (points: observations, lines: medians)",
+                   x="context (tokens)", y="TTFT (s)", colour="")
+            + theme_bw() + theme(figure_size=(10, 3.6), plot_title=element_text(size=11),
+                                 axis_text_x=element_text(rotation=45, size=7)))
+
+
+def sessions(walls: pd.DataFrame):
+    """Study B's Figure 4: each session's wall time OFF and ON, a line per session and ON/OFF block
+    pair (``walls``: studyb.session_walls with its ``pair``)."""
+    walls = walls.copy()
+    walls["line"] = walls["placement"] + " " + walls["session"].astype(str) + " / pair " + walls["pair"].astype(str)
+    return (ggplot(walls, aes("arm", "wall_s", colour="placement"))
+            + geom_point(size=2)
+            + geom_line(aes(group="line"), alpha=0.6)
+            + facet_wrap("~placement")
+            + labs(title="Study B's sessions: wall time per session, OFF and ON", x="", y="session wall time (s)",
+                   colour="")
+            + theme_bw() + theme(figure_size=(7, 3.6), plot_title=element_text(size=11)))

@@ -37,7 +37,8 @@ class PreflightFailed(RuntimeError):
 
 
 async def measured_request(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
-                    timeout_s: float, cache_salt: str | None = None) -> tuple[RequestResult, dict[str, int]]:
+                    timeout_s: float, cache_salt: str | None = None,
+                    token_ids: bool = False) -> tuple[RequestResult, dict[str, int]]:
     """One request and the serving replica's token-counter deltas around it (one request in flight per replica).
 
     Failures come back as data: a replica that cannot be scraped or has died gives a row whose error
@@ -48,7 +49,7 @@ async def measured_request(session: aiohttp.ClientSession, replica: Replica, pro
     except (aiohttp.ClientError, TimeoutError) as exc:
         await asyncio.to_thread(_await_exit, replica, 2.0)  # as below: let a dead replica's exit show
         return RequestResult(error=_replica_error(replica, "its /metrics before the request", exc)), {}
-    result = await complete(session, replica.url, prompt, output_tokens, timeout_s, cache_salt)
+    result = await complete(session, replica.url, prompt, output_tokens, timeout_s, cache_salt, token_ids)
     try:
         after = await metrics.scrape(session, replica.url)
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -337,3 +338,49 @@ def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: d
     meta = {"level": level.name, "drop_before_level": drop, "wall_s": finished - started, "started_at": started,
             "finished_at": finished, "window_external_tokens": window}
     return frame, meta, sampler
+
+
+def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
+    """One of Study B's blocks (kvpool.studyb): its pool servers if any and a fresh fleet, the block's
+    requests one at a time (each with its serving replica's /metrics deltas), everything stopped.
+    Returns the rows and the block's meta data (wall time, the servers' counters)."""
+    from kvpool.pool import corrupt, pool_files
+    from kvpool.studyb import run_block
+
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    injected, before = [], set()
+
+    def corrupt_first_chunk(step: str) -> None:
+        """Fault injection: the first chunk file the chain's cold step stored, before the cross step."""
+        files = pool_files([Path(r["pool_dir"]) for r in plan["replicas"] if r["pool_dir"]])
+        if step == "cold":
+            before.clear()
+            before.update(files)
+        elif step == "cross":
+            stored = [f for f in files if f not in before]
+            if stored:
+                injected.append(corrupt(min(stored, key=lambda f: f.stat().st_mtime_ns)))
+                log.warning("fault injection: corrupted %s", injected[-1]["file"])
+
+    fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
+    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            by_index = {r.index: r for r in replicas}
+
+            async def requests():
+                async with aiohttp.ClientSession() as session:
+                    async def send(replica: int, prompt: list[int], token_ids: bool):
+                        return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
+                                                      token_ids=token_ids)
+                    return await run_block(send, block, workload, study, len(replicas),
+                                           corrupt_first_chunk if fault else None)
+
+            started = time.time()
+            rows = asyncio.run(requests())
+            finished = time.time()
+    meta = {"block": block, "started_at": started, "finished_at": finished, "wall_s": finished - started}
+    if fault:
+        meta["fault_injection"] = injected
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return rows, meta

@@ -1,7 +1,8 @@
 """The fleet's launch plan: per replica the argv, environment, port, core or GPU, and LMCache config.
 
 Replicas get identical arguments; only the port, the core/GPU and, in the isolated arm, the pool
-directory differ. The plan is pure data, written to ``plan.yaml`` before anything starts.
+directory differ. The ``off`` arm (Study B's OFF) is the same fleet without a KV connector: vLLM's
+own prefix cache only, no pool. The plan is pure data, written to ``plan.yaml`` before anything starts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvpool import mp
 from kvpool.cells import Cell, is_memory_pool, pool_dirs
 
 SERVED_MODEL_NAME = "kvpool-model"
+OFF_ARM = "off"  # no KV connector: the fleet's only cache is vLLM's own prefix cache
 CPU_CONNECTOR_MODULE = "kvpool.cpu_connector"
 # Set on every replica: no hub, no telemetry, and nothing that differs between replicas.
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
@@ -114,20 +116,27 @@ def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Pat
 
 
 def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list[int], port_source: str,
-               available_cores: list[int] | None = None, server_ports: list[int] | None = None) -> dict:
+               available_cores: list[int] | None = None, server_ports: list[int] | None = None,
+               pool_root: Path | None = None) -> dict:
     """The resolved launch plan of ``cell``'s fleet; an lmcache-mp cell also gets its servers
-    (``server_ports``: a ZMQ and an HTTP port per server)."""
+    (``server_ports``: a ZMQ and an HTTP port per server). ``pool_root``: the pool's folder when it
+    is not the cell's own (a Study B block's)."""
     engine = config["engine"]
     replicas = config["replicas"]
     places = placements(engine, replicas, available_cores)
     util = _gpu_memory_share(engine)
-    dirs = pool_dirs(config, cell)
-    servers = _servers(config, cell, dirs, server_ports or []) if cell.backend == mp.BACKEND else []
+    off = cell.arm == OFF_ARM
+    dirs = [None] * replicas if off else pool_dirs(config, cell, root=pool_root)
+    servers = _servers(config, cell, dirs, server_ports or []) if cell.backend == mp.BACKEND and not off else []
     entries = []
     for index, (place, pool_dir, port) in enumerate(zip(places, dirs, ports, strict=True)):
         entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
-                 "sequential_start": place["sequential_start"], "pool_dir": str(pool_dir)}
-        if servers:
+                 "sequential_start": place["sequential_start"], "pool_dir": None if off else str(pool_dir)}
+        if off:
+            transfer = None
+            entry.update(lmcache_config_file=None, lmcache_config=None,
+                         env=replica_env(engine, place, config["hash_keys"], None))
+        elif servers:
             server = servers[0] if cell.arm == "shared" else servers[index]
             transfer = mp.kv_transfer_config(server["host"], server["port"])
             entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,

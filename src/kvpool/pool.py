@@ -28,6 +28,21 @@ def pool_files(dirs: list[Path]) -> list[Path]:
     return files
 
 
+def corrupt(path: Path) -> dict:
+    """Flip every byte of the middle quarter of ``path`` (fault injection: a stored chunk that no longer
+    holds the KV that was stored). Returns what was changed."""
+    size = path.stat().st_size
+    start, length = size * 3 // 8, max(size // 4, 1)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        data = bytearray(f.read(length))
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in data))
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": str(path), "offset": start, "bytes": len(data)}
+
+
 def filesystem_type(path: Path) -> str:
     """The filesystem type of the mount that holds ``path`` (longest matching mount point)."""
     path = Path(path).resolve()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -123,7 +124,17 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
 
 def run_drop(config: dict, plan_path: str, out: str) -> None:
     plan = yaml.safe_load(Path(plan_path).read_text())
+    injected = None
+    if config["fault_injection"]["corrupt_stored_chunk"]:  # the self-test: reuse must not pass on this pool
+        files = pool.pool_files([Path(r["pool_dir"]) for r in plan["replicas"]])
+        if not files:
+            raise RuntimeError(f"fault_injection.corrupt_stored_chunk: {plan['cell']}'s pool holds no file to corrupt")
+        injected = pool.corrupt(max(files, key=lambda p: p.stat().st_size))
+        log.warning("fault injection: corrupted %s (%d bytes at %d)", injected["file"], injected["bytes"],
+                    injected["offset"])
     record = phases.drop_pool(plan, config["drop_caches"])
+    if injected:
+        record["fault_injection"] = injected
     write_json(out, record)
     log.info("pool: %d files, %d bytes, %d resident after the drop", record["files"], record["bytes"],
              record["resident_bytes"])
@@ -277,7 +288,8 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
     pd.DataFrame(rows, columns=["cell", "valid", "reasons"]).to_csv(out, index=False)
 
 
-def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None) -> None:
+def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
+         studyb_json: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
@@ -293,13 +305,19 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]
+    if studyb_json is not None and not (study := read_json(studyb_json))["valid"]:
+        from kvpool.studyb import gate_failures
+
+        lines += [f"  Study B {reason} (results/studyb.md)" for reason in gate_failures(study)]
     if lines:
         raise SystemExit(
-            f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate and "
-            f"{len(damaged)} KV byte comparisons found damage (data kept; the tables, results/kv_bytes.md and "
-            "results/report.html show them):\n"
+            f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate, "
+            f"{len(damaged)} KV byte comparisons found damage, and Study B's blocks are "
+            f"{'not run' if studyb_json is None else 'valid' if read_json(studyb_json)['valid'] else 'INVALID'} "
+            "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
             + "\n".join(lines))
-    Path(out).write_text(f"{len(table)} cells valid; no KV bytes differ where they must agree\n")
+    Path(out).write_text(f"{len(table)} cells valid; no KV bytes differ where they must agree"
+                         + ("; Study B's blocks valid" if studyb_json is not None else "") + "\n")
 
 
 def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
@@ -552,3 +570,99 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))
 
+
+
+def run_studyb_workload(config: dict, model: str, out: str) -> None:
+    """Study B's payloads, the same in every block (kvpool.studyb.make_workload)."""
+    from kvpool import studyb
+
+    study = studyb.resolved(config)
+    workload = studyb.make_workload(vocabulary(model), study, config["replicas"])
+    write_json(out, workload)
+    log.info("Study B: %d chains, %d sessions of %d turns, %d warm-ups", len(workload["chains"]),
+             len(workload["sessions"]), study["turns"], len(workload["warmups"]))
+
+
+def studyb_pool_root(config: dict, study: dict) -> Path:
+    """The folder of the ON blocks' pool in the study's tier (each block starts it empty)."""
+    from kvpool.cells import run_pools
+    from kvpool.studyb import ON, block_cell
+
+    return run_pools(config, study["tier"]) / "studyb" / block_cell(study, ON).name
+
+
+def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str, plan_out: str, manifest_out: str,
+                     csv_out: str, json_out: str, log_dir: str, provenance_config: dict | None = None) -> None:
+    """One of Study B's blocks: its plan (ON, the study's shared pool, empty at the start; OFF, no
+    connector), the requests, the block's checks in ``json_out``."""
+    from kvpool import studyb
+
+    study = studyb.resolved(config)
+    arm = studyb.block_arm(block)
+    cell = studyb.block_cell(study, arm)
+    root = studyb_pool_root(config, study)
+    if root.exists():  # independently restarted: nothing of an earlier block's pool is left
+        shutil.rmtree(root)
+    ports, source = _ports(config, config["replicas"])
+    server_ports = None
+    if cell.backend == mp.BACKEND and arm == studyb.ON:
+        server_ports = free_ports(config["engine"]["host"], 2, exclude=ports)
+    plan = fleet_plan(config, cell, model, Path(plan_out).parent.resolve(), ports, source, server_ports=server_ports,
+                      pool_root=root)
+    plan = checked_ports(plan)
+    for directory in {r["pool_dir"] for r in plan["replicas"] if r["pool_dir"]}:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
+    workload = read_json(workload_path)
+    try:
+        rows, meta = phases.studyb_block(plan, block, workload, study, config, Path(log_dir))
+    finally:
+        if root.exists() and not config["keep_pools"]:
+            shutil.rmtree(root)
+    frame = pd.DataFrame(rows, columns=studyb.COLUMNS)
+    _archive(frame, Path(csv_out), f"studyb-{block}")
+    frame.to_csv(csv_out, index=False)
+    checks = studyb.block_checks(frame, arm, study, config["min_hit_fraction"])
+    meta.update(arm=arm, cell=cell.name, checks=checks, valid=all(c["ok"] for c in checks.values()))
+    write_json(json_out, meta)
+    for name, check in checks.items():
+        if not check["ok"]:
+            log.error("Study B block %s invalid: %s is %s (needs %s)", block, name, check["value"],
+                      check["threshold"])
+
+
+def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions_csv: str, validity_out: str,
+                      md_out: str, figures_dir: str) -> None:
+    """Study B's tables from every block (``blocks``: name -> requests.csv and block.json): the
+    locality chains (``locality_csv``), every session turn (``sessions_csv``), the study's gate
+    (each block's checks and the ON/OFF pairing) and a Markdown page with both tables and figures."""
+    from kvpool import figures, studyb
+
+    study = studyb.resolved(config)
+    names = list(blocks)
+    rows = pd.concat([read_records(paths["csv"]) for paths in blocks.values()], ignore_index=True)
+    pairs = studyb.block_pairs(names)
+    locality = studyb.locality_table(rows, pairs)
+    locality.to_csv(locality_csv, index=False)
+    turns = rows[rows["kind"] == "session"].merge(
+        studyb.session_walls(rows)[["block", "placement", "session", "wall_s"]], on=["block", "placement", "session"])
+    turns = turns.rename(columns={"wall_s": "session_wall_s", "context": "prompt_context"})
+    turns.drop(columns=["kind", "chain", "step", "output_text"]).to_csv(sessions_csv, index=False)
+    sessions = studyb.sessions_table(rows, pairs)
+    metas = {name: read_json(paths["meta"]) for name, paths in blocks.items()}
+    checks = studyb.pairing_checks(rows, pairs)
+    gate = {"blocks": {name: {"arm": meta["arm"], "valid": meta["valid"],
+                              "failed": [c for c, check in meta["checks"].items() if not check["ok"]]}
+                       for name, meta in metas.items()},
+            "checks": checks, "backend": study["backend"], "tier": study["tier"], "chunk": study["chunk"]}
+    gate["valid"] = all(b["valid"] for b in gate["blocks"].values()) and all(c["ok"] for c in checks.values())
+    write_json(validity_out, gate)
+    folder = Path(figures_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    drawn = [figures.save(figures.locality(rows), folder, "locality"),
+             figures.save(figures.sessions(studyb.with_pairs(studyb.session_walls(rows), pairs)), folder, "sessions")]
+    links = [os.path.relpath(d["png"], Path(md_out).parent) for d in drawn]
+    Path(md_out).write_text(studyb.markdown(study, names, gate, locality, sessions, links))
+    if not gate["valid"]:
+        log.error("Study B is INVALID: %s", studyb.gate_failures(gate))

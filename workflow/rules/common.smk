@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from kvpool import config as kvpool_config
-from kvpool import mp, runlock
+from kvpool import mp, runlock, studyb
 from kvpool.cells import CELL_PATTERN, Cell, cells, load_cells, measured, pool_predecessor
 from kvpool.load import LEVEL_PATTERN, levels
 from kvpool.model import RANDOM_MODEL_DIR
@@ -45,6 +45,7 @@ wildcard_constraints:
     arm="shared|isolated",
     chunk=r"\d+",
     level=LEVEL_PATTERN,
+    block=r"\d+-(on|off)",
     tier="[A-Za-z0-9_-]+",
 
 
@@ -156,3 +157,44 @@ def level_after(wildcards):
     position = LOAD_LEVELS.index(wildcards.level)
     before = "reuse.json" if position == 0 else f"load~{LOAD_LEVELS[position - 1]}/level.json"
     return ancient(f"results/cells/{cell.name}/{before}")
+
+
+# Study B's blocks (kvpool.studyb), in run order; with measured_only, those that finished. A config
+# whose study_b cannot run was refused above when study_b.enabled; otherwise Study B has no rules.
+try:
+    STUDYB = studyb.resolved(config)
+except ValueError:
+    STUDYB = None
+STUDYB_DIR = (
+    f"results/studyb/backend~{STUDYB['backend']}/chunk~{STUDYB['chunk']}/tier~{STUDYB['tier']}" if STUDYB else None
+)
+STUDYB_WORKLOAD = "results/studyb/workload.json"
+STUDYB_BLOCKS = [
+    block
+    for block in (studyb.blocks(STUDYB) if STUDYB else [])
+    if not MEASURED_ONLY or Path(f"{STUDYB_DIR}/block~{block}/block.json").exists()
+]
+# In all and the gate when enabled (and, with measured_only, when a block finished)
+STUDYB_TARGETS = (
+    {"md": "results/studyb.md", "validity": "results/studyb/validity.json"}
+    if config["study_b"]["enabled"] and STUDYB_BLOCKS
+    else {}
+)
+# What Study B's steps read: study_b less how many blocks run and whether all builds them (so neither
+# re-runs a measured block), and what resolving it reads
+STUDYB_SETTINGS = ("study_b", "backends", "tiers", "chunk_sizes", "engine", "workload", "replicas")
+
+
+def studyb_settings(*keys):
+    """``settings`` of Study B's steps: ``study_b`` without ``repeats`` and ``enabled``."""
+    values = settings(*keys)
+    values["study_b"] = {k: v for k, v in config["study_b"].items() if k not in ("repeats", "enabled")}
+    return values
+
+
+def studyb_after(wildcards):
+    """Ordering only (ancient): Study B's blocks run one after another, in the order OFF, ON, ON, OFF."""
+    if wildcards.block not in STUDYB_BLOCKS:
+        raise ValueError(f"block~{wildcards.block} is not one of Study B's blocks {STUDYB_BLOCKS}")
+    position = STUDYB_BLOCKS.index(wildcards.block)
+    return [ancient(f"{STUDYB_DIR}/block~{STUDYB_BLOCKS[position - 1]}/block.json")] if position else []

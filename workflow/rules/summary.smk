@@ -65,3 +65,25 @@ rule load_table:
         settings=settings("workload", "slo_s"),
     script:
         "../scripts/load_table.py"
+
+
+rule studyb_tables:
+    """Study B's Tables 3 and 4 from every block, its gate (each block's checks, the ON/OFF pairing) and page."""
+    input:
+        csvs=[f"{STUDYB_DIR}/block~{block}/requests.csv" for block in STUDYB_BLOCKS],
+        metas=[f"{STUDYB_DIR}/block~{block}/block.json" for block in STUDYB_BLOCKS],
+    output:
+        locality="results/locality.csv",
+        sessions="results/sessions.csv",
+        validity="results/studyb/validity.json",
+        md="results/studyb.md",
+        figures=directory("results/studyb/figures"),
+    log:
+        "logs/studyb/tables.log",
+    conda:
+        CONDA_ENV
+    params:
+        blocks=STUDYB_BLOCKS,
+        settings=studyb_settings(*STUDYB_SETTINGS),
+    script:
+        "../scripts/studyb_tables.py"

@@ -53,6 +53,7 @@ rule gate:
         table1="results/table1.md",
         tiers=TIER_COMPARE,
         report="results/report.html",
+        studyb=STUDYB_TARGETS.get("validity", []),
     output:
         "results/gate.ok",
     log:

@@ -1,4 +1,5 @@
 from kvpool import logs, steps
 
 logs.to_log(snakemake.log[0])
-steps.gate(snakemake.input.validity, snakemake.input.kv_bytes, snakemake.output[0], load_csv=snakemake.input.load)
+steps.gate(snakemake.input.validity, snakemake.input.kv_bytes, snakemake.output[0], load_csv=snakemake.input.load,
+           studyb_json=snakemake.input.get("studyb") or None)

@@ -1,0 +1,384 @@
+"""Study B's design: independently restarted blocks of two replicas, OFF (no KV connector: vLLM's own
+prefix cache only) and ON (the shared pool), run in the order OFF, ON, ON, OFF.
+
+Each block sends the same payloads: per context length a locality chain (cold on replica A, local on
+A twice, cross-replica on B, local on B; Study B's Table 3) and sessions of several turns, each turn
+its predecessor's prompt and answer plus new tokens, on one replica (``fixed``) or switching replicas
+(``alternating``; Study B's Table 4). ON and OFF requests pair by the SHA-256 of their payload and
+their target replica: paired changes come from the same request with and without the pool, and equal
+greedy answers across a pair show that the pool's KV is the KV the replica computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvpool.cells import Cell
+
+OFF, ON = "off", "on"
+SEQUENCE = (OFF, ON, ON, OFF)
+# A chain's steps and the replica each goes to (A prefills, B never saw the document before "cross").
+CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("local-B", "B"))
+COLUMNS = ["block", "arm", "kind", "context", "chain", "step", "placement", "session", "turn", "replica",
+           "payload_sha256", "prompt_tokens", "cached_tokens", "local_hit_tokens", "external_hit_tokens",
+           "computed_tokens", "ttft_s", "e2e_s", "started_at", "finished_at", "output_text", "error"]
+
+
+def resolved(config: dict) -> dict:
+    """``study_b`` with its pool named (backend, tier, chunk) and checked against the matrix."""
+    study = dict(config["study_b"])
+    sharing = [backend for backend in config["backends"] if backend != "lmcache-local-disk"]
+    study["backend"] = study["backend"] or (sharing[0] if sharing else "lmcache-local-disk")
+    study["tier"] = study["tier"] or ("ram" if "ram" in config["tiers"] else next(iter(config["tiers"])))
+    study["chunk"] = study["chunk"] or config["chunk_sizes"][0]
+    if study["backend"] not in config["backends"]:
+        raise ValueError(f"study_b.backend {study['backend']!r} is not one of backends {config['backends']}")
+    if study["tier"] not in config["tiers"]:
+        raise ValueError(f"study_b.tier {study['tier']!r} is not one of tiers {sorted(config['tiers'])}")
+    # a step that injects no fault does not declare the setting
+    if config.get("fault_injection", {}).get("corrupt_stored_chunk") and study["backend"] != "lmcache-fs":
+        raise ValueError(f"fault_injection.corrupt_stored_chunk needs study_b.backend lmcache-fs (a pool of files "
+                         f"the replicas read), not {study['backend']}")
+    if study["backend"] == "lmcache-local-disk":
+        raise ValueError("study_b.backend lmcache-local-disk cannot share a pool between replicas: add lmcache-fs "
+                         "or lmcache-mp to backends (study_b uses the first), or set study_b.enabled: false")
+    partial = [c for c in study["contexts"] if c % study["chunk"]]
+    if partial:
+        raise ValueError(f"study_b.contexts {partial} are not whole chunks of {study['chunk']} tokens: "
+                         "a cross-replica hit could not cover the document")
+    longest = max(max(study["contexts"]) + study["question_tokens"],
+                  study["session_tokens"] + (study["turns"] - 1)
+                  * (study["turn_tokens"] + config["workload"]["output_tokens"])) + config["workload"]["output_tokens"]
+    if longest > config["engine"]["max_model_len"]:
+        raise ValueError(f"study_b's longest request needs {longest} tokens (prompt and answer), more than "
+                         f"engine.max_model_len {config['engine']['max_model_len']}")
+    if config["replicas"] < 2:
+        raise ValueError("study_b needs two replicas or more (a cross-replica step and alternating sessions)")
+    return study
+
+
+def blocks(study: dict) -> list[str]:
+    """Block names in run order: ``1-off``, ``2-on``, ``3-on``, ``4-off``, then again per repeat."""
+    arms = SEQUENCE * study["repeats"]
+    return [f"{i}-{arm}" for i, arm in enumerate(arms, start=1)]
+
+
+def block_arm(name: str) -> str:
+    return name.split("-", 1)[1]
+
+
+def block_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(OFF block, ON block) pairs of ``names`` (run order, possibly cut short): in each OFF, ON, ON, OFF
+    the first two and the last two."""
+    present = set(names)
+    pairs = []
+    for start in range(0, len(names), len(SEQUENCE)):
+        number = start // len(SEQUENCE)
+        first, second, third, fourth = (f"{number * len(SEQUENCE) + i}-{arm}" for i, arm in
+                                        enumerate(SEQUENCE, start=1))
+        pairs += [pair for pair in ((first, second), (fourth, third)) if set(pair) <= present]
+    return pairs
+
+
+def block_cell(study: dict, arm: str) -> Cell:
+    """The plan's cell of a block: the shared arm of the study's pool (ON), or no connector (OFF)."""
+    return Cell(study["backend"], "shared" if arm == ON else OFF, study["chunk"], study["tier"])
+
+
+def payload_sha256(prompt: list[int]) -> str:
+    return hashlib.sha256(json.dumps(prompt, separators=(",", ":")).encode()).hexdigest()
+
+
+def make_workload(token_ids: list[int], study: dict, replicas: int) -> dict:
+    """Every block's payloads: one document per chain and per session, each with a first token of its
+    own (no two share a cacheable prefix), and each session's new tokens per later turn; seeded."""
+    rng = np.random.default_rng(study["seed"])
+    pool = np.asarray(token_ids)
+    chains = [(context, k) for context in study["contexts"] for k in range(study["chains"])]
+    sessions = [(placement, s) for placement in study["placements"] for s in range(study["sessions"])]
+    documents = len(chains) + len(sessions) + study["warmups"]
+    if documents > len(pool):
+        raise ValueError(f"study_b needs {documents} documents with distinct first tokens; the vocabulary has "
+                         f"{len(pool)}")
+    firsts = iter(rng.choice(pool, size=documents, replace=False).tolist())
+
+    def document(tokens: int) -> list[int]:
+        return [int(next(firsts))] + rng.choice(pool, size=tokens - 1).tolist()
+
+    question = rng.choice(pool, size=study["question_tokens"]).tolist()
+    chain_items = []
+    for index, (context, k) in enumerate(chains):
+        a = index % replicas
+        chain_items.append({"context": context, "chain": k, "replicas": {"A": a, "B": (a + 1) % replicas},
+                            "prompt": document(context) + question})
+    session_items = [{"placement": placement, "session": s, "first": document(study["session_tokens"]),
+                      "increments": [rng.choice(pool, size=study["turn_tokens"]).tolist()
+                                     for _ in range(study["turns"] - 1)]}
+                     for placement, s in sessions]
+    # warm-ups: one chunk each, prefixes of their own, so they leave nothing a measured request could find
+    warmups = [document(study["chunk"]) for _ in range(study["warmups"])]
+    return {"chains": chain_items, "sessions": session_items, "warmups": warmups}
+
+
+def session_replica(placement: str, session: int, turn: int, replicas: int) -> int:
+    return session % replicas if placement == "fixed" else (session + turn) % replicas
+
+
+# One request, sequentially (the serving replica's /metrics deltas are this request's): the replica's
+# index, the prompt and whether to return the answer's token ids; a RequestResult and the deltas back.
+Send = Callable[[int, list[int], bool], Awaitable[tuple]]
+
+
+def _row(block: str, result, counts: dict, replica: int, prompt: list[int], **where) -> dict:
+    row = {"block": block, "arm": block_arm(block), "replica": replica, "payload_sha256": payload_sha256(prompt),
+           "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
+           "local_hit_tokens": counts.get("local_cache_hit"), "external_hit_tokens": counts.get("external_kv_transfer"),
+           "computed_tokens": counts.get("local_compute"), "ttft_s": result.ttft_s, "e2e_s": result.e2e_s,
+           "started_at": result.started_at, "finished_at": time.time(), "output_text": result.output_text,
+           "error": result.error or None, **where}
+    return {column: row.get(column) for column in COLUMNS}
+
+
+async def run_block(send: Send, block: str, workload: dict, study: dict, replicas: int,
+                    before_step: Callable[[str], None] | None = None) -> list[dict]:
+    """The block's requests, one at a time: warm-ups (the same on every replica), the chains, the
+    sessions. ``before_step`` (fault injection) runs before each chain step, with the step's name."""
+    rows = []
+    for replica in range(replicas):
+        for prompt in workload["warmups"]:
+            result, counts = await send(replica, prompt, False)
+            rows.append(_row(block, result, counts, replica, prompt, kind="warmup"))
+    for item in workload["chains"]:
+        for step, role in CHAIN:
+            if before_step is not None:
+                before_step(step)
+            replica = item["replicas"][role]
+            result, counts = await send(replica, item["prompt"], False)
+            rows.append(_row(block, result, counts, replica, item["prompt"], kind="chain", context=item["context"],
+                             chain=item["chain"], step=step))
+    for item in workload["sessions"]:
+        prompt = item["first"]
+        for turn in range(study["turns"]):
+            replica = session_replica(item["placement"], item["session"], turn, replicas)
+            result, counts = await send(replica, prompt, True)
+            rows.append(_row(block, result, counts, replica, prompt, kind="session", placement=item["placement"],
+                             session=item["session"], turn=turn, context=len(prompt)))
+            if result.error:
+                break  # the next turn's prompt needs this answer
+            if turn + 1 < study["turns"]:
+                prompt = prompt + result.output_token_ids + item["increments"][turn]
+    return rows
+
+
+def _check(ok: bool, value, threshold) -> dict:
+    return {"ok": bool(ok), "value": value, "threshold": threshold}
+
+
+def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: float) -> dict:
+    """Study B's assertions on one block, each failing the block with its reason: no errors; every
+    cold step found nothing, locally or in a pool; every cross-replica step found nothing locally, and
+    in ON its document's whole chunks in the pool (at least ``min_hit_fraction``), in OFF nothing."""
+    measured = rows[rows["kind"] != "warmup"]
+    chains = measured[measured["kind"] == "chain"]
+    cold, cross = chains[chains["step"] == "cold"], chains[chains["step"] == "cross"]
+    errors = int(rows["error"].notna().sum())
+    cold_hits = cold["local_hit_tokens"].fillna(-1).astype(int) + cold["external_hit_tokens"].fillna(-1).astype(int)
+    checks = {
+        "zero_errors": _check(errors == 0, errors, 0),
+        "cold_finds_nothing": _check(bool((cold_hits == 0).all()), int(cold_hits.clip(lower=0).sum()), 0),
+        "cross_finds_nothing_locally": _check(bool((cross["local_hit_tokens"].fillna(-1) == 0).all()),
+                                              int(cross["local_hit_tokens"].fillna(0).sum()), 0),
+    }
+    external = cross["external_hit_tokens"].fillna(0).astype(float)
+    if arm == ON:
+        fraction = external / cross["context"].astype(float)
+        checks["cross_loads_the_document"] = _check(bool((fraction >= min_hit_fraction).all() and len(cross)),
+                                                    float(fraction.min()) if len(cross) else None, min_hit_fraction)
+    else:
+        checks["cross_loads_nothing"] = _check(bool((external == 0).all()), int(external.sum()), 0)
+    # a chain sends one payload five times: greedy answers from cache, pool or compute must all agree
+    answers = chains.groupby(["context", "chain"])["output_text"].nunique(dropna=False)
+    checks["chain_answers_agree"] = _check(bool((answers == 1).all()) and len(answers) > 0,
+                                           int((answers == 1).sum()), len(answers))
+    sessions = measured[measured["kind"] == "session"]
+    expected = len(study["placements"]) * study["sessions"] * study["turns"]
+    checks["every_turn_answered"] = _check(len(sessions) == expected and sessions["error"].isna().all(),
+                                           int(sessions["error"].isna().sum()), expected)
+    return checks
+
+
+def paired(rows: pd.DataFrame, pairs: list[tuple[str, str]], key: list[str]) -> pd.DataFrame:
+    """ON rows beside their OFF rows, one line per ON/OFF block pair and ``key`` (the request's place in
+    the design); a pair holds only when payload and replica agree too."""
+    frames = []
+    for number, (off_block, on_block) in enumerate(pairs, start=1):
+        off = rows[rows["block"] == off_block].set_index(key)
+        on = rows[rows["block"] == on_block].set_index(key)
+        both = on.merge(off, how="outer", left_index=True, right_index=True, suffixes=("_on", "_off"))
+        both["pair"] = number
+        both["paired"] = ((both["payload_sha256_on"] == both["payload_sha256_off"])
+                          & (both["replica_on"] == both["replica_off"]))
+        both["output_equal"] = both["paired"] & (both["output_text_on"] == both["output_text_off"])
+        both["change_pct"] = 100 * (both["ttft_s_on"] / both["ttft_s_off"] - 1)
+        frames.append(both.reset_index())
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def mean_change_ci(per_pair: pd.Series, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of the mean paired change across ON/OFF block pairs (``per_pair``: one mean
+    per pair); NaN below three pairs, where Study B reported none either."""
+    from scipy.stats import bootstrap
+
+    values = per_pair.dropna().to_numpy(dtype=float)
+    if len(values) < 3:
+        return float("nan"), float("nan")
+    if np.all(values == values[0]):
+        return float(values[0]), float(values[0])
+    result = bootstrap((values,), np.mean, confidence_level=confidence, n_resamples=2000, method="percentile",
+                       random_state=np.random.default_rng(seed))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def _observations(values: pd.Series) -> str:
+    return ";".join(f"{v:.4g}" for v in values.dropna())
+
+
+def _change(group: pd.DataFrame, value: str = "change_pct") -> dict:
+    per_pair = group.groupby("pair")[value].mean()
+    low, high = mean_change_ci(per_pair)
+    return {"mean_paired_change_pct": float(group[value].mean()) if group[value].notna().any() else np.nan,
+            "change_ci_low_pct": low, "change_ci_high_pct": high, "block_pairs": int(per_pair.notna().sum()),
+            "pairs_matched": int(group["paired"].sum()), "outputs_equal": int(group["output_equal"].sum())}
+
+
+def locality_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
+    """Study B's Table 3: per context and chain step, each arm's median TTFT, its observations and hit
+    tokens by source, and the mean ON/OFF paired change."""
+    chains = rows[rows["kind"] == "chain"]
+    matched = paired(chains, pairs, ["context", "chain", "step"])
+    table = []
+    for (context, step), group in chains.groupby(["context", "step"], sort=False):
+        row = {"context": int(context), "step": step}
+        for arm in (OFF, ON):
+            values = group[group["arm"] == arm]
+            row.update({f"{arm}_ttft_median_s": values["ttft_s"].median(), f"{arm}_n": int(values["ttft_s"].count()),
+                        f"{arm}_observations_s": _observations(values["ttft_s"]),
+                        f"{arm}_local_hit_tokens": values["local_hit_tokens"].median(),
+                        f"{arm}_external_hit_tokens": values["external_hit_tokens"].median(),
+                        f"{arm}_computed_tokens": values["computed_tokens"].median()})
+        row.update(_change(matched[(matched["context"] == context) & (matched["step"] == step)]))
+        table.append(row)
+    order = {step: i for i, (step, _) in enumerate(CHAIN)}
+    return pd.DataFrame(table).sort_values(["context", "step"], key=lambda s: s.map(order) if s.name == "step"
+                                           else s).reset_index(drop=True)
+
+
+def session_walls(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per block and session: its wall time, first request sent to last answer complete."""
+    sessions = rows[rows["kind"] == "session"]
+    grouped = sessions.groupby(["block", "arm", "placement", "session"], sort=False)
+    walls = grouped.agg(started=("started_at", "min"), finished=("finished_at", "max"), turns=("turn", "count"),
+                        ttft_total_s=("ttft_s", "sum"), errors=("error", "count")).reset_index()
+    walls["wall_s"] = walls["finished"] - walls["started"]
+    return walls.drop(columns=["started", "finished"])
+
+
+def sessions_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
+    """Study B's Table 4: per placement, each arm's median session wall time and its observations,
+    the mean ON/OFF paired change of the wall time, and of the TTFT per turn."""
+    walls = session_walls(rows)
+    sessions = rows[rows["kind"] == "session"]
+    turns = paired(sessions, pairs, ["placement", "session", "turn"])
+    wall_pairs = []
+    for number, (off_block, on_block) in enumerate(pairs, start=1):
+        off = walls[walls["block"] == off_block].set_index(["placement", "session"])["wall_s"]
+        on = walls[walls["block"] == on_block].set_index(["placement", "session"])["wall_s"]
+        wall_pairs.append(pd.DataFrame({"pair": number, "change_pct": 100 * (on / off - 1)}).reset_index())
+    wall_change = pd.concat(wall_pairs, ignore_index=True) if wall_pairs else pd.DataFrame()
+    table = []
+    for placement, group in walls.groupby("placement", sort=False):
+        row = {"placement": placement}
+        for arm in (OFF, ON):
+            values = group[group["arm"] == arm]["wall_s"]
+            row.update({f"{arm}_wall_median_s": values.median(), f"{arm}_n": int(values.count()),
+                        f"{arm}_observations_s": _observations(values)})
+        changes = wall_change[wall_change["placement"] == placement]
+        per_pair = changes.groupby("pair")["change_pct"].mean()
+        low, high = mean_change_ci(per_pair)
+        placed = turns[turns["placement"] == placement]
+        row.update({"mean_paired_change_pct": changes["change_pct"].mean(), "change_ci_low_pct": low,
+                    "change_ci_high_pct": high, "block_pairs": int(per_pair.notna().sum()),
+                    "turn_ttft_change_pct": placed["change_pct"].mean(),
+                    "turns_matched": int(placed["paired"].sum()), "outputs_equal": int(placed["output_equal"].sum())})
+        table.append(row)
+    return pd.DataFrame(table)
+
+
+def pairing_checks(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict:
+    """Every measured ON request has its OFF twin (same payload, same replica) and the same greedy
+    answer: the pool's KV gives the answer the replica computes without it."""
+    measured = rows[rows["kind"] != "warmup"]
+    chains = paired(measured[measured["kind"] == "chain"], pairs, ["context", "chain", "step"])
+    sessions = paired(measured[measured["kind"] == "session"], pairs, ["placement", "session", "turn"])
+    both = pd.concat([chains, sessions], ignore_index=True)
+    total = len(both)
+    return {"every_on_request_paired": _check(bool(both["paired"].all()) and total > 0,
+                                              int(both["paired"].sum()), total),
+            "outputs_equal_across_pairs": _check(bool(both["output_equal"].all()) and total > 0,
+                                                 int(both["output_equal"].sum()), total)}
+
+
+def with_pairs(frame: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
+    """``frame`` with the number of the ON/OFF block pair each row's block belongs to."""
+    number = {block: i for i, pair in enumerate(pairs, start=1) for block in pair}
+    return frame.assign(pair=frame["block"].map(number))
+
+
+def gate_failures(gate: dict) -> list[str]:
+    reasons = [f"block {name} ({block['arm']}): {', '.join(block['failed'])}"
+               for name, block in gate["blocks"].items() if not block["valid"]]
+    reasons += [f"{name}: {check['value']} of {check['threshold']}" for name, check in gate["checks"].items()
+                if not check["ok"]]
+    return reasons
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "" if value is None or value != value else f"{value:.{digits}g}"
+
+
+def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
+             figures: list[str]) -> str:
+    """Study B's page: the design as run, the gate, Table 3 (locality) and Table 4 (sessions)."""
+    verdict = "VALID" if gate["valid"] else "INVALID: " + "; ".join(gate_failures(gate))
+    lines = [f"# Study B's design: {study['backend']} (chunk {study['chunk']}, tier {study['tier']}), ON against OFF",
+             "", f"Blocks in run order: {', '.join(names)}. Each block restarts the fleet (and empties the ON pool); "
+             f"{study['warmups']} warm-ups per replica are recorded and left out. ON and OFF requests pair by "
+             "payload SHA-256 and replica; the change is 100 x (ON / OFF - 1), its interval a bootstrap across "
+             "block pairs (three pairs or more).", "", f"**Gate: {verdict}.**", "",
+             "## Locality chains (Study B's Table 3)", "",
+             "| context | step | OFF median | ON median | ON external hit tokens | mean paired change | 95% CI | "
+             "pairs (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
+    for row in locality.itertuples():
+        ci = f"[{_fmt(row.change_ci_low_pct)}, {_fmt(row.change_ci_high_pct)}]" \
+            if row.change_ci_low_pct == row.change_ci_low_pct else "n/a"
+        lines.append(f"| {row.context} | {row.step} | {_fmt(row.off_ttft_median_s)} s | {_fmt(row.on_ttft_median_s)} s "
+                     f"| {_fmt(row.on_external_hit_tokens, 6)} | {_fmt(row.mean_paired_change_pct)}% | {ci} | "
+                     f"{row.pairs_matched} ({row.outputs_equal}) |")
+    lines += ["", "## Sessions (Study B's Table 4)", "",
+              "| placement | OFF median wall | ON median wall | mean paired change | 95% CI | turn TTFT change | "
+              "turns paired (outputs equal) |", "|---|---|---|---|---|---|---|"]
+    for row in sessions.itertuples():
+        ci = f"[{_fmt(row.change_ci_low_pct)}, {_fmt(row.change_ci_high_pct)}]" \
+            if row.change_ci_low_pct == row.change_ci_low_pct else "n/a"
+        lines.append(f"| {row.placement} | {_fmt(row.off_wall_median_s)} s | {_fmt(row.on_wall_median_s)} s | "
+                     f"{_fmt(row.mean_paired_change_pct)}% | {ci} | {_fmt(row.turn_ttft_change_pct)}% | "
+                     f"{row.turns_matched} ({row.outputs_equal}) |")
+    lines += [""] + [f"![{Path(link).stem}]({link})" for link in figures]
+    return "\n".join(lines) + "\n"

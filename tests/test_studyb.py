@@ -1,0 +1,178 @@
+"""Study B's design: block order and pairs, payloads, the chain and session sequencing, the block checks,
+ON/OFF pairing and the tables, driven by a stand-in replica fleet that keeps a prefix cache and a pool."""
+
+import asyncio
+
+import pandas as pd
+import pytest
+
+from kvpool import studyb
+from kvpool.client import RequestResult
+from kvpool.plan import fleet_plan
+
+VOCAB = list(range(1000, 3000))
+
+
+@pytest.fixture
+def study(config):
+    config["study_b"].update(contexts=[256, 512], sessions=2, turns=4, session_tokens=256, turn_tokens=32,
+                             warmups=1, question_tokens=8)
+    return studyb.resolved(config)
+
+
+def test_blocks_run_off_on_on_off_and_pair_first_two_and_last_two():
+    names = studyb.blocks({"repeats": 2})
+    assert names == ["1-off", "2-on", "3-on", "4-off", "5-off", "6-on", "7-on", "8-off"]
+    assert studyb.block_pairs(names) == [("1-off", "2-on"), ("4-off", "3-on"), ("5-off", "6-on"), ("8-off", "7-on")]
+    # a run cut short pairs what it finished
+    assert studyb.block_pairs(["1-off", "2-on", "3-on"]) == [("1-off", "2-on")]
+
+
+def test_the_study_resolves_its_pool_and_refuses_what_cannot_run(config):
+    study = studyb.resolved(config)
+    assert (study["backend"], study["chunk"]) == (config["backends"][0], config["chunk_sizes"][0])
+    assert study["tier"] == ("ram" if "ram" in config["tiers"] else next(iter(config["tiers"])))
+    config["study_b"]["contexts"] = [300]
+    with pytest.raises(ValueError, match=r"contexts \[300\] are not whole chunks"):
+        studyb.resolved(config)
+    config["study_b"].update(contexts=[256], backend="lmcache-local-disk")
+    config["backends"] = ["lmcache-local-disk"]
+    with pytest.raises(ValueError, match="cannot share a pool"):
+        studyb.resolved(config)
+    config["study_b"].update(backend=None, session_tokens=10**6)
+    config["backends"] = ["lmcache-fs"]
+    with pytest.raises(ValueError, match="more than engine.max_model_len"):
+        studyb.resolved(config)
+
+
+def test_payloads_are_seeded_and_no_two_documents_share_a_prefix(study):
+    workload = studyb.make_workload(VOCAB, study, replicas=2)
+    assert workload == studyb.make_workload(VOCAB, study, replicas=2)
+    firsts = [c["prompt"][0] for c in workload["chains"]] + [s["first"][0] for s in workload["sessions"]] \
+        + [w[0] for w in workload["warmups"]]
+    assert len(firsts) == len(set(firsts)) == 2 + 4 + 1
+    assert [len(c["prompt"]) for c in workload["chains"]] == [256 + 8, 512 + 8]
+    # chains alternate which replica prefills, so both replicas serve cross-replica steps
+    assert [c["replicas"] for c in workload["chains"]] == [{"A": 0, "B": 1}, {"A": 1, "B": 0}]
+    assert all(len(s["increments"]) == 3 and all(len(i) == 32 for i in s["increments"]) for s in workload["sessions"])
+
+
+class StandIn:
+    """Two replicas with a prefix cache each and, when ``pooled``, a shared pool of whole chunks; greedy
+    answers are a function of the prompt (so ON and OFF agree) unless ``damage`` corrupts pool loads."""
+
+    def __init__(self, chunk: int, pooled: bool, damage: bool = False, output_tokens: int = 4):
+        self.chunk, self.pooled, self.damage, self.output_tokens = chunk, pooled, damage, output_tokens
+        self.local = {0: set(), 1: set()}
+        self.pool = set()
+        self.sent = []
+
+    async def send(self, replica: int, prompt: list[int], token_ids: bool):
+        self.sent.append((replica, len(prompt)))
+        prefixes = range(self.chunk, len(prompt), self.chunk)
+        local = max((n for n in prefixes if tuple(prompt[:n]) in self.local[replica]), default=0)
+        external = 0
+        if self.pooled:
+            external = max((n for n in prefixes if tuple(prompt[:n]) in self.pool), default=0)
+            external = max(external - local, 0)
+        for n in prefixes:
+            self.local[replica].add(tuple(prompt[:n]))
+            if self.pooled:
+                self.pool.add(tuple(prompt[:n]))
+        answer = [sum(prompt) % 997 + i for i in range(self.output_tokens)]
+        if self.damage and external:
+            answer[0] += 1
+        result = RequestResult(ttft_s=0.01 + (len(prompt) - local - external) * 1e-4, e2e_s=0.1,
+                               prompt_tokens=len(prompt), cached_tokens=local + external,
+                               output_text=" ".join(map(str, answer)), output_token_ids=answer if token_ids else [])
+        return result, {"local_cache_hit": local, "external_kv_transfer": external,
+                        "local_compute": len(prompt) - local - external}
+
+
+def run_blocks(study, damage=False):
+    workload = studyb.make_workload(VOCAB, study, replicas=2)
+    rows = []
+    for block in studyb.blocks({"repeats": 1}):
+        fleet = StandIn(study["chunk"], pooled=studyb.block_arm(block) == studyb.ON, damage=damage)
+        rows += asyncio.run(studyb.run_block(fleet.send, block, workload, study, 2))
+    return pd.DataFrame(rows, columns=studyb.COLUMNS)
+
+
+def test_a_block_sends_warmups_chains_then_sessions_that_grow_by_answer_and_new_tokens(study):
+    workload = studyb.make_workload(VOCAB, study, replicas=2)
+    fleet = StandIn(study["chunk"], pooled=True)
+    rows = pd.DataFrame(asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2)), columns=studyb.COLUMNS)
+    assert list(rows["kind"].drop_duplicates()) == ["warmup", "chain", "session"]
+    chain = rows[(rows["kind"] == "chain") & (rows["context"] == 256)]
+    assert list(chain["step"]) == [step for step, _ in studyb.CHAIN] and list(chain["replica"]) == [0, 0, 0, 1, 1]
+    assert chain.set_index("step").loc["cross", "external_hit_tokens"] == 256
+    session = rows[(rows["kind"] == "session") & (rows["placement"] == "alternating") & (rows["session"] == 0)]
+    assert list(session["replica"]) == [0, 1, 0, 1]
+    assert list(session["prompt_tokens"]) == [256 + t * (4 + 32) for t in range(4)]  # + answer + new tokens
+    fixed = rows[(rows["kind"] == "session") & (rows["placement"] == "fixed")]
+    assert fixed.groupby("session")["replica"].nunique().eq(1).all()
+
+
+def test_each_arm_passes_its_checks_and_fails_on_a_hit_where_none_belongs(study):
+    rows = run_blocks(study)
+    for block in ("1-off", "2-on"):
+        checks = studyb.block_checks(rows[rows["block"] == block], studyb.block_arm(block), study, 0.9)
+        assert all(c["ok"] for c in checks.values()), checks
+    on = rows[rows["block"] == "2-on"].copy()
+    cross = (on["kind"] == "chain") & (on["step"] == "cross")
+    on.loc[cross, "local_hit_tokens"] = 16  # B found the document in its own cache: not a cross-replica step
+    on.loc[(on["kind"] == "chain") & (on["step"] == "cold"), "external_hit_tokens"] = 256
+    checks = studyb.block_checks(on, studyb.ON, study, 0.9)
+    assert not checks["cross_finds_nothing_locally"]["ok"] and not checks["cold_finds_nothing"]["ok"]
+    off = rows[rows["block"] == "1-off"].copy()
+    off.loc[(off["kind"] == "chain") & (off["step"] == "cross"), "external_hit_tokens"] = 256
+    assert not studyb.block_checks(off, studyb.OFF, study, 0.9)["cross_loads_nothing"]["ok"]
+    missing = rows[(rows["block"] == "2-on") & ~((rows["kind"] == "session") & (rows["turn"] == 3))]
+    assert not studyb.block_checks(missing, studyb.ON, study, 0.9)["every_turn_answered"]["ok"]
+
+
+def test_pairs_match_by_payload_and_replica_and_damaged_kv_fails_the_pairing(study):
+    pairs = studyb.block_pairs(studyb.blocks({"repeats": 1}))
+    checks = studyb.pairing_checks(run_blocks(study), pairs)
+    assert checks["every_on_request_paired"]["ok"] and checks["outputs_equal_across_pairs"]["ok"]
+    damaged = studyb.pairing_checks(run_blocks(study, damage=True), pairs)
+    assert not damaged["outputs_equal_across_pairs"]["ok"]
+    # a damaged answer changes the next turn's payload: those turns no longer pair either
+    assert not damaged["every_on_request_paired"]["ok"]
+
+
+def test_the_tables_show_the_cross_step_and_alternating_sessions_gain_only_with_the_pool(study):
+    rows = run_blocks(study)
+    pairs = studyb.block_pairs(studyb.blocks({"repeats": 1}))
+    locality = studyb.locality_table(rows, pairs).set_index(["context", "step"])
+    assert list(locality.index.get_level_values("step")[:5]) == [step for step, _ in studyb.CHAIN]
+    cross = locality.loc[(512, "cross")]
+    assert cross["on_external_hit_tokens"] == 512 and cross["off_external_hit_tokens"] == 0
+    assert cross["mean_paired_change_pct"] < -50 and cross["pairs_matched"] == 2 and cross["outputs_equal"] == 2
+    assert abs(locality.loc[(512, "cold"), "mean_paired_change_pct"]) < 1e-9  # nothing to gain when cold
+    assert locality.loc[(512, "cross"), "on_observations_s"].count(";") == 1  # both ON blocks' observations
+    assert pd.isna(cross["change_ci_low_pct"])  # two block pairs: no interval, as in Study B
+    sessions = studyb.sessions_table(rows, pairs).set_index("placement")
+    assert sessions.loc["alternating", "turn_ttft_change_pct"] < -10
+    assert abs(sessions.loc["fixed", "turn_ttft_change_pct"]) < 1e-9
+
+
+def test_three_block_pairs_or_more_get_a_bootstrap_interval():
+    assert all(pd.isna(v) for v in studyb.mean_change_ci(pd.Series([-40.0, -42.0])))
+    low, high = studyb.mean_change_ci(pd.Series([-40.0, -42.0, -38.0, -41.0]))
+    assert -42.0 <= low <= -40.25 <= high <= -38.0
+
+
+def test_the_off_plan_is_the_on_plan_without_connector_or_pool(config, tmp_path):
+    config["study_b"]["backend"] = None
+    study = studyb.resolved(config)
+    on = fleet_plan(config, studyb.block_cell(study, studyb.ON), "m", tmp_path, [18100, 18101], "config",
+                    pool_root=tmp_path / "pool")
+    off = fleet_plan(config, studyb.block_cell(study, studyb.OFF), "m", tmp_path, [18100, 18101], "config")
+    assert all(r["kv_transfer"] and r["pool_dir"].startswith(str(tmp_path / "pool")) for r in on["replicas"])
+    assert all(r["kv_transfer"] is None and r["pool_dir"] is None and "--kv-transfer-config" not in r["argv"]
+               for r in off["replicas"])
+    for a, b in zip(on["replicas"], off["replicas"], strict=True):
+        i = a["argv"].index("--kv-transfer-config")
+        assert a["argv"][:i] + a["argv"][i + 2:] == b["argv"]
+        assert {k: v for k, v in a["env"].items() if k != "LMCACHE_CONFIG_FILE"} == b["env"]

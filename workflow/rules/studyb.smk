@@ -1,0 +1,55 @@
+# Study B's design (kvpool.studyb): blocks OFF, ON, ON, OFF (repeated per study_b.repeats), each a
+# fresh fleet of two replicas, ON on the study's shared pool (emptied first), OFF with no connector.
+# Re-measure one block with --forcerun on its block.json; a block waits for the one before it.
+
+
+rule studyb_workload:
+    """Study B's payloads (chains, sessions, warm-ups), the same in every block."""
+    input:
+        model_input,
+    output:
+        STUDYB_WORKLOAD,
+    log:
+        "logs/studyb/workload.log",
+    conda:
+        CONDA_ENV
+    params:
+        model=model_path(),
+        settings=studyb_settings(*STUDYB_SETTINGS),
+    script:
+        "../scripts/run_studyb_workload.py"
+
+
+rule studyb_block:
+    """One block: its plan, a fresh fleet (and pool servers), the chains and sessions, its checks."""
+    input:
+        model_input,
+        workload=STUDYB_WORKLOAD,
+        after=studyb_after,
+    output:
+        plan=f"{STUDYB_DIR}/block~{{block}}/plan.yaml",
+        manifest=f"{STUDYB_DIR}/block~{{block}}/manifest.json",
+        csv=f"{STUDYB_DIR}/block~{{block}}/requests.csv",
+        meta=f"{STUDYB_DIR}/block~{{block}}/block.json",
+    log:
+        "logs/studyb/block~{block}.log",
+    benchmark:
+        f"{STUDYB_DIR}/benchmarks/block~{{block}}.tsv"
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        model=model_path(),
+        # only an ON block injects a fault (fault_injection): turning it on re-measures no OFF block
+        settings=lambda wc: studyb_settings(
+            *STUDYB_SETTINGS,
+            *PHASE_SETTINGS,
+            "hash_keys",
+            "lmcache",
+            "min_hit_fraction",
+            *(["fault_injection"] if wc.block.endswith("-on") else []),
+        ),
+        log_dir=lambda wc: f"logs/studyb/block~{wc.block}/replicas",
+    script:
+        "../scripts/run_studyb_block.py"
