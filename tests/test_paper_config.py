@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from conftest import REPO
+from snakemake.utils import validate
 
 
 def test_paper_config_dry_run_plans_the_whole_matrix(tmp_path):
@@ -102,6 +103,40 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
                       "auto", server_ports=[18102, 18103] if backend == "lmcache-mp" else None)
     assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
     assert all(r["sequential_start"] == packed for r in plan["replicas"])
+
+
+def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path):
+    """Study B's design on the H200s: the four blocks and the tables, nothing of Study A's cells; the
+    ON blocks plan an MP server, the OFF blocks no connector; its contexts and sessions fit the engine."""
+    from kvpool import studyb
+    from kvpool.config import load, problems
+
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "results/studyb.md", "-n", "-s", str(REPO / "Snakefile"), "--directory",
+         str(tmp_path), "--configfile", str(REPO / "config" / "h200x2-mp-studyb.yaml")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^studyb_block\s+4$", result.stdout, re.M) and not re.search(r"^(populate|memory_pool_cell)\s",
+                                                                                   result.stdout, re.M)
+    config = load(REPO / "config" / "h200x2-mp-studyb.yaml", REPO)
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    assert problems(config, tmp_path, check_paths=False) == []
+    study = studyb.resolved(config)
+    assert (study["backend"], study["tier"], max(study["contexts"])) == ("lmcache-mp", "ram", 131072)
+    # a Study A GPU config leaves Study B out of `all`
+    assert not load(REPO / "config" / "h200.yaml", REPO)["study_b"]["enabled"]
+
+
+def test_the_selftest_config_is_the_default_with_a_fault_injected(tmp_path):
+    from kvpool.config import load, problems
+
+    selftest, default = (load(REPO / "config" / name, REPO) for name in ("selftest.yaml", "config.yaml"))
+    for config in (selftest, default):
+        validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    assert selftest["fault_injection"] == {"corrupt_stored_chunk": True}
+    assert {k: v for k, v in selftest.items() if k not in ("extends", "fault_injection")} == \
+        {k: v for k, v in default.items() if k != "fault_injection"}
+    assert problems(selftest, tmp_path, check_paths=False) == []
 
 
 def test_gpu_overlays_resolve_over_their_base_as_written(tmp_path):
