@@ -348,34 +348,41 @@ def _run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir:
     return frame, meta
 
 
+def phase_summary(raw_drive: pd.DataFrame, power: pd.DataFrame, telemetry: dict, requests: int,
+                  gpus: list[int]) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """One timed window's telemetry (a phase, or a load level): the raw drive samples with iostat's
+    derived columns for the interval each closes, the fleet's GPUs' power samples alone (a sampler may
+    read every GPU of the host) and the window's summary."""
+    from kvpool.drive import iostat
+    from kvpool.telemetry import fleet_gpus_only, summarize_drive, summarize_power
+
+    derived = iostat(raw_drive) if not raw_drive.empty else pd.DataFrame()
+    if not raw_drive.empty:
+        raw_drive = raw_drive.merge(derived.drop(columns=["phase", "cell"], errors="ignore"), on=["t_s", "device"],
+                                    how="left")
+    meta, power = fleet_gpus_only(telemetry, power, gpus)
+    summary = {"started_at": meta["started_at"], "finished_at": meta["finished_at"], "duration_s": meta["duration_s"],
+               "hz": meta["hz"], "devices": meta["devices"], "disks": meta["disks"],
+               "drive": summarize_drive(derived, meta["duration_s"]), "power": summarize_power(power, meta, requests),
+               "health_before": meta["health_before"], "health_after": meta["health_after"]}
+    return raw_drive, power, summary
+
+
 def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary: str, plan_path: str) -> None:
     """Merge a cell's per-phase samples into drive.csv / power.csv and summarize each phase.
 
     ``phase_files`` maps phase -> {"meta": json, "drive": csv, "power": csv, "records": csv}.
-    drive.csv keeps every raw sample, with iostat's derived columns for the interval it closes.
     Power counts the fleet's GPUs only (``plan_path``: the cell's plan), also in records of samplers
     that read every GPU of the host.
     """
-    from kvpool.drive import iostat
-    from kvpool.telemetry import fleet_gpus_only, summarize_drive, summarize_power
-
     gpus = plan_gpus(yaml.safe_load(Path(plan_path).read_text()))
     drives, powers, summary = [], [], {}
     for phase, files in phase_files.items():
-        raw = read_frame_or_empty(files["drive"])
-        derived = iostat(raw) if not raw.empty else pd.DataFrame()
-        if not raw.empty:
-            raw = raw.merge(derived.drop(columns=["phase", "cell"], errors="ignore"), on=["t_s", "device"], how="left")
-        meta, power = fleet_gpus_only(read_json(files["meta"])["telemetry"], read_frame_or_empty(files["power"]), gpus)
-        drives.append(raw)
+        drive, power, summary[phase] = phase_summary(
+            read_frame_or_empty(files["drive"]), read_frame_or_empty(files["power"]),
+            read_json(files["meta"])["telemetry"], len(read_records(files["records"])), gpus)
+        drives.append(drive)
         powers.append(power)
-        summary[phase] = {
-            "started_at": meta["started_at"], "finished_at": meta["finished_at"], "duration_s": meta["duration_s"],
-            "hz": meta["hz"], "devices": meta["devices"], "disks": meta["disks"],
-            "drive": summarize_drive(derived, meta["duration_s"]),
-            "power": summarize_power(power, meta, len(read_records(files["records"]))),
-            "health_before": meta["health_before"], "health_after": meta["health_after"],
-        }
     pd.concat(drives, ignore_index=True).to_csv(out_drive, index=False)
     pd.concat(powers, ignore_index=True).to_csv(out_power, index=False)
     write_json(out_summary, summary)
@@ -505,8 +512,6 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
     """One load level of a cell (kvpool.load): the pool restored to what populate left, a fresh fleet,
     the follow-ups at the level, the level's own gate and telemetry summary in ``json_out``."""
     from kvpool import load
-    from kvpool.drive import iostat
-    from kvpool.telemetry import summarize_drive, summarize_power
 
     level = load.Level.from_name(level_name)
     plan = checked_ports(yaml.safe_load(Path(plan_path).read_text()))
@@ -532,11 +537,9 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
                 **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], unchanged,
                                     config["workload"]["doc_tokens"], config["min_hit_fraction"],
                                     config["max_resident_fraction"]))
-    raw = read_frame_or_empty(drive_csv)
-    derived = iostat(raw) if not raw.empty else pd.DataFrame()
-    power = read_frame_or_empty(power_csv)
-    meta["summary"] = {"drive": summarize_drive(derived, meta["telemetry"]["duration_s"]),
-                       "power": summarize_power(power, meta["telemetry"], len(frame))}
+    _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
+                                 len(frame), plan_gpus(plan))
+    meta["summary"] = {"drive": window["drive"], "power": window["power"]}
     if remove_pool:  # the cell's last level: the tier holds one cell's pool at a time
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
