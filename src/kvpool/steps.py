@@ -420,7 +420,7 @@ def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs:
 
 def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, tier_table: str | None,
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
-                 load: str | None = None) -> None:
+                 load: str | None = None, studyb: dict | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records under ``root``."""
@@ -483,7 +483,30 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         "pool_server_html": _html(servers) if len(servers) else "",
         "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
         "load_figures": [drawn[s] for s, _ in under_load],
+        "studyb": _studyb_section(studyb) if studyb else None,
     })
+
+
+def _studyb_section(files: dict) -> dict:
+    """Study B's part of the page (``files``: its validity.json, locality.csv, sessions summary and
+    figures folder): the verdict, both tables and both figures."""
+    from kvpool.studyb import gate_failures
+
+    gate = read_json(files["validity"])
+    # the page's columns; the CSVs hold every one, observations included
+    locality = pd.read_csv(files["locality"])[
+        ["context", "step", "off_ttft_median_s", "on_ttft_median_s", "on_local_hit_tokens", "on_external_hit_tokens",
+         "mean_paired_change_pct", "change_ci_low_pct", "change_ci_high_pct", "pairs_matched", "outputs_equal"]]
+    sessions = pd.read_csv(files["sessions"])[
+        ["placement", "off_wall_median_s", "on_wall_median_s", "mean_paired_change_pct", "change_ci_low_pct",
+         "change_ci_high_pct", "turn_ttft_change_pct", "turns_matched", "outputs_equal"]]
+    figures_dir = Path(files["figures"])
+    return {"valid": gate["valid"], "failures": gate_failures(gate), "blocks": list(gate["blocks"]),
+            "pool": f"{gate['backend']} (chunk {gate['chunk']}, tier {gate['tier']})",
+            "locality_html": _html(locality.round(4)), "sessions_html": _html(sessions.round(4)),
+            "figures": [{"png": figures_dir / f"{stem}.png", "title": title} for stem, title in
+                        (("locality", "Locality chains: TTFT per step, OFF and ON"),
+                         ("sessions", "Sessions: wall time per session, OFF and ON"))]}
 
 
 def _kv_bytes_html(path: Path | None) -> str:
@@ -635,11 +658,12 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
                       check["threshold"])
 
 
-def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions_csv: str, validity_out: str,
-                      md_out: str, figures_dir: str) -> None:
+def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions_csv: str, summary_csv: str,
+                      validity_out: str, md_out: str, figures_dir: str) -> None:
     """Study B's tables from every block (``blocks``: name -> requests.csv and block.json): the
-    locality chains (``locality_csv``), every session turn (``sessions_csv``), the study's gate
-    (each block's checks and the ON/OFF pairing) and a Markdown page with both tables and figures."""
+    locality chains (``locality_csv``), every session turn (``sessions_csv``) and the sessions per
+    placement (``summary_csv``), the study's gate (each block's checks and the ON/OFF pairing) and a
+    Markdown page with the tables and figures."""
     from kvpool import figures, studyb
 
     study = studyb.resolved(config)
@@ -653,6 +677,7 @@ def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions
     turns = turns.rename(columns={"wall_s": "session_wall_s", "context": "prompt_context"})
     turns.drop(columns=["kind", "chain", "step", "output_text"]).to_csv(sessions_csv, index=False)
     sessions = studyb.sessions_table(rows, pairs)
+    sessions.to_csv(summary_csv, index=False)
     metas = {name: read_json(paths["meta"]) for name, paths in blocks.items()}
     checks = studyb.pairing_checks(rows, pairs)
     gate = {"blocks": {name: {"arm": meta["arm"], "valid": meta["valid"],

@@ -180,6 +180,17 @@ STUDYB_TARGETS = (
     if config["study_b"]["enabled"] and STUDYB_BLOCKS
     else {}
 )
+# The report's Study B section reads these, when all builds Study B
+STUDYB_REPORT = (
+    {
+        "validity": "results/studyb/validity.json",
+        "locality": "results/locality.csv",
+        "sessions": "results/studyb/sessions_summary.csv",
+        "figures": "results/studyb/figures",
+    }
+    if STUDYB_TARGETS
+    else {}
+)
 # What Study B's steps read: study_b less how many blocks run and whether all builds them (so neither
 # re-runs a measured block), and what resolving it reads
 STUDYB_SETTINGS = ("study_b", "backends", "tiers", "chunk_sizes", "engine", "workload", "replicas")

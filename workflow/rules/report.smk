@@ -14,6 +14,8 @@ rule report:
         load="results/load.csv",
         cell_table="results/cell_table.csv",
         tier_table=TIER_TABLE,
+        # Study B's section, when the run has one
+        studyb=list(STUDYB_REPORT.values()),
     output:
         html="results/report.html",
         figures=report(
@@ -31,5 +33,6 @@ rule report:
         cells=cell_names(),
         # the page states the run's settings and caveats: every key of the resolved config
         config=config,
+        studyb=STUDYB_REPORT,
     script:
         "../scripts/build_report.py"

@@ -75,6 +75,7 @@ rule studyb_tables:
     output:
         locality="results/locality.csv",
         sessions="results/sessions.csv",
+        summary="results/studyb/sessions_summary.csv",
         validity="results/studyb/validity.json",
         md="results/studyb.md",
         figures=directory("results/studyb/figures"),

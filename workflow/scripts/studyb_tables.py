@@ -4,5 +4,6 @@ logs.to_log(snakemake.log[0])
 blocks = {name: {"csv": csv, "meta": meta}
           for name, csv, meta in zip(snakemake.params.blocks, snakemake.input.csvs, snakemake.input.metas, strict=True)}
 steps.run_studyb_tables(snakemake.params.settings, blocks, locality_csv=snakemake.output.locality,
-                        sessions_csv=snakemake.output.sessions, validity_out=snakemake.output.validity,
+                        sessions_csv=snakemake.output.sessions, summary_csv=snakemake.output.summary,
+                        validity_out=snakemake.output.validity,
                         md_out=snakemake.output.md, figures_dir=snakemake.output.figures)
