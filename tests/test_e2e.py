@@ -315,7 +315,7 @@ def test_study_b_blocks_run_off_on_on_off_and_the_pool_serves_only_cross_replica
         assert locality.loc[(context, "local-1"), "on_local_hit_tokens"] == context  # vLLM's own cache, ON and OFF
     assert locality.loc[(1024, "cross"), "mean_paired_change_pct"] < 0  # a reload beats recomputing 1024 tokens
     sessions = pd.read_csv(run / "results" / "sessions.csv")
-    assert len(sessions) == 4 * 2 * 6 and sessions["error"].isna().all()
+    assert len(sessions) == 4 * 2 * 2 * 6 and sessions["error"].isna().all()  # blocks x placements x sessions x turns
     alternating_on = sessions[(sessions["placement"] == "alternating") & (sessions["arm"] == "on")]
     assert (alternating_on.loc[alternating_on["turn"] == 1, "external_hit_tokens"] >= 512).all()
     assert (sessions.loc[sessions["arm"] == "off", "external_hit_tokens"] == 0).all()

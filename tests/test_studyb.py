@@ -67,7 +67,7 @@ class StandIn:
         self.pool = set()
         self.sent = []
 
-    async def send(self, replica: int, prompt: list[int], token_ids: bool):
+    async def send(self, replica: int, prompt: list[int]):
         self.sent.append((replica, len(prompt)))
         prefixes = range(self.chunk, len(prompt), self.chunk)
         local = max((n for n in prefixes if tuple(prompt[:n]) in self.local[replica]), default=0)
@@ -82,9 +82,10 @@ class StandIn:
         answer = [sum(prompt) % 997 + i for i in range(self.output_tokens)]
         if self.damage and external:
             answer[0] += 1
-        result = RequestResult(ttft_s=0.01 + (len(prompt) - local - external) * 1e-4, e2e_s=0.1,
+        ttft = 0.01 + (len(prompt) - local - external) * 1e-4
+        result = RequestResult(ttft_s=ttft, e2e_s=ttft + 0.03 * (self.output_tokens - 1),
                                prompt_tokens=len(prompt), cached_tokens=local + external,
-                               output_text=" ".join(map(str, answer)), output_token_ids=answer if token_ids else [])
+                               output_text=" ".join(map(str, answer)), output_token_ids=answer)
         return result, {"local_cache_hit": local, "external_kv_transfer": external,
                         "local_compute": len(prompt) - local - external}
 
@@ -155,6 +156,9 @@ def test_the_tables_show_the_cross_step_and_alternating_sessions_gain_only_with_
     sessions = studyb.sessions_table(rows, pairs).set_index("placement")
     assert sessions.loc["alternating", "turn_ttft_change_pct"] < -10
     assert abs(sessions.loc["fixed", "turn_ttft_change_pct"]) < 1e-9
+    # decode is (N_out - 1) / (last token - first token): 3 tokens in 0.09 s, unchanged by the pool
+    assert rows.loc[rows["kind"] == "session", "decode_tokens_per_s"].round(6).eq(round(3 / 0.09, 6)).all()
+    assert abs(sessions.loc["alternating", "decode_change_pct"]) < 1e-6
 
 
 def test_three_block_pairs_or_more_get_a_bootstrap_interval():

@@ -369,9 +369,9 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
 
             async def requests():
                 async with aiohttp.ClientSession() as session:
-                    async def send(replica: int, prompt: list[int], token_ids: bool):
+                    async def send(replica: int, prompt: list[int]):
                         return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
-                                                      token_ids=token_ids)
+                                                      token_ids=True)
                     return await run_block(send, block, workload, study, len(replicas),
                                            corrupt_first_chunk if fault else None)
 

@@ -499,7 +499,7 @@ def _studyb_section(files: dict) -> dict:
          "mean_paired_change_pct", "change_ci_low_pct", "change_ci_high_pct", "pairs_matched", "outputs_equal"]]
     sessions = pd.read_csv(files["sessions"])[
         ["placement", "off_wall_median_s", "on_wall_median_s", "mean_paired_change_pct", "change_ci_low_pct",
-         "change_ci_high_pct", "turn_ttft_change_pct", "turns_matched", "outputs_equal"]]
+         "change_ci_high_pct", "turn_ttft_change_pct", "decode_change_pct", "turns_matched", "outputs_equal"]]
     figures_dir = Path(files["figures"])
     return {"valid": gate["valid"], "failures": gate_failures(gate), "blocks": list(gate["blocks"]),
             "pool": f"{gate['backend']} (chunk {gate['chunk']}, tier {gate['tier']})",

@@ -28,7 +28,8 @@ SEQUENCE = (OFF, ON, ON, OFF)
 CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("local-B", "B"))
 COLUMNS = ["block", "arm", "kind", "context", "chain", "step", "placement", "session", "turn", "replica",
            "payload_sha256", "prompt_tokens", "cached_tokens", "local_hit_tokens", "external_hit_tokens",
-           "computed_tokens", "ttft_s", "e2e_s", "started_at", "finished_at", "output_text", "error"]
+           "computed_tokens", "ttft_s", "e2e_s", "decode_tokens_per_s", "started_at", "finished_at", "output_text",
+           "error"]
 
 
 def resolved(config: dict) -> dict:
@@ -132,12 +133,20 @@ def session_replica(placement: str, session: int, turn: int, replicas: int) -> i
 
 
 # One request, sequentially (the serving replica's /metrics deltas are this request's): the replica's
-# index, the prompt and whether to return the answer's token ids; a RequestResult and the deltas back.
-Send = Callable[[int, list[int], bool], Awaitable[tuple]]
+# index and the prompt in; a RequestResult (with the answer's token ids) and the deltas back.
+Send = Callable[[int, list[int]], Awaitable[tuple]]
+
+
+def decode_rate(result, output_tokens: int) -> float:
+    """Study B's decode rate at the client: (N_out - 1) / (last token - first token), the stream's end
+    standing for the last token."""
+    span = result.e2e_s - result.ttft_s
+    return (output_tokens - 1) / span if output_tokens > 1 and span > 0 else float("nan")
 
 
 def _row(block: str, result, counts: dict, replica: int, prompt: list[int], **where) -> dict:
-    row = {"block": block, "arm": block_arm(block), "replica": replica, "payload_sha256": payload_sha256(prompt),
+    row = {"decode_tokens_per_s": decode_rate(result, len(result.output_token_ids)),
+           "block": block, "arm": block_arm(block), "replica": replica, "payload_sha256": payload_sha256(prompt),
            "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
            "local_hit_tokens": counts.get("local_cache_hit"), "external_hit_tokens": counts.get("external_kv_transfer"),
            "computed_tokens": counts.get("local_compute"), "ttft_s": result.ttft_s, "e2e_s": result.e2e_s,
@@ -153,21 +162,21 @@ async def run_block(send: Send, block: str, workload: dict, study: dict, replica
     rows = []
     for replica in range(replicas):
         for prompt in workload["warmups"]:
-            result, counts = await send(replica, prompt, False)
+            result, counts = await send(replica, prompt)
             rows.append(_row(block, result, counts, replica, prompt, kind="warmup"))
     for item in workload["chains"]:
         for step, role in CHAIN:
             if before_step is not None:
                 before_step(step)
             replica = item["replicas"][role]
-            result, counts = await send(replica, item["prompt"], False)
+            result, counts = await send(replica, item["prompt"])
             rows.append(_row(block, result, counts, replica, item["prompt"], kind="chain", context=item["context"],
                              chain=item["chain"], step=step))
     for item in workload["sessions"]:
         prompt = item["first"]
         for turn in range(study["turns"]):
             replica = session_replica(item["placement"], item["session"], turn, replicas)
-            result, counts = await send(replica, prompt, True)
+            result, counts = await send(replica, prompt)
             rows.append(_row(block, result, counts, replica, prompt, kind="session", placement=item["placement"],
                              session=item["session"], turn=turn, context=len(prompt)))
             if result.error:
@@ -313,7 +322,9 @@ def sessions_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataF
         per_pair = changes.groupby("pair")["change_pct"].mean()
         low, high = mean_change_ci(per_pair)
         placed = turns[turns["placement"] == placement]
-        row.update({"mean_paired_change_pct": changes["change_pct"].mean(), "change_ci_low_pct": low,
+        decode = placed["decode_tokens_per_s_on"] / placed["decode_tokens_per_s_off"]
+        row.update({"decode_change_pct": float(100 * (decode.mean() - 1)) if decode.notna().any() else np.nan,
+                    "mean_paired_change_pct": changes["change_pct"].mean(), "change_ci_low_pct": low,
                     "change_ci_high_pct": high, "block_pairs": int(per_pair.notna().sum()),
                     "turn_ttft_change_pct": placed["change_pct"].mean(),
                     "turns_matched": int(placed["paired"].sum()), "outputs_equal": int(placed["output_equal"].sum())})
@@ -373,12 +384,12 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
                      f"{row.pairs_matched} ({row.outputs_equal}) |")
     lines += ["", "## Sessions (Study B's Table 4)", "",
               "| placement | OFF median wall | ON median wall | mean paired change | 95% CI | turn TTFT change | "
-              "turns paired (outputs equal) |", "|---|---|---|---|---|---|---|"]
+              "decode rate change | turns paired (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
     for row in sessions.itertuples():
         ci = f"[{_fmt(row.change_ci_low_pct)}, {_fmt(row.change_ci_high_pct)}]" \
             if row.change_ci_low_pct == row.change_ci_low_pct else "n/a"
         lines.append(f"| {row.placement} | {_fmt(row.off_wall_median_s)} s | {_fmt(row.on_wall_median_s)} s | "
                      f"{_fmt(row.mean_paired_change_pct)}% | {ci} | {_fmt(row.turn_ttft_change_pct)}% | "
-                     f"{row.turns_matched} ({row.outputs_equal}) |")
+                     f"{_fmt(row.decode_change_pct)}% | {row.turns_matched} ({row.outputs_equal}) |")
     lines += [""] + [f"![{Path(link).stem}]({link})" for link in figures]
     return "\n".join(lines) + "\n"
