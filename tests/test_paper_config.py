@@ -123,6 +123,15 @@ def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path):
     assert problems(config, tmp_path, check_paths=False) == []
     study = studyb.resolved(config)
     assert (study["backend"], study["tier"], max(study["contexts"])) == ("lmcache-mp", "ram", 131072)
+    from kvpool.plan import fleet_plan
+
+    on = fleet_plan(config, studyb.block_cell(study, studyb.ON), "m", tmp_path, [18100, 18101], "auto",
+                    server_ports=[18102, 18103], pool_root=tmp_path / "pool")
+    off = fleet_plan(config, studyb.block_cell(study, studyb.OFF), "m", tmp_path, [18100, 18101], "auto")
+    (server,) = on["servers"]  # one MP server (host RAM) for both replicas, one replica per GPU
+    assert {r["kv_transfer"]["kv_connector"] for r in on["replicas"]} == {"LMCacheMPConnector"}
+    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in on["replicas"]] == ["0", "1"] and server["l2_dir"] is None
+    assert "servers" not in off and all(r["kv_transfer"] is None for r in off["replicas"])
     # a Study A GPU config leaves Study B out of `all`
     assert not load(REPO / "config" / "h200.yaml", REPO)["study_b"]["enabled"]
 
