@@ -77,10 +77,18 @@ def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     assert len(list((cell / "runs").glob("*-reuse.csv"))) == 1  # the measured rows are still there
 
 
+def _as_in_a_terminal():
+    """Ctrl-C's default action in the child: a shell without job control starts background commands
+    with SIGINT ignored, and pytest run that way would pass that on to snakemake. A run someone can
+    press Ctrl-C on has the default, which is what these tests stand for."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_at(workdir, target, configs, phase, send, line="fleet of 2 healthy"):
     """Start snakemake on ``target``; once ``phase``'s log has ``line``, ``send`` it a signal; wait."""
     proc = subprocess.Popen(snakemake_argv(workdir, target, *configs), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_as_in_a_terminal)
     cell_name = CELL.format(backend="lmcache-fs", arm="shared").removeprefix("results/cells/")
     wait_for_healthy_fleet(proc, workdir / "logs" / phase / f"{cell_name}.log", phase, line)
     send(proc)
@@ -96,9 +104,9 @@ def test_interrupted_phases_resume_on_the_pool_populate_left_and_an_injected_fau
     """SIGTERM (a service manager's stop) or Ctrl-C (SIGINT), each to the whole process group, in
     populate once its fleet is healthy and in reuse while its fleet starts: no replica is left, a
     resumed populate completes the pool, and the resumed reuse measures the pool exactly as populate
-    left it. (Four CPU follow-ups take under a second once the fleet is healthy: too short a window to
-    hit on a loaded CI machine, so reuse is signalled once its second replica's process exists, and
-    populate, which may finish first, is judged on either outcome.) Then (once) the fault-injection run
+    left it. (Four CPU follow-ups take about a second once the fleet is healthy, so reuse is signalled
+    once its second replica's process exists, where the signal always lands in the phase; populate,
+    which may finish first, is judged on either outcome.) Then (once) the fault-injection run
     option corrupts a stored chunk between populate and reuse, and the cell fails: the gate checks
     that reuse read the bytes populate stored. (SIGTERM to snakemake alone lets the running job finish
     and starts no other: Snakemake's graceful exit.)"""
@@ -162,8 +170,8 @@ def small_tmpfs(tmp_path):
 
 
 def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_gate(tmp_path, small_tmpfs):
-    """Another writer fills the tier once populate's fleet is up (the free-space check at start cannot
-    see it coming): the stores that fail are logged as errors when populate ends, before reuse starts,
+    """Another writer fills the tier once populate's preflight has passed (the free-space check at start
+    cannot see it coming): the stores that fail are logged as errors when populate ends, before reuse starts,
     and the cell's gate names them (`pool_writes`), with LMCache's own message."""
     overlay = tmp_path / "small-tier.yaml"
     overlay.write_text(yaml.safe_dump({"arms": ["shared"], "keep_pools": False, "drive_ceiling_bytes": 8 * 2**20,
@@ -184,7 +192,8 @@ def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_g
                             stderr=subprocess.STDOUT, text=True)
     log = tmp_path / "logs" / "populate" / (target.removeprefix("results/cells/") + ".log")
     try:
-        wait_for_healthy_fleet(proc, log, "populate")
+        # after the preflight (its probe must be stored to pass), racing the documents' stores
+        wait_for_healthy_fleet(proc, log, "populate", line="preflight passed")
         fill()
         output = proc.communicate(timeout=1800)[0]
     finally:

@@ -126,6 +126,9 @@ async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) 
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     async with aiohttp.ClientSession() as session:
         preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s, expect_shared=expect_shared)
+        log.info("preflight %s: replica 1 loaded %d tokens of the %d-token probe replica 0 stored (%s)",
+                 "passed" if preflight["ok"] else "FAILED", preflight["hit_tokens"], preflight["probe_tokens"],
+                 "a hit expected" if expect_shared else "none expected")
         if not preflight["ok"] and cfg["preflight_on_failure"] == "abort":
             return [], preflight
         rows: list[dict] = []
