@@ -180,3 +180,41 @@ def test_the_off_plan_is_the_on_plan_without_connector_or_pool(config, tmp_path)
         i = a["argv"].index("--kv-transfer-config")
         assert a["argv"][:i] + a["argv"][i + 2:] == b["argv"]
         assert {k: v for k, v in a["env"].items() if k != "LMCACHE_CONFIG_FILE"} == b["env"]
+
+
+def encode(text: str) -> list[int]:
+    """A stand-in tokenizer: one token per character."""
+    return [5000 + ord(c) for c in text]
+
+
+def test_a_real_models_chains_carry_three_planted_codes_and_the_block_checks_the_answers(study):
+    workload = studyb.make_workload(VOCAB, study, replicas=2, encode=encode)
+    question = encode(studyb.PLANTED_QUESTION)
+    for chain in workload["chains"]:
+        prompt, codes = chain["prompt"], chain["planted"]
+        assert len(prompt) == chain["context"] + len(question) and prompt[-len(question):] == question
+        text = "".join(chr(t - 5000) for t in prompt if t >= 5000)
+        # near the start, in the middle and at the end of the document, in that order
+        where = [text.index(f"The code for {label} is {code}.") for label, code in zip(studyb.PLANTED_LABELS, codes,
+                                                                                        strict=True)]
+        assert where == sorted(where) and len(set(codes)) == 3 and all(len(c) == 6 for c in codes)
+    assert workload == studyb.make_workload(VOCAB, study, replicas=2, encode=encode)  # seeded
+    fleet = StandIn(study["chunk"], pooled=True)
+    rows = pd.DataFrame(asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2)), columns=studyb.COLUMNS)
+    assert not rows.loc[rows["kind"] == "chain", "planted_recalled"].any()  # the stand-in cannot answer
+    check = studyb.block_checks(rows, studyb.ON, study, 0.9)["planted_values_recalled"]
+    assert not check["ok"] and check["value"] == 0 and check["threshold"] == 10
+    answered = rows.copy()
+    codes = {c["context"]: " ".join(c["planted"]) for c in workload["chains"]}
+    chain_rows = answered["kind"] == "chain"
+    answered.loc[chain_rows, "planted_recalled"] = [
+        studyb.recalled(f"The codes are {codes[c]}.", codes[c].split()) for c in answered.loc[chain_rows, "context"]]
+    assert studyb.block_checks(answered, studyb.ON, study, 0.9)["planted_values_recalled"]["ok"]
+    assert "planted_values_recalled" not in studyb.block_checks(run_blocks(study), studyb.OFF, study, 0.9)
+
+
+def test_a_real_model_needs_room_to_answer_the_planted_question(config):
+    config["engine"]["model"] = "/models/real"
+    config["workload"]["output_tokens"] = 8
+    with pytest.raises(ValueError, match="output_tokens 8 is too few"):
+        studyb.resolved(config)

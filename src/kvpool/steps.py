@@ -603,7 +603,13 @@ def run_studyb_workload(config: dict, model: str, out: str) -> None:
     from kvpool import studyb
 
     study = studyb.resolved(config)
-    workload = studyb.make_workload(vocabulary(model), study, config["replicas"])
+    encode = None
+    if config["engine"]["model"]:  # a real model can be asked for planted values (kvpool.studyb.plant)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    workload = studyb.make_workload(vocabulary(model), study, config["replicas"], encode)
     write_json(out, workload)
     log.info("Study B: %d chains, %d sessions of %d turns, %d warm-ups", len(workload["chains"]),
              len(workload["sessions"]), study["turns"], len(workload["warmups"]))

@@ -29,7 +29,7 @@ CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("lo
 COLUMNS = ["block", "arm", "kind", "context", "chain", "step", "placement", "session", "turn", "replica",
            "payload_sha256", "prompt_tokens", "cached_tokens", "local_hit_tokens", "external_hit_tokens",
            "computed_tokens", "ttft_s", "e2e_s", "decode_tokens_per_s", "started_at", "finished_at", "output_text",
-           "error"]
+           "planted_recalled", "error"]
 
 
 def resolved(config: dict) -> dict:
@@ -60,6 +60,10 @@ def resolved(config: dict) -> dict:
     if longest > config["engine"]["max_model_len"]:
         raise ValueError(f"study_b's longest request needs {longest} tokens (prompt and answer), more than "
                          f"engine.max_model_len {config['engine']['max_model_len']}")
+    if config["engine"]["model"] and config["workload"]["output_tokens"] < PLANTED_ANSWER_TOKENS:
+        raise ValueError(f"study_b asks a real model for three planted six-digit codes: workload.output_tokens "
+                         f"{config['workload']['output_tokens']} is too few to answer, give at least "
+                         f"{PLANTED_ANSWER_TOKENS}")
     if config["replicas"] < 2:
         raise ValueError("study_b needs two replicas or more (a cross-replica step and alternating sessions)")
     return study
@@ -97,9 +101,38 @@ def payload_sha256(prompt: list[int]) -> str:
     return hashlib.sha256(json.dumps(prompt, separators=(",", ":")).encode()).hexdigest()
 
 
-def make_workload(token_ids: list[int], study: dict, replicas: int) -> dict:
+PLANTED_LABELS = ("alpha", "bravo", "charlie")
+PLANTED_ANSWER_TOKENS = 32
+PLANTED_QUESTION = "\nWhat are the codes for alpha, bravo and charlie? Answer with the three numbers only.\n"
+
+
+def plant(document: list[int], codes: list[str], encode: Callable[[str], list[int]]) -> list[int]:
+    """``document`` with a sentence naming each code written over its tokens near the start, in the
+    middle and at the end (Study B's planted values); the length stays the same."""
+    sentences = [encode(f" The code for {label} is {code}. ") for label, code in zip(PLANTED_LABELS, codes,
+                                                                                      strict=True)]
+    length = len(document)
+    if sum(map(len, sentences)) + 2 > length:
+        raise ValueError(f"a {length}-token document cannot hold three planted sentences")
+    starts = [1, (length - len(sentences[1])) // 2, length - len(sentences[2])]
+    planted = list(document)
+    for start, sentence in zip(starts, sentences, strict=True):
+        planted[start:start + len(sentence)] = sentence
+    return planted
+
+
+def recalled(output_text: str, codes: list[str]) -> bool:
+    return all(code in output_text for code in codes)
+
+
+def make_workload(token_ids: list[int], study: dict, replicas: int,
+                  encode: Callable[[str], list[int]] | None = None) -> dict:
     """Every block's payloads: one document per chain and per session, each with a first token of its
-    own (no two share a cacheable prefix), and each session's new tokens per later turn; seeded."""
+    own (no two share a cacheable prefix), and each session's new tokens per later turn; seeded.
+
+    With ``encode`` (a real model's tokenizer) each chain's document carries three planted codes and
+    its question asks for them, so every answer can be checked exactly, as Study B did; the random
+    model cannot answer, so without it the question is random tokens."""
     rng = np.random.default_rng(study["seed"])
     pool = np.asarray(token_ids)
     chains = [(context, k) for context in study["contexts"] for k in range(study["chains"])]
@@ -113,12 +146,17 @@ def make_workload(token_ids: list[int], study: dict, replicas: int) -> dict:
     def document(tokens: int) -> list[int]:
         return [int(next(firsts))] + rng.choice(pool, size=tokens - 1).tolist()
 
-    question = rng.choice(pool, size=study["question_tokens"]).tolist()
+    question = rng.choice(pool, size=study["question_tokens"]).tolist() if encode is None \
+        else encode(PLANTED_QUESTION)
     chain_items = []
     for index, (context, k) in enumerate(chains):
         a = index % replicas
-        chain_items.append({"context": context, "chain": k, "replicas": {"A": a, "B": (a + 1) % replicas},
-                            "prompt": document(context) + question})
+        item = {"context": context, "chain": k, "replicas": {"A": a, "B": (a + 1) % replicas}}
+        body = document(context)
+        if encode is not None:
+            item["planted"] = [str(code) for code in rng.integers(100000, 1000000, size=len(PLANTED_LABELS))]
+            body = plant(body, item["planted"], encode)
+        chain_items.append({**item, "prompt": body + question})
     session_items = [{"placement": placement, "session": s, "first": document(study["session_tokens"]),
                       "increments": [rng.choice(pool, size=study["turn_tokens"]).tolist()
                                      for _ in range(study["turns"] - 1)]}
@@ -171,7 +209,9 @@ async def run_block(send: Send, block: str, workload: dict, study: dict, replica
             replica = item["replicas"][role]
             result, counts = await send(replica, item["prompt"])
             rows.append(_row(block, result, counts, replica, item["prompt"], kind="chain", context=item["context"],
-                             chain=item["chain"], step=step))
+                             chain=item["chain"], step=step,
+                             planted_recalled=recalled(result.output_text, item["planted"]) if "planted" in item
+                             else None))
     for item in workload["sessions"]:
         prompt = item["first"]
         for turn in range(study["turns"]):
@@ -216,6 +256,10 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     answers = chains.groupby(["context", "chain"])["output_text"].nunique(dropna=False)
     checks["chain_answers_agree"] = _check(bool((answers == 1).all()) and len(answers) > 0,
                                            int((answers == 1).sum()), len(answers))
+    planted = chains["planted_recalled"].dropna()
+    if len(planted):  # a real model: every chain answer names the three planted codes
+        checks["planted_values_recalled"] = _check(bool(planted.astype(bool).all()), int(planted.astype(bool).sum()),
+                                                   len(planted))
     sessions = measured[measured["kind"] == "session"]
     expected = len(study["placements"]) * study["sessions"] * study["turns"]
     checks["every_turn_answered"] = _check(len(sessions) == expected and sessions["error"].isna().all(),
