@@ -20,7 +20,7 @@ from kvpool import kvbytes, logs, mp, phases, pool, prompts, provenance, summary
 from kvpool.cells import Cell, is_memory_pool, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
-from kvpool.plan import fleet_plan, plan_gpus, reference_plan
+from kvpool.plan import OFF_ARM, fleet_plan, plan_gpus, reference_plan
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -63,16 +63,23 @@ def _ports(config: dict, count: int) -> tuple[list[int], str]:
     return list(ports[:count]), "config"
 
 
+def _new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Path | None = None) -> dict:
+    """``cell``'s fleet plan on free (or configured) ports; an lmcache-mp cell's servers get a ZMQ and an
+    HTTP port each, clear of the replicas' (one server shared, one per replica isolated, none off)."""
+    ports, source = _ports(config, config["replicas"])
+    server_ports = None
+    if cell.backend == mp.BACKEND and cell.arm != OFF_ARM:
+        count = 2 * (1 if cell.arm == "shared" else config["replicas"])
+        server_ports = free_ports(config["engine"]["host"], count, exclude=ports)
+    return fleet_plan(config, cell, model, Path(cell_dir).resolve(), ports, source, server_ports=server_ports,
+                      pool_root=pool_root)
+
+
 def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out: str,
               provenance_config: dict | None = None) -> None:
     """The cell's plan from ``config`` (the settings the plan rule declares) and its manifest, which
     records ``provenance_config`` (the whole resolved config; default ``config``)."""
-    ports, source = _ports(config, config["replicas"])
-    server_ports = None
-    if cell.backend == mp.BACKEND:  # a ZMQ and an HTTP port per server, clear of the replicas' ports
-        count = 2 * (1 if cell.arm == "shared" else config["replicas"])
-        server_ports = free_ports(config["engine"]["host"], count, exclude=ports)
-    plan = fleet_plan(config, cell, model, Path(plan_out).parent.resolve(), ports, source, server_ports=server_ports)
+    plan = _new_plan(config, cell, model, Path(plan_out).parent)
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
     notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
@@ -305,7 +312,8 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]
-    if studyb_json is not None and not (study := read_json(studyb_json))["valid"]:
+    study = read_json(studyb_json) if studyb_json is not None else None
+    if study is not None and not study["valid"]:
         from kvpool.studyb import gate_failures
 
         lines += [f"  Study B {reason} (results/studyb.md)" for reason in gate_failures(study)]
@@ -313,11 +321,11 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
         raise SystemExit(
             f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate, "
             f"{len(damaged)} KV byte comparisons found damage, and Study B's blocks are "
-            f"{'not run' if studyb_json is None else 'valid' if read_json(studyb_json)['valid'] else 'INVALID'} "
+            f"{'not run' if study is None else 'valid' if study['valid'] else 'INVALID'} "
             "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
             + "\n".join(lines))
     Path(out).write_text(f"{len(table)} cells valid; no KV bytes differ where they must agree"
-                         + ("; Study B's blocks valid" if studyb_json is not None else "") + "\n")
+                         + ("; Study B's blocks valid" if study is not None else "") + "\n")
 
 
 def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
@@ -635,13 +643,7 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
     root = studyb_pool_root(config, study)
     if root.exists():  # independently restarted: nothing of an earlier block's pool is left
         shutil.rmtree(root)
-    ports, source = _ports(config, config["replicas"])
-    server_ports = None
-    if cell.backend == mp.BACKEND and arm == studyb.ON:
-        server_ports = free_ports(config["engine"]["host"], 2, exclude=ports)
-    plan = fleet_plan(config, cell, model, Path(plan_out).parent.resolve(), ports, source, server_ports=server_ports,
-                      pool_root=root)
-    plan = checked_ports(plan)
+    plan = checked_ports(_new_plan(config, cell, model, Path(plan_out).parent, pool_root=root))
     for directory in {r["pool_dir"] for r in plan["replicas"] if r["pool_dir"]}:
         Path(directory).mkdir(parents=True, exist_ok=True)
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))

@@ -21,6 +21,8 @@ import numpy as np
 import pandas as pd
 
 from kvpool.cells import Cell
+from kvpool.summary import fmt_interval, fmt_value
+from kvpool.validity import check
 
 OFF, ON = "off", "on"
 SEQUENCE = (OFF, ON, ON, OFF)
@@ -226,10 +228,6 @@ async def run_block(send: Send, block: str, workload: dict, study: dict, replica
     return rows
 
 
-def _check(ok: bool, value, threshold) -> dict:
-    return {"ok": bool(ok), "value": value, "threshold": threshold}
-
-
 def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: float) -> dict:
     """Study B's assertions on one block, each failing the block with its reason: no errors; every
     cold step found nothing, locally or in a pool; every cross-replica step found nothing locally, and
@@ -240,29 +238,29 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     errors = int(rows["error"].notna().sum())
     cold_hits = cold["local_hit_tokens"].fillna(-1).astype(int) + cold["external_hit_tokens"].fillna(-1).astype(int)
     checks = {
-        "zero_errors": _check(errors == 0, errors, 0),
-        "cold_finds_nothing": _check(bool((cold_hits == 0).all()), int(cold_hits.clip(lower=0).sum()), 0),
-        "cross_finds_nothing_locally": _check(bool((cross["local_hit_tokens"].fillna(-1) == 0).all()),
+        "zero_errors": check(errors == 0, errors, 0),
+        "cold_finds_nothing": check(bool((cold_hits == 0).all()), int(cold_hits.clip(lower=0).sum()), 0),
+        "cross_finds_nothing_locally": check(bool((cross["local_hit_tokens"].fillna(-1) == 0).all()),
                                               int(cross["local_hit_tokens"].fillna(0).sum()), 0),
     }
     external = cross["external_hit_tokens"].fillna(0).astype(float)
     if arm == ON:
         fraction = external / cross["context"].astype(float)
-        checks["cross_loads_the_document"] = _check(bool((fraction >= min_hit_fraction).all() and len(cross)),
+        checks["cross_loads_the_document"] = check(bool((fraction >= min_hit_fraction).all() and len(cross)),
                                                     float(fraction.min()) if len(cross) else None, min_hit_fraction)
     else:
-        checks["cross_loads_nothing"] = _check(bool((external == 0).all()), int(external.sum()), 0)
+        checks["cross_loads_nothing"] = check(bool((external == 0).all()), int(external.sum()), 0)
     # a chain sends one payload five times: greedy answers from cache, pool or compute must all agree
     answers = chains.groupby(["context", "chain"])["output_text"].nunique(dropna=False)
-    checks["chain_answers_agree"] = _check(bool((answers == 1).all()) and len(answers) > 0,
+    checks["chain_answers_agree"] = check(bool((answers == 1).all()) and len(answers) > 0,
                                            int((answers == 1).sum()), len(answers))
     planted = chains["planted_recalled"].dropna()
     if len(planted):  # a real model: every chain answer names the three planted codes
-        checks["planted_values_recalled"] = _check(bool(planted.astype(bool).all()), int(planted.astype(bool).sum()),
+        checks["planted_values_recalled"] = check(bool(planted.astype(bool).all()), int(planted.astype(bool).sum()),
                                                    len(planted))
     sessions = measured[measured["kind"] == "session"]
     expected = len(study["placements"]) * study["sessions"] * study["turns"]
-    checks["every_turn_answered"] = _check(len(sessions) == expected and sessions["error"].isna().all(),
+    checks["every_turn_answered"] = check(len(sessions) == expected and sessions["error"].isna().all(),
                                            int(sessions["error"].isna().sum()), expected)
     return checks
 
@@ -303,12 +301,13 @@ def _observations(values: pd.Series) -> str:
     return ";".join(f"{v:.4g}" for v in values.dropna())
 
 
-def _change(group: pd.DataFrame, value: str = "change_pct") -> dict:
-    per_pair = group.groupby("pair")[value].mean()
+def _mean_change(changes: pd.DataFrame) -> dict:
+    """The mean of ``changes``' paired changes (``change_pct``) and its interval across block pairs."""
+    per_pair = changes.groupby("pair")["change_pct"].mean()
     low, high = mean_change_ci(per_pair)
-    return {"mean_paired_change_pct": float(group[value].mean()) if group[value].notna().any() else np.nan,
-            "change_ci_low_pct": low, "change_ci_high_pct": high, "block_pairs": int(per_pair.notna().sum()),
-            "pairs_matched": int(group["paired"].sum()), "outputs_equal": int(group["output_equal"].sum())}
+    return {"mean_paired_change_pct": float(changes["change_pct"].mean()) if changes["change_pct"].notna().any()
+            else np.nan, "change_ci_low_pct": low, "change_ci_high_pct": high,
+            "block_pairs": int(per_pair.notna().sum())}
 
 
 def locality_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
@@ -326,7 +325,9 @@ def locality_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataF
                         f"{arm}_local_hit_tokens": values["local_hit_tokens"].median(),
                         f"{arm}_external_hit_tokens": values["external_hit_tokens"].median(),
                         f"{arm}_computed_tokens": values["computed_tokens"].median()})
-        row.update(_change(matched[(matched["context"] == context) & (matched["step"] == step)]))
+        at = matched[(matched["context"] == context) & (matched["step"] == step)]
+        row.update({**_mean_change(at), "pairs_matched": int(at["paired"].sum()),
+                    "outputs_equal": int(at["output_equal"].sum())})
         table.append(row)
     order = {step: i for i, (step, _) in enumerate(CHAIN)}
     return pd.DataFrame(table).sort_values(["context", "step"], key=lambda s: s.map(order) if s.name == "step"
@@ -362,14 +363,10 @@ def sessions_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataF
             values = group[group["arm"] == arm]["wall_s"]
             row.update({f"{arm}_wall_median_s": values.median(), f"{arm}_n": int(values.count()),
                         f"{arm}_observations_s": _observations(values)})
-        changes = wall_change[wall_change["placement"] == placement]
-        per_pair = changes.groupby("pair")["change_pct"].mean()
-        low, high = mean_change_ci(per_pair)
         placed = turns[turns["placement"] == placement]
         decode = placed["decode_tokens_per_s_on"] / placed["decode_tokens_per_s_off"]
         row.update({"decode_change_pct": float(100 * (decode.mean() - 1)) if decode.notna().any() else np.nan,
-                    "mean_paired_change_pct": changes["change_pct"].mean(), "change_ci_low_pct": low,
-                    "change_ci_high_pct": high, "block_pairs": int(per_pair.notna().sum()),
+                    **_mean_change(wall_change[wall_change["placement"] == placement]),
                     "turn_ttft_change_pct": placed["change_pct"].mean(),
                     "turns_matched": int(placed["paired"].sum()), "outputs_equal": int(placed["output_equal"].sum())})
         table.append(row)
@@ -384,9 +381,9 @@ def pairing_checks(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict:
     sessions = paired(measured[measured["kind"] == "session"], pairs, ["placement", "session", "turn"])
     both = pd.concat([chains, sessions], ignore_index=True)
     total = len(both)
-    return {"every_on_request_paired": _check(bool(both["paired"].all()) and total > 0,
+    return {"every_on_request_paired": check(bool(both["paired"].all()) and total > 0,
                                               int(both["paired"].sum()), total),
-            "outputs_equal_across_pairs": _check(bool(both["output_equal"].all()) and total > 0,
+            "outputs_equal_across_pairs": check(bool(both["output_equal"].all()) and total > 0,
                                                  int(both["output_equal"].sum()), total)}
 
 
@@ -399,13 +396,19 @@ def with_pairs(frame: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFram
 def gate_failures(gate: dict) -> list[str]:
     reasons = [f"block {name} ({block['arm']}): {', '.join(block['failed'])}"
                for name, block in gate["blocks"].items() if not block["valid"]]
-    reasons += [f"{name}: {check['value']} of {check['threshold']}" for name, check in gate["checks"].items()
-                if not check["ok"]]
+    reasons += [f"{name}: {failed['value']} of {failed['threshold']}" for name, failed in gate["checks"].items()
+                if not failed["ok"]]
     return reasons
 
 
-def _fmt(value, digits: int = 3) -> str:
-    return "" if value is None or value != value else f"{value:.{digits}g}"
+def _pct(value) -> str:
+    return "n/a" if pd.isna(value) else fmt_value(value, "") + "%"
+
+
+def _change_cells(row) -> tuple[str, str]:
+    """A row's mean paired change and its interval as the page shows them."""
+    interval = fmt_interval(row.change_ci_low_pct, row.change_ci_high_pct).strip()
+    return _pct(row.mean_paired_change_pct), interval or "n/a"
 
 
 def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
@@ -421,19 +424,18 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
              "| context | step | OFF median | ON median | ON external hit tokens | mean paired change | 95% CI | "
              "pairs (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
     for row in locality.itertuples():
-        ci = f"[{_fmt(row.change_ci_low_pct)}, {_fmt(row.change_ci_high_pct)}]" \
-            if row.change_ci_low_pct == row.change_ci_low_pct else "n/a"
-        lines.append(f"| {row.context} | {row.step} | {_fmt(row.off_ttft_median_s)} s | {_fmt(row.on_ttft_median_s)} s "
-                     f"| {_fmt(row.on_external_hit_tokens, 6)} | {_fmt(row.mean_paired_change_pct)}% | {ci} | "
-                     f"{row.pairs_matched} ({row.outputs_equal}) |")
+        change, ci = _change_cells(row)
+        lines.append(f"| {row.context} | {row.step} | {fmt_value(row.off_ttft_median_s, 's')} | "
+                     f"{fmt_value(row.on_ttft_median_s, 's')} | {fmt_value(row.on_external_hit_tokens, 'count')} | "
+                     f"{change} | {ci} | {row.pairs_matched} ({row.outputs_equal}) |")
     lines += ["", "## Sessions (Study B's Table 4)", "",
               "| placement | OFF median wall | ON median wall | mean paired change | 95% CI | turn TTFT change | "
               "decode rate change | turns paired (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
     for row in sessions.itertuples():
-        ci = f"[{_fmt(row.change_ci_low_pct)}, {_fmt(row.change_ci_high_pct)}]" \
-            if row.change_ci_low_pct == row.change_ci_low_pct else "n/a"
-        lines.append(f"| {row.placement} | {_fmt(row.off_wall_median_s)} s | {_fmt(row.on_wall_median_s)} s | "
-                     f"{_fmt(row.mean_paired_change_pct)}% | {ci} | {_fmt(row.turn_ttft_change_pct)}% | "
-                     f"{_fmt(row.decode_change_pct)}% | {row.turns_matched} ({row.outputs_equal}) |")
+        change, ci = _change_cells(row)
+        lines.append(f"| {row.placement} | {fmt_value(row.off_wall_median_s, 's')} | "
+                     f"{fmt_value(row.on_wall_median_s, 's')} | {change} | {ci} | "
+                     f"{_pct(row.turn_ttft_change_pct)} | {_pct(row.decode_change_pct)} | "
+                     f"{row.turns_matched} ({row.outputs_equal}) |")
     lines += [""] + [f"![{Path(link).stem}]({link})" for link in figures]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 
-def _check(ok: bool, value, threshold) -> dict:
+def check(ok: bool, value, threshold) -> dict:
+    """One check of a gate: whether it passed, the measured value and what it needed."""
     return {"ok": bool(ok), "value": value, "threshold": threshold}
 
 
@@ -18,8 +19,8 @@ def cold_reads(drop: dict, max_resident_fraction: float) -> dict:
     """The pool was out of the page cache right before the first request (a drop record of
     pool.drop_from_page_cache); a memory-backed tier has no device read to force."""
     if drop["memory_backed"]:
-        return _check(True, "memory-backed tier: no device read to force", None)
-    return _check(drop["resident_fraction"] <= max_resident_fraction, drop["resident_fraction"],
+        return check(True, "memory-backed tier: no device read to force", None)
+    return check(drop["resident_fraction"] <= max_resident_fraction, drop["resident_fraction"],
                   max_resident_fraction)
 
 
@@ -43,37 +44,37 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     fractions = hit_fractions(reuse, doc_tokens)
     checks = {
         # the first distinct errors say why (a dead replica's exit code and log tail, say)
-        "zero_errors": {**_check(errors == 0, errors, 0),
+        "zero_errors": {**check(errors == 0, errors, 0),
                         "examples": list(dict.fromkeys(messages[messages != ""]))[:3]},
-        "all_documents_served": _check(len(reuse) == documents and len(populate) == documents,
+        "all_documents_served": check(len(reuse) == documents and len(populate) == documents,
                                        {"populate": len(populate), "reuse": len(reuse)}, documents),
-        "cross_replica": _check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
-        "pool_bytes": _check(pool_bytes >= config["min_pool_bytes"], pool_bytes, config["min_pool_bytes"]),
+        "cross_replica": check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
+        "pool_bytes": check(pool_bytes >= config["min_pool_bytes"], pool_bytes, config["min_pool_bytes"]),
         # a store that failed (a full tier) leaves a pool that misses; the replicas' logs say why
-        "pool_writes": {**_check(not write_errors, len(write_errors), 0), "examples": list(write_errors)[:3]},
-        "preflight": _check(preflight["ok"], {"hit_tokens": preflight["hit_tokens"],
+        "pool_writes": {**check(not write_errors, len(write_errors), 0), "examples": list(write_errors)[:3]},
+        "preflight": check(preflight["ok"], {"hit_tokens": preflight["hit_tokens"],
                                               "outputs_match": preflight.get("outputs_match")},
                             "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
     }
     if pool_unchanged is not None:
         # reuse must read the bytes populate stored: one flipped bit in a chunk fails the cell
         checks["pool_unchanged"] = {
-            **_check(pool_unchanged["changed"] == 0 and pool_unchanged["missing"] == 0,
+            **check(pool_unchanged["changed"] == 0 and pool_unchanged["missing"] == 0,
                      {k: pool_unchanged[k] for k in ("files", "changed", "missing")}, "0 changed, 0 missing"),
             "examples": [pool_unchanged["example"]] if pool_unchanged["example"] else []}
     checks["cold_reads"] = cold_reads(drop_before_reuse, config["max_resident_fraction"])
     if cell_arm == "shared":
         worst = float(fractions.min()) if len(fractions) else 0.0
-        checks["pool_hits"] = _check(worst >= config["min_hit_fraction"], worst, config["min_hit_fraction"])
+        checks["pool_hits"] = check(worst >= config["min_hit_fraction"], worst, config["min_hit_fraction"])
         # populate stored the documents' whole chunks and nothing else: a follow-up that loaded more
         # read chunks an earlier reuse left in the pool (its own new tokens), not a cold pool
         most = int(reuse["external_hit_tokens"].fillna(0).max()) if len(reuse) else 0
         chunk = chunk or min(config["chunk_sizes"])
         whole = doc_tokens // chunk * chunk
-        checks["hits_within_document"] = _check(most <= whole, most, whole)
+        checks["hits_within_document"] = check(most <= whole, most, whole)
     else:
         loaded = int(reuse["external_hit_tokens"].fillna(0).sum())
-        checks["isolation"] = _check(loaded == 0, loaded, 0)
+        checks["isolation"] = check(loaded == 0, loaded, 0)
     # Each arm against the recompute it replays: a pool hit against the document's own KV reused in
     # place, an isolated replica against a cold recompute. Equal KV bytes give equal greedy tokens;
     # KV damaged in transfer does not.
@@ -83,7 +84,7 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     expected = reference.set_index("doc_id")["output_text"]
     matches = reuse.apply(lambda row: expected.get(row["doc_id"]) == row["output_text"], axis=1)
     checks["output_matches_recompute"] = {
-        **_check(len(reuse) > 0 and bool(matches.all()), int(matches.sum()) if len(reuse) else 0, len(reuse)),
+        **check(len(reuse) > 0 and bool(matches.all()), int(matches.sum()) if len(reuse) else 0, len(reuse)),
         "reference_path": path,
     }
     return {"valid": all(c["ok"] for c in checks.values()), "checks": checks}

@@ -183,7 +183,7 @@ STUDYB_TARGETS = (
 # The report's Study B section reads these, when all builds Study B
 STUDYB_REPORT = (
     {
-        "validity": "results/studyb/validity.json",
+        "validity": STUDYB_TARGETS["validity"],
         "locality": "results/locality.csv",
         "sessions": "results/studyb/sessions_summary.csv",
         "figures": "results/studyb/figures",
