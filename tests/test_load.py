@@ -11,7 +11,18 @@ import pytest
 from aiohttp import web
 
 from kvpool import kvbytes
-from kvpool.load import Level, arrival_offsets, attribution, level_checks, levels, restore_pool, send_level
+from kvpool.load import (
+    Level,
+    arrival_offsets,
+    attribution,
+    files_restored,
+    level_checks,
+    levels,
+    memory_restored,
+    repopulated,
+    restore_pool,
+    send_level,
+)
 
 
 def test_levels_are_named_and_parsed_back():
@@ -112,7 +123,7 @@ def test_hits_are_attributed_per_request_and_checked_against_the_window():
 
 
 def test_a_levels_gate_fails_on_missing_hits_disagreement_or_an_isolated_hit():
-    unchanged = {"files": 9, "changed": 0, "missing": 0, "example": ""}
+    unchanged = files_restored({"files": 9, "changed": 0, "missing": 0, "example": ""})
     drop = {"resident_fraction": 0.0, "memory_backed": False}
 
     def gate(arm, cached, window):
@@ -125,7 +136,7 @@ def test_a_levels_gate_fails_on_missing_hits_disagreement_or_an_isolated_hit():
     assert gate("isolated", [0, 0], 0)["valid"]
     assert not gate("isolated", [2048, 0], 2048)["checks"]["isolation"]["ok"]
     changed = level_checks("shared", records([2048, 2048]), attribution(records([2048, 2048]), 4096), drop,
-                           {**unchanged, "changed": 1}, 2048, 0.9, 0.05)
+                           files_restored({**unchanged["value"], "changed": 1}), 2048, 0.9, 0.05)
     assert not changed["checks"]["pool_restored"]["ok"]
     # a page-cache-resident pool fails on a drive, as the cell's gate; a RAM tier has nothing to drop
     warm = {"resident_fraction": 1.0, "memory_backed": False}
@@ -134,6 +145,22 @@ def test_a_levels_gate_fails_on_missing_hits_disagreement_or_an_isolated_hit():
                             0.05)["checks"]["cold_reads"]["ok"]
     assert level_checks("shared", shared, attribution(shared, 4096), {**warm, "memory_backed": True}, unchanged,
                         2048, 0.9, 0.05)["valid"]
+
+
+def test_a_memory_pool_populated_again_must_match_the_cells_populate():
+    """A memory pool's level populates fresh servers; only the same placement, no errors, a passed
+    preflight and the cell's pool bytes count as restored."""
+    cell = pd.DataFrame({"doc_id": [0, 1], "prefill_replica": [0, 1], "error": [None, None]})
+    meta = {"preflight": {"ok": True}, "pool": {"bytes": 4096}}
+    assert memory_restored(repopulated(cell, meta, cell, meta))["ok"]
+    swapped = cell.assign(prefill_replica=[1, 0])
+    assert not memory_restored(repopulated(cell, meta, swapped, meta))["value"]["same_placement"]
+    failed = cell.assign(error=[None, "HTTP 500"])
+    assert memory_restored(repopulated(cell, meta, failed, meta))["value"]["errors"] == 1
+    assert not memory_restored(repopulated(cell, meta, failed, meta))["ok"]
+    short = {**meta, "pool": {"bytes": 2048}}  # a server that kept less (L1 evicted, a store lost)
+    assert not memory_restored(repopulated(cell, meta, cell, short))["ok"]
+    assert not memory_restored(repopulated(cell, meta, cell, {**meta, "preflight": {"ok": False}}))["ok"]
 
 
 def test_the_pool_is_restored_to_what_populate_left(tmp_path):

@@ -274,6 +274,18 @@ def test_the_mp_gpu_config_plans_one_job_per_memory_pool_cell():
     assert (jobs["memory_pool_cell"], jobs["populate"], jobs["drop"], jobs["reuse"]) == ("2", "2", "2", "2")
 
 
+def test_the_gpu_load_config_measures_its_memory_pool_cells_at_every_level():
+    """A memory pool cannot be restored between levels; its levels populate fresh servers instead,
+    so the MP ram cells get every level rather than c1 alone."""
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--configfile", "config/h200x2-mp-load.yaml",
+                          "--directory", "/tmp/kvpool-dry-mp-load", "-s", str(REPO / "Snakefile")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
+                if len(line.split()) == 2 and line.split()[1].isdigit())
+    assert (jobs["memory_pool_cell"], jobs["load_level"], jobs["load_table"]) == ("2", "6", "1")
+
+
 def test_the_readme_rerun_command_reruns_one_cell(tmp_path):
     """The README's own command re-runs one arm of one cell, and only that: `--forcerun` swallows any
     word after it, so a target placed there would force every cell's populate instead."""
@@ -304,7 +316,8 @@ def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_pat
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
 
 
-@pytest.mark.parametrize("arm, tier", [("shared", "ram"), ("isolated", "ram"), ("shared", "disk")])
+@pytest.mark.parametrize("arm, tier", [("shared", "ram"), ("isolated", "ram"), ("shared", "disk"),
+                                       ("isolated", "disk")])
 def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path, arm, tier):
     """An lmcache-mp cell rehearsed on CPU: LMCache's real server, stand-in engines for the replicas,
     whose connector needs a GPU. A memory pool runs populate, drop and reuse as one job around one
@@ -353,6 +366,25 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
                         populate_csv=out["populate.csv"], populate_digests=populate["digests"], csv_out=reuse["csv"],
                         json_out=reuse["meta"], drive_csv=reuse["drive"], power_csv=reuse["power"],
                         digests_csv=reuse["digests"], log_dir=logs["reuse"])
+    # a load level: a disk cell's restores the L2 folder and starts fresh servers on it, as reuse does;
+    # a memory pool's starts fresh servers and populates them again
+    level = {name: str(folder / "load~c2" / name) for name in ("requests.csv", "level.json", "drive.csv", "power.csv")}
+    Path(level["level.json"]).parent.mkdir()
+    steps.run_load_level(gpu_config, cell, "c2", plan_path=plan_path, prompts_path=prompts_path,
+                         populate_csv=out["populate.csv"], populate_digests=populate["digests"],
+                         csv_out=level["requests.csv"], json_out=level["level.json"], drive_csv=level["drive.csv"],
+                         power_csv=level["power.csv"], log_dir=str(tmp_path / "logs" / "c2"), remove_pool=True)
+    level_meta = json.loads(Path(level["level.json"]).read_text())
+    assert len(pd.read_csv(level["requests.csv"])) == 2
+    restore = level_meta["pool_restore"]
+    if tier == "ram":  # stand-in engines store nothing: a shared preflight fails; the rest must hold
+        assert restore["repopulated"] and restore["same_placement"] and restore["errors"] == 0
+        assert restore["bytes"] == restore["cell_bytes"] and restore["preflight_ok"] == (arm == "isolated")
+    else:
+        assert level_meta["checks"]["pool_restored"]["ok"] and restore["removed_files"] == 0
+    assert set(level_meta["pool_server"]) == ({"0"} if arm == "shared" else {"0", "1"})
+    assert all("error" not in server for server in level_meta["pool_server"].values())
+    assert (folder / "load~c2" / "populate.csv").exists() == (tier == "ram")
     populated, reused = pd.read_csv(out["populate.csv"]), pd.read_csv(out["reuse.csv"])
     assert len(populated) == len(reused) == 2 and (reused["error"].isna()).all()
     assert (reused["prefill_replica"] != reused["serve_replica"]).all()
@@ -360,7 +392,8 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     assert len(meta["pool_server"]) == (1 if arm == "shared" else 2)  # each server's counters, read after the phase
     assert json.loads(Path(out["drop.json"]).read_text())["memory_backed"] == (tier == "ram")
     servers = sorted((tmp_path / "logs").rglob("lmcache-server-*.log"))
-    assert len(servers) == len(meta["pool_server"]) * (1 if tier == "ram" else 2)  # a fresh server for reuse
+    # a fresh server for the load level, and for a disk cell's reuse
+    assert len(servers) == len(meta["pool_server"]) * (2 if tier == "ram" else 3)
     assert all("LMCache zmq cache server is running on 127.0.0.1" in log.read_text() for log in servers)
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if FAKE_ENGINE in " ".join(p.info["cmdline"] or [])
                  or ("lmcache" in " ".join(p.info["cmdline"] or [])

@@ -48,12 +48,6 @@ def measured(config: dict, workdir: Path) -> list[Cell]:
     return [cell for cell in cells(config) if (workdir / "results" / "cells" / cell.name / "reuse.json").exists()]
 
 
-def load_cells(config: dict) -> list[Cell]:
-    """The cells measured at load levels beyond the reuse phase: every cell whose pool is files (an MP
-    memory pool lives in its servers' RAM, where the pool cannot be restored between levels)."""
-    return [cell for cell in cells(config) if not is_memory_pool(config, cell)]
-
-
 def is_memory_pool(config: dict, cell: Cell) -> bool:
     """Whether ``cell``'s pool is an LMCache MP server's L1 alone, which lives only as long as the
     server and puts no files on its tier."""

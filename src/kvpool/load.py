@@ -110,7 +110,32 @@ def restore_pool(dirs: list[Path], populate_digests: pd.DataFrame) -> dict:
     return {"removed_files": removed, "kept_files": len(kept)}
 
 
-def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, unchanged: dict, doc_tokens: int,
+def files_restored(unchanged: dict) -> dict:
+    """The ``pool_restored`` check of a pool of files: populate's files unchanged (kvbytes.unchanged)."""
+    return {"ok": unchanged["changed"] == 0 and unchanged["missing"] == 0, "value": unchanged,
+            "threshold": "populate's files unchanged"}
+
+
+def repopulated(cell_rows: pd.DataFrame, cell_meta: dict, rows: pd.DataFrame, meta: dict) -> dict:
+    """What a memory pool's level populated (``rows``, ``meta``) against the cell's own populate:
+    placement (document -> replica), errors, the preflight, and the bytes its servers held afterwards."""
+    def placement(frame: pd.DataFrame) -> dict:
+        return dict(zip(frame["doc_id"].astype(int), frame["prefill_replica"].astype(int), strict=True))
+
+    return {"repopulated": True, "same_placement": placement(cell_rows) == placement(rows),
+            "errors": int((rows["error"].fillna("") != "").sum()), "preflight_ok": bool(meta["preflight"]["ok"]),
+            "bytes": int(meta["pool"]["bytes"]), "cell_bytes": int(cell_meta["pool"]["bytes"])}
+
+
+def memory_restored(restored: dict) -> dict:
+    """The ``pool_restored`` check of a memory pool populated again for its level (``repopulated``)."""
+    ok = (restored["same_placement"] and restored["errors"] == 0 and restored["preflight_ok"]
+          and restored["bytes"] == restored["cell_bytes"])
+    return {"ok": ok, "value": restored,
+            "threshold": "populated again without errors, in the same placement, to the cell's pool bytes"}
+
+
+def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_restored: dict, doc_tokens: int,
                  min_hit_fraction: float, max_resident_fraction: float) -> dict:
     """A level's gate: what the cell's gate asks of its reuse, on this level's requests."""
     errors = int((rows["error"].fillna("") != "").sum())
@@ -120,8 +145,7 @@ def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, unchanged
         "cross_replica": {"ok": bool(len(rows)) and bool((rows["prefill_replica"] != rows["serve_replica"]).all()),
                           "value": float((rows["prefill_replica"] != rows["serve_replica"]).mean()) if len(rows)
                           else 0.0, "threshold": 1.0},
-        "pool_restored": {"ok": unchanged["changed"] == 0 and unchanged["missing"] == 0, "value": unchanged,
-                          "threshold": "populate's files unchanged"},
+        "pool_restored": pool_restored,
         "hit_attribution": {"ok": hits["agree"], "value": hits, "threshold": "the two sums equal"},
     }
     checks["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)  # as the cell's gate

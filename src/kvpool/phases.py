@@ -329,17 +329,22 @@ async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[di
 
 
 def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path,
-               disks: list[str], level):
+               disks: list[str], level, servers: list[PoolServer] | None = None):
     """One load level: a fresh fleet on the restored pool, the drop checked again right before the
-    first request, every follow-up to a replica that did not prefill its document, sent at ``level``."""
+    first request, every follow-up to a replica that did not prefill its document, sent at ``level``.
+    An lmcache-mp cell's level starts fresh servers on the restored L2 folder, as its reuse does,
+    unless ``servers`` (a memory pool's, re-populated for the level) run already."""
     route = followup_route(prefill, len(plan["replicas"]))
-    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-        drop = drop_pool(plan, cfg["drop_caches"])
-        with _sampler(plan, f"load~{level.name}", disks, cfg, replicas) as sampler:
-            rows, started, finished, window = asyncio.run(_load(replicas, workload, route, prefill, cfg, level))
+    with pool_servers(plan, log_dir, cfg, servers) as (plan, _, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            drop = drop_pool(plan, cfg["drop_caches"])
+            with _sampler(plan, f"load~{level.name}", disks, cfg, replicas) as sampler:
+                rows, started, finished, window = asyncio.run(_load(replicas, workload, route, prefill, cfg, level))
     frame = pd.DataFrame(rows, columns=LOAD_COLUMNS)
     meta = {"level": level.name, "drop_before_level": drop, "wall_s": finished - started, "started_at": started,
             "finished_at": finished, "window_external_tokens": window}
+    if pool_record:
+        meta["pool_server"] = pool_record
     return frame, meta, sampler
 
 

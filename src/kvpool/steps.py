@@ -541,13 +541,22 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
                    populate_csv: str, populate_digests: str, csv_out: str, json_out: str, drive_csv: str,
                    power_csv: str, log_dir: str, remove_pool: bool) -> None:
     """One load level of a cell (kvpool.load): the pool restored to what populate left, a fresh fleet,
-    the follow-ups at the level, the level's own gate and telemetry summary in ``json_out``."""
+    the follow-ups at the level, the level's own gate and telemetry summary in ``json_out``.
+
+    A pool of files is restored by removing what earlier levels stored. A memory pool (an MP server's
+    L1) cannot be: it went with the cell's servers, and the isolated arm's serving servers would keep
+    what they stored. The level then starts fresh servers and populates them again, as the cell did,
+    with the populate records beside the level's (``populate.csv``, ``populate.json``)."""
     from kvpool import load
 
     level = load.Level.from_name(level_name)
     plan = checked_ports(yaml.safe_load(Path(plan_path).read_text()))
     workload = prompts.read_workload(Path(prompts_path))
     prefill = _prefills(populate_csv, workload, cell)
+    if plan.get("memory_pool"):
+        _run_memory_pool_level(config, cell, level, plan, plan_path, prompts_path, prefill, workload,
+                               populate_csv, csv_out, json_out, drive_csv, power_csv, log_dir)
+        return
     root = pool_root(config, cell)
     if not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}); re-run the cell from its populate: "
@@ -559,22 +568,61 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
     log.info("%s %s: pool restored to populate's %d files (%d removed)", cell.name, level.name,
              restored["kept_files"], restored["removed_files"])
     frame, meta = _run_sampled_phase(
-        plan, lambda disks: phases.load_level(plan, workload, prefill, config, Path(log_dir), disks, level),
+        plan, lambda disks: phases.load_level(plan, workload, prefill, config, Path(log_dir) / "replicas", disks,
+                                              level),
         drive_csv, power_csv, log_dir)
+    restored = {**restored, "unchanged_before": unchanged}
+    pool_ok = load.files_restored(unchanged)
+    if remove_pool:  # the cell's last level: the tier holds one cell's pool at a time
+        shutil.rmtree(root)
+        log.info("removed the pool %s (keep_pools: false)", root)
+    _finish_level(config, cell, level, frame, meta, restored, pool_ok, remove_pool, csv_out, json_out, drive_csv,
+                  power_csv, plan)
+
+
+def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_path: str, prompts_path: str,
+                           prefill: dict[int, int], workload: list[dict], populate_csv: str, csv_out: str,
+                           json_out: str, drive_csv: str, power_csv: str, log_dir: str) -> None:
+    """A memory pool's level: fresh servers, populated again (its own fleet), then the level's fleet."""
+    from kvpool import load
+
+    level_dir, logs_at = Path(csv_out).parent, Path(log_dir)
+    again = {name: str(level_dir / name) for name in ("populate.csv", "populate.json", "populate-drive.csv",
+                                                     "populate-power.csv", "populate-digests.csv")}
+    with running_servers(plan, logs_at / "servers", config["lmcache_mp"]["startup_timeout_s"]) as (plan, servers):
+        run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=again["populate.csv"],
+                     json_out=again["populate.json"], drive_csv=again["populate-drive.csv"],
+                     power_csv=again["populate-power.csv"], digests_csv=again["populate-digests.csv"],
+                     log_dir=str(logs_at / "populate"), servers=servers, plan=plan)
+        frame, meta = _run_sampled_phase(
+            plan, lambda disks: phases.load_level(plan, workload, prefill, config, logs_at / "replicas", disks,
+                                                  level, servers),
+            drive_csv, power_csv, log_dir)
+    restored = load.repopulated(read_records(populate_csv), read_json(Path(populate_csv).with_suffix(".json")),
+                                read_records(again["populate.csv"]), read_json(again["populate.json"]))
+    log.info("%s %s: memory pool populated again (%d bytes, the cell's populate held %d)", cell.name, level.name,
+             restored["bytes"], restored["cell_bytes"])
+    _finish_level(config, cell, level, frame, meta, restored, load.memory_restored(restored), False, csv_out,
+                  json_out, drive_csv, power_csv, plan)
+
+
+def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: dict, restored: dict, pool_ok: dict,
+                  pool_removed: bool, csv_out: str, json_out: str, drive_csv: str, power_csv: str,
+                  plan: dict) -> None:
+    """A level's rows, its gate and its telemetry summary."""
+    from kvpool import load
+
     _archive(frame, Path(csv_out), f"load-{level.name}")
     frame.to_csv(csv_out, index=False)
     hits = load.attribution(frame, meta["window_external_tokens"])
-    meta.update(pool_restore={**restored, "unchanged_before": unchanged},
-                **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], unchanged,
+    meta.update(pool_restore=restored,
+                **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok,
                                     config["workload"]["doc_tokens"], config["min_hit_fraction"],
                                     config["max_resident_fraction"]))
     _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
                                  len(frame), plan_gpus(plan))
     meta["summary"] = {"drive": window["drive"], "power": window["power"]}
-    if remove_pool:  # the cell's last level: the tier holds one cell's pool at a time
-        shutil.rmtree(root)
-        log.info("removed the pool %s (keep_pools: false)", root)
-    meta["pool_removed"] = remove_pool
+    meta["pool_removed"] = pool_removed
     write_json(json_out, meta)
     for name, check in meta["checks"].items():
         if not check["ok"]:

@@ -2,7 +2,7 @@ from pathlib import Path
 
 from kvpool import config as kvpool_config
 from kvpool import mp, runlock, studyb
-from kvpool.cells import CELL_PATTERN, Cell, cells, load_cells, measured, pool_predecessor
+from kvpool.cells import CELL_PATTERN, Cell, cells, measured, pool_predecessor
 from kvpool.load import LEVEL_PATTERN, levels
 from kvpool.model import RANDOM_MODEL_DIR
 
@@ -125,9 +125,9 @@ def cell_log(step):
     return f"logs/{step}/{CELL_PATTERN}.log"
 
 
-# Load levels beyond the reuse phase (c1), in config order, for the cells whose pool is files
+# Load levels beyond the reuse phase (c1), in config order, for every cell
 LOAD_LEVELS = [level.name for level in levels(config)]
-LOAD_CELLS = load_cells(config) if LOAD_LEVELS else []
+LOAD_CELLS = CELLS if LOAD_LEVELS else []
 # (cell, level) pairs in matrix and config order: with measured_only, those that finished
 LOAD_DONE = [
     (cell, level)

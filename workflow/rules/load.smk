@@ -1,6 +1,7 @@
 # Load levels beyond the reuse phase (kvpool.load): each cell's follow-ups at one closed-loop
-# concurrency or open-loop rate, on the pool restored to what populate left. Re-measure one level
-# with --forcerun on its level.json; a new level in the config builds only that level.
+# concurrency or open-loop rate, on the pool restored to what populate left (an MP memory pool,
+# which cannot be restored, is populated again on fresh servers). Re-measure one level with
+# --forcerun on its level.json; a new level in the config builds only that level.
 
 
 rule load_level:
@@ -36,6 +37,6 @@ rule load_level:
             ),
         },
         remove_pool=lambda wc: not config["keep_pools"] and wc.level == LOAD_LEVELS[-1],
-        log_dir=lambda wc: f"logs/load/{Cell.from_wildcards(wc).name}/load~{wc.level}/replicas",
+        log_dir=lambda wc: f"logs/load/{Cell.from_wildcards(wc).name}/load~{wc.level}",
     script:
         "../scripts/run_load_level.py"
