@@ -105,20 +105,22 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
     assert all(r["sequential_start"] == packed for r in plan["replicas"])
 
 
-def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path):
-    """Study B's design on the H200s: the four blocks and the tables, nothing of Study A's cells; the
-    ON blocks plan an MP server, the OFF blocks no connector; its contexts and sessions fit the engine."""
+@pytest.mark.parametrize("name, gpus", [("h200x2-mp-studyb.yaml", ["0", "1"]), ("h200-mp-studyb.yaml", ["0", "0"])])
+def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path, name, gpus):
+    """Study B's design on the H200s (one replica per GPU, or both packed on one): the four blocks and
+    the tables, nothing of Study A's cells; the ON blocks plan an MP server, the OFF blocks no
+    connector; its contexts and sessions fit the engine."""
     from kvpool import studyb
     from kvpool.config import load, problems
 
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "results/studyb.md", "-n", "-s", str(REPO / "Snakefile"), "--directory",
-         str(tmp_path), "--configfile", str(REPO / "config" / "h200x2-mp-studyb.yaml")],
+         str(tmp_path), "--configfile", str(REPO / "config" / name)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"^studyb_block\s+4$", result.stdout, re.M) and not re.search(r"^(populate|memory_pool_cell)\s",
                                                                                    result.stdout, re.M)
-    config = load(REPO / "config" / "h200x2-mp-studyb.yaml", REPO)
+    config = load(REPO / "config" / name, REPO)
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
     assert problems(config, tmp_path, check_paths=False) == []
     study = studyb.resolved(config)
@@ -128,9 +130,9 @@ def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path):
     on = fleet_plan(config, studyb.block_cell(study, studyb.ON), "m", tmp_path, [18100, 18101], "auto",
                     server_ports=[18102, 18103], pool_root=tmp_path / "pool")
     off = fleet_plan(config, studyb.block_cell(study, studyb.OFF), "m", tmp_path, [18100, 18101], "auto")
-    (server,) = on["servers"]  # one MP server (host RAM) for both replicas, one replica per GPU
+    (server,) = on["servers"]  # one MP server (host RAM) for both replicas
     assert {r["kv_transfer"]["kv_connector"] for r in on["replicas"]} == {"LMCacheMPConnector"}
-    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in on["replicas"]] == ["0", "1"] and server["l2_dir"] is None
+    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in on["replicas"]] == gpus and server["l2_dir"] is None
     assert "servers" not in off and all(r["kv_transfer"] is None for r in off["replicas"])
     # a Study A GPU config leaves Study B out of `all`
     assert not load(REPO / "config" / "h200.yaml", REPO)["study_b"]["enabled"]
