@@ -10,6 +10,16 @@ import aiohttp
 
 from kvpool.plan import SERVED_MODEL_NAME
 
+# vLLM's return_token_ids sends the prompt's token ids in the first streamed event: one line of about
+# 7 bytes per prompt token, past aiohttp's line limit (twice read_bufsize, 128 KiB by default) from
+# about 20K tokens on. A 16 MiB buffer takes lines of 32 MiB, over 4M tokens.
+READ_BUFSIZE = 2**24
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The client session every phase sends its requests through."""
+    return aiohttp.ClientSession(read_bufsize=READ_BUFSIZE)
+
 
 @dataclass
 class RequestResult:
@@ -73,6 +83,7 @@ async def complete(session: aiohttp.ClientSession, base_url: str, prompt: list[i
         elif token_ids and len(result.output_token_ids) != output_tokens:
             result.error = (f"asked for the answer's token ids and got {len(result.output_token_ids)} of "
                             f"{output_tokens} (does this vLLM support return_token_ids?)")
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, TimeoutError,
+            json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

@@ -18,7 +18,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from kvpool import metrics, mp
-from kvpool.client import RequestResult, complete
+from kvpool.client import RequestResult, complete, new_session
 from kvpool.fleet import FleetError, PoolServer, Replica, running_fleet, running_servers
 from kvpool.plan import plan_gpus
 from kvpool.pool import drop_from_page_cache
@@ -124,7 +124,7 @@ def preflight_failure(cell: str, preflight: dict) -> str:
 
 async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) -> tuple[list[dict], dict]:
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-    async with aiohttp.ClientSession() as session:
+    async with new_session() as session:
         preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s, expect_shared=expect_shared)
         log.info("preflight %s: replica 1 loaded %d tokens of the %d-token probe replica 0 stored (%s)",
                  "passed" if preflight["ok"] else "FAILED", preflight["hit_tokens"], preflight["probe_tokens"],
@@ -224,7 +224,7 @@ async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], f
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     by_index = {r.index: r for r in replicas}
     rows = []
-    async with aiohttp.ClientSession() as session:
+    async with new_session() as session:
         started = time.time()
         for item in tqdm(workload, desc="reuse", unit="follow-up"):
             serve = by_index[route[item["doc_id"]]]
@@ -264,7 +264,7 @@ def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, 
 async def _reference(replica: Replica, workload, cfg) -> list[dict]:
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     rows = []
-    async with aiohttp.ClientSession() as session:
+    async with new_session() as session:
         for item in tqdm(workload, desc="reference (cold)", unit="follow-up"):
             # A salt of its own: no cached block is reused, and none is left for the second path.
             result, counts = await measured_request(session, replica, item["followup"], output_tokens, timeout_s,
@@ -301,7 +301,7 @@ async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[di
     by_index = {r.index: r for r in replicas}
     serving = sorted({route[item["doc_id"]] for item in workload})
     requests = [(item["doc_id"], by_index[route[item["doc_id"]]].url, item["followup"]) for item in workload]
-    async with aiohttp.ClientSession() as session:
+    async with new_session() as session:
         before = {i: await metrics.scrape(session, by_index[i].url) for i in serving}
         started = time.time()
         sent = await send_level(session, level, requests, output_tokens, timeout_s, load["max_in_flight"],
@@ -376,7 +376,7 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
             by_index = {r.index: r for r in replicas}
 
             async def requests():
-                async with aiohttp.ClientSession() as session:
+                async with new_session() as session:
                     async def send(replica: int, prompt: list[int]):
                         return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
                                                       token_ids=True)
