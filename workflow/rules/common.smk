@@ -26,10 +26,6 @@ onstart:
 # measured_only: the summaries of what this working directory holds, and no rule that measures
 MEASURED_ONLY = config["measured_only"]
 CELLS = measured(config, Path.cwd()) if MEASURED_ONLY else cells(config)
-if not CELLS:
-    raise ValueError(
-        f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells"
-    )
 # Table 2 compares the shared cells of tiers whose read ceiling is measured (all of them, unless measured_only)
 CEILING_TIERS = [
     tier for tier in config["tiers"] if not MEASURED_ONLY or Path(f"results/tiers/{tier}/ceiling.json").exists()
@@ -174,6 +170,11 @@ STUDYB_BLOCKS = [
     for block in (studyb.blocks(STUDYB) if STUDYB else [])
     if not MEASURED_ONLY or Path(f"{STUDYB_DIR}/block~{block}/block.json").exists()
 ]
+if not CELLS and not STUDYB_BLOCKS:
+    raise ValueError(
+        f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells, "
+        f"and no block of Study B under {Path.cwd()}/results/studyb"
+    )
 # In all and the gate when enabled (and, with measured_only, when a block finished)
 STUDYB_TARGETS = (
     {"md": "results/studyb.md", "validity": "results/studyb/validity.json"}
