@@ -70,3 +70,4 @@ rule all:
         STUDY_A_TARGETS,
         STUDYB_TARGETS.get("md", []),
         STUDYB_TARGETS.get("validity", []),
+        STUDYB_TARGETS.get("crossover", []),

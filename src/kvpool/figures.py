@@ -266,3 +266,25 @@ def sessions(walls: pd.DataFrame):
             + labs(title="Study B's sessions: wall time per session, OFF and ON", x="", y="session wall time (s)",
                    colour="")
             + theme_bw() + theme(figure_size=(7, 3.6), plot_title=element_text(size=11)))
+
+
+def crossover(frame, fit):
+    """Prefill and reload TTFT against context: the measured medians (points) and the fitted models
+    (lines) of kvpool.crossover, log axes; ``fit`` is the fit, or why there is none."""
+    import numpy as np
+    from plotnine import scale_x_log10, scale_y_log10
+
+    title = "Prefill (OFF, cold) against reload (ON, cross): measured medians and fitted models"
+    if isinstance(fit, str):
+        return placeholder_note(title, f"No fit: {fit}")
+    points = pd.concat([frame.assign(path="prefill", ttft_s=frame["prefill_s"]),
+                        frame.assign(path="reload", ttft_s=frame["reload_s"])])
+    grid = np.geomspace(frame["context"].min() / 2, frame["context"].max() * 2, 60)
+    lines = pd.concat([pd.DataFrame({"context": grid, "ttft_s": fit.prefill_s(grid), "path": "prefill"}),
+                       pd.DataFrame({"context": grid, "ttft_s": fit.reload_s(grid), "path": "reload"})])
+    colours = {"prefill": STUDYB_COLOURS["off"], "reload": STUDYB_COLOURS["on"]}
+    return (ggplot(points, aes("context", "ttft_s", colour="path"))
+            + geom_point(size=2.5) + geom_line(data=lines[lines["ttft_s"] > 0])
+            + scale_x_log10() + scale_y_log10() + scale_colour_manual(values=colours)
+            + labs(title=title, x="context (tokens)", y="TTFT (s)", colour="")
+            + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))

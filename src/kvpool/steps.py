@@ -750,3 +750,22 @@ def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions
     Path(md_out).write_text(studyb.markdown(study, names, gate, locality, sessions, links))
     if not gate["valid"]:
         log.error("Study B is INVALID: %s", studyb.gate_failures(gate))
+
+
+def run_crossover(config: dict, *, locality_csv: str, csv_out: str, md_out: str, figures_dir: str) -> None:
+    """Where the pool pays (kvpool.crossover), from Study B's locality table: the prefill and reload
+    models fitted per context, the crossover context and the break-even read rates."""
+    from kvpool import crossover, figures, studyb
+    from kvpool.model import engine_kv_bytes_per_token
+
+    per_token = engine_kv_bytes_per_token(config)
+    if per_token is None:
+        raise ValueError(f"the crossover needs the model's KV bytes per token, and {config['engine']['model']} "
+                         "has no config.json here to read them from")
+    frame, fit = crossover.table(read_records(locality_csv), per_token, studyb.resolved(config)["tier"])
+    frame.to_csv(csv_out, index=False)
+    drawn = figures.save(figures.crossover(frame, fit), Path(figures_dir), "crossover")
+    page = crossover.markdown(frame, fit)
+    Path(md_out).write_text(f"{page}\n![crossover]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
+    if isinstance(fit, str):
+        log.warning("no crossover fit: %s", fit)

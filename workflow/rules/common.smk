@@ -177,7 +177,7 @@ if not CELLS and not STUDYB_BLOCKS:
     )
 # In all and the gate when enabled (and, with measured_only, when a block finished)
 STUDYB_TARGETS = (
-    {"md": "results/studyb.md", "validity": "results/studyb/validity.json"}
+    {"md": "results/studyb.md", "validity": "results/studyb/validity.json", "crossover": "results/crossover.md"}
     if config["study_b"]["enabled"] and STUDYB_BLOCKS
     else {}
 )

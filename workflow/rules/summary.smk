@@ -88,3 +88,22 @@ rule studyb_tables:
         settings=studyb_settings(*STUDYB_SETTINGS),
     script:
         "../scripts/studyb_tables.py"
+
+
+rule crossover:
+    """Where the pool pays: a prefill and a reload model fitted to Study B's chains, the crossover
+    context and the read rate below which a reload stops paying (kvpool.crossover)."""
+    input:
+        locality="results/locality.csv",
+    output:
+        csv="results/crossover.csv",
+        md="results/crossover.md",
+        figures=directory("results/crossover"),
+    log:
+        "logs/studyb/crossover.log",
+    conda:
+        CONDA_ENV
+    params:
+        settings=studyb_settings(*STUDYB_SETTINGS, "random_model"),
+    script:
+        "../scripts/crossover.py"

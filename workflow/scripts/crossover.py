@@ -1,0 +1,5 @@
+from kvpool import logs, steps
+
+logs.to_log(snakemake.log[0])
+steps.run_crossover(snakemake.params.settings, locality_csv=snakemake.input.locality, csv_out=snakemake.output.csv,
+                    md_out=snakemake.output.md, figures_dir=snakemake.output.figures)
