@@ -319,8 +319,14 @@ def test_study_b_blocks_run_off_on_on_off_and_the_pool_serves_only_cross_replica
     alternating_on = sessions[(sessions["placement"] == "alternating") & (sessions["arm"] == "on")]
     assert (alternating_on.loc[alternating_on["turn"] == 1, "external_hit_tokens"] >= 512).all()
     assert (sessions.loc[sessions["arm"] == "off", "external_hit_tokens"] == 0).all()
+    windows = pd.read_csv(run / "results" / "studyb" / "windows.csv")  # two sessions at once, per placement
+    assert set(zip(windows["window"], windows["placement"], strict=True)) == {(2, "fixed"), (2, "alternating")}
+    assert (windows["off_tokens_per_s_median"] > 0).all() and (windows["on_tokens_per_s_median"] > 0).all()
+    assert (windows["block_pairs"] == 2).all()
     page = (run / "results" / "studyb.md").read_text()
-    assert "**Gate: VALID.**" in page and "(Study B's Table 3)" in page
+    assert "**Gate: VALID.**" in page and "(Study B's Table 3)" in page and "## Short concurrency windows" in page
+    # two chain contexts are too few to fit the crossover's quadratic prefill: the page says so
+    assert "No fit: a crossover needs at least 3 contexts" in (run / "results" / "crossover.md").read_text()
     assert (run / "results" / "studyb" / "figures" / "locality.png").stat().st_size > 10_000
     report = (run / "results" / "report.html").read_text()
     assert 'id="studyb"' in report and "Locality chains (Study B's Table 3)" in report

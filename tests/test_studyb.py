@@ -49,8 +49,8 @@ def test_payloads_are_seeded_and_no_two_documents_share_a_prefix(study):
     workload = studyb.make_workload(VOCAB, study, replicas=2)
     assert workload == studyb.make_workload(VOCAB, study, replicas=2)
     firsts = [c["prompt"][0] for c in workload["chains"]] + [s["first"][0] for s in workload["sessions"]] \
-        + [w[0] for w in workload["warmups"]]
-    assert len(firsts) == len(set(firsts)) == 2 + 4 + 1
+        + [w["first"][0] for w in workload["windows"]] + [w[0] for w in workload["warmups"]]
+    assert len(firsts) == len(set(firsts)) == 2 + 4 + 2 * 2 + 1  # windows: 2 sessions at once per placement
     assert [len(c["prompt"]) for c in workload["chains"]] == [256 + 8, 512 + 8]
     # chains alternate which replica prefills, so both replicas serve cross-replica steps
     assert [c["replicas"] for c in workload["chains"]] == [{"A": 0, "B": 1}, {"A": 1, "B": 0}]
@@ -69,6 +69,10 @@ class StandIn:
 
     async def send(self, replica: int, prompt: list[int]):
         self.sent.append((replica, len(prompt)))
+        self.in_flight = getattr(self, "in_flight", 0) + 1
+        self.most = max(getattr(self, "most", 0), self.in_flight)
+        await asyncio.sleep(0.001)  # let concurrent requests overlap
+        self.in_flight -= 1
         prefixes = range(self.chunk, len(prompt), self.chunk)
         local = max((n for n in prefixes if tuple(prompt[:n]) in self.local[replica]), default=0)
         external = 0
@@ -103,7 +107,7 @@ def test_a_block_sends_warmups_chains_then_sessions_that_grow_by_answer_and_new_
     workload = studyb.make_workload(VOCAB, study, replicas=2)
     fleet = StandIn(study["chunk"], pooled=True)
     rows = pd.DataFrame(asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2)), columns=studyb.COLUMNS)
-    assert list(rows["kind"].drop_duplicates()) == ["warmup", "chain", "session"]
+    assert list(rows["kind"].drop_duplicates()) == ["warmup", "chain", "session", "window"]
     chain = rows[(rows["kind"] == "chain") & (rows["context"] == 256)]
     assert list(chain["step"]) == [step for step, _ in studyb.CHAIN] and list(chain["replica"]) == [0, 0, 0, 1, 1]
     assert chain.set_index("step").loc["cross", "external_hit_tokens"] == 256
@@ -218,3 +222,51 @@ def test_a_real_model_needs_room_to_answer_the_planted_question(config):
     config["workload"]["output_tokens"] = 8
     with pytest.raises(ValueError, match="output_tokens 8 is too few"):
         studyb.resolved(config)
+
+
+def test_a_windows_sessions_run_at_once_through_the_concurrent_send(study):
+    """Study B's short concurrency windows: W sessions sent together, each session's turns in order,
+    through the send that takes its hits from the response (not /metrics deltas)."""
+    workload = studyb.make_workload(VOCAB, study, replicas=2)
+    fleet = StandIn(study["chunk"], pooled=True)
+    together = []
+
+    async def send_together(replica, prompt):
+        together.append(len(prompt))
+        return await fleet.send(replica, prompt)
+
+    fleet.most = 0
+    rows = pd.DataFrame(asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2, None, send_together)),
+                        columns=studyb.COLUMNS)
+    windows = rows[rows["kind"] == "window"]
+    assert len(windows) == len(together) == 2 * 2 * study["window_turns"]  # 2 at once, 2 placements
+    assert fleet.most == 2  # only the windows overlap
+    for (placement, _), turns in windows.groupby(["placement", "session"]):
+        assert list(turns["turn"]) == list(range(study["window_turns"]))
+        assert list(turns["prompt_tokens"]) == [256 + t * (4 + 32) for t in range(study["window_turns"])]
+        assert turns["replica"].nunique() == (2 if placement == "alternating" else 1)
+    checks = studyb.block_checks(rows, studyb.ON, study, 0.9)
+    assert checks["every_window_turn_answered"]["ok"]
+    short = rows.drop(windows.index[-1])
+    assert not studyb.block_checks(short, studyb.ON, study, 0.9)["every_window_turn_answered"]["ok"]
+
+
+def test_the_windows_table_pairs_throughput_across_blocks():
+    def window_rows(block, wall_s):
+        return [{"block": block, "arm": studyb.block_arm(block), "kind": "window", "window": 2,
+                 "placement": "alternating", "session": s, "turn": t, "ttft_s": 0.1 * wall_s,
+                 "started_at": 100.0 + t * wall_s / 4, "finished_at": 100.0 + (t + 1) * wall_s / 4, "error": None}
+                for s in range(2) for t in range(4)]
+
+    rows = pd.DataFrame(window_rows("1-off", 2.0) + window_rows("2-on", 1.0) + window_rows("3-on", 1.0)
+                        + window_rows("4-off", 4.0))
+    table = studyb.windows_table(rows, [("1-off", "2-on"), ("4-off", "3-on")], output_tokens=4)
+    (row,) = table.itertuples()
+    # 8 answered turns x 4 tokens over each window's wall time
+    assert (row.off_tokens_per_s_median, row.on_tokens_per_s_median) == (pytest.approx(12.0), pytest.approx(32.0))
+    assert row.mean_paired_change_pct == pytest.approx((100 + 300) / 2) and row.block_pairs == 2
+    page = studyb.markdown({"backend": "b", "chunk": 256, "tier": "ram", "warmups": 1, "window_turns": 4},
+                           ["1-off", "2-on"], {"valid": True, "blocks": {}, "checks": {}}, pd.DataFrame(),
+                           pd.DataFrame(), [], table)
+    assert "## Short concurrency windows" in page and "| 2 | alternating | 12 tok/s | 32 tok/s | 200% |" in page
+    assert studyb.windows_table(rows[rows["kind"] != "window"], [], 4).empty  # a run without windows

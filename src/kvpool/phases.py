@@ -380,8 +380,16 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
                     async def send(replica: int, prompt: list[int]):
                         return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
                                                       token_ids=True)
+                    async def send_together(replica: int, prompt: list[int]):
+                        """A request among concurrent ones: its hits from the response's cached tokens."""
+                        result = await complete(session, by_index[replica].url, prompt, output_tokens, timeout_s,
+                                                token_ids=True)
+                        if result.error:
+                            result.error = _replica_error(by_index[replica], "the request", result.error)
+                        return result, {}
+
                     return await run_block(send, block, workload, study, len(replicas),
-                                           corrupt_first_chunk if fault else None)
+                                           corrupt_first_chunk if fault else None, send_together)
 
             started = time.time()
             rows = asyncio.run(requests())

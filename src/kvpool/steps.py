@@ -715,7 +715,7 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
 
 
 def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions_csv: str, summary_csv: str,
-                      validity_out: str, md_out: str, figures_dir: str) -> None:
+                      validity_out: str, md_out: str, figures_dir: str, windows_csv: str | None = None) -> None:
     """Study B's tables from every block (``blocks``: name -> requests.csv and block.json): the
     locality chains (``locality_csv``), every session turn (``sessions_csv``) and the sessions per
     placement (``summary_csv``), the study's gate (each block's checks and the ON/OFF pairing) and a
@@ -731,9 +731,13 @@ def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions
     turns = rows[rows["kind"] == "session"].merge(
         studyb.session_walls(rows)[["block", "placement", "session", "wall_s"]], on=["block", "placement", "session"])
     turns = turns.rename(columns={"wall_s": "session_wall_s", "context": "prompt_context"})
-    turns.drop(columns=["kind", "chain", "step", "output_text"]).to_csv(sessions_csv, index=False)
+    turns.drop(columns=["kind", "chain", "step", "window", "output_text"], errors="ignore").to_csv(sessions_csv,
+                                                                                                  index=False)
     sessions = studyb.sessions_table(rows, pairs)
     sessions.to_csv(summary_csv, index=False)
+    windows = studyb.windows_table(rows, pairs, config["workload"]["output_tokens"])
+    if windows_csv:
+        windows.to_csv(windows_csv, index=False)
     metas = {name: read_json(paths["meta"]) for name, paths in blocks.items()}
     checks = studyb.pairing_checks(rows, pairs)
     gate = {"blocks": {name: {"arm": meta["arm"], "valid": meta["valid"],
@@ -747,7 +751,7 @@ def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions
     drawn = [figures.save(figures.locality(rows), folder, "locality"),
              figures.save(figures.sessions(studyb.with_pairs(studyb.session_walls(rows), pairs)), folder, "sessions")]
     links = [os.path.relpath(d["png"], Path(md_out).parent) for d in drawn]
-    Path(md_out).write_text(studyb.markdown(study, names, gate, locality, sessions, links))
+    Path(md_out).write_text(studyb.markdown(study, names, gate, locality, sessions, links, windows))
     if not gate["valid"]:
         log.error("Study B is INVALID: %s", studyb.gate_failures(gate))
 

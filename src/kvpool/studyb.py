@@ -11,6 +11,7 @@ greedy answers across a pair show that the pool's KV is the KV the replica compu
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -28,7 +29,7 @@ OFF, ON = "off", "on"
 SEQUENCE = (OFF, ON, ON, OFF)
 # A chain's steps and the replica each goes to (A prefills, B never saw the document before "cross").
 CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("local-B", "B"))
-COLUMNS = ["block", "arm", "kind", "context", "chain", "step", "placement", "session", "turn", "replica",
+COLUMNS = ["block", "arm", "kind", "context", "chain", "step", "window", "placement", "session", "turn", "replica",
            "payload_sha256", "prompt_tokens", "cached_tokens", "local_hit_tokens", "external_hit_tokens",
            "computed_tokens", "ttft_s", "e2e_s", "decode_tokens_per_s", "started_at", "finished_at", "output_text",
            "planted_recalled", "error"]
@@ -37,6 +38,8 @@ COLUMNS = ["block", "arm", "kind", "context", "chain", "step", "placement", "ses
 def resolved(config: dict) -> dict:
     """``study_b`` with its pool named (backend, tier, chunk) and checked against the matrix."""
     study = dict(config["study_b"])
+    study.setdefault("windows", [])  # records of runs from before the windows had none
+    study.setdefault("window_turns", 4)
     sharing = [backend for backend in config["backends"] if backend != "lmcache-local-disk"]
     study["backend"] = study["backend"] or (sharing[0] if sharing else "lmcache-local-disk")
     study["tier"] = study["tier"] or ("ram" if "ram" in config["tiers"] else next(iter(config["tiers"])))
@@ -56,8 +59,9 @@ def resolved(config: dict) -> dict:
     if partial:
         raise ValueError(f"study_b.contexts {partial} are not whole chunks of {study['chunk']} tokens: "
                          "a cross-replica hit could not cover the document")
+    turns = max(study["turns"], study["window_turns"] if study["windows"] else 0)
     longest = max(max(study["contexts"]) + study["question_tokens"],
-                  study["session_tokens"] + (study["turns"] - 1)
+                  study["session_tokens"] + (turns - 1)
                   * (study["turn_tokens"] + config["workload"]["output_tokens"])) + config["workload"]["output_tokens"]
     if longest > config["engine"]["max_model_len"]:
         raise ValueError(f"study_b's longest request needs {longest} tokens (prompt and answer), more than "
@@ -139,7 +143,9 @@ def make_workload(token_ids: list[int], study: dict, replicas: int,
     pool = np.asarray(token_ids)
     chains = [(context, k) for context in study["contexts"] for k in range(study["chains"])]
     sessions = [(placement, s) for placement in study["placements"] for s in range(study["sessions"])]
-    documents = len(chains) + len(sessions) + study["warmups"]
+    windows = [(size, placement, s) for size in study["windows"] for placement in study["placements"]
+               for s in range(size)]
+    documents = len(chains) + len(sessions) + len(windows) + study["warmups"]
     if documents > len(pool):
         raise ValueError(f"study_b needs {documents} documents with distinct first tokens; the vocabulary has "
                          f"{len(pool)}")
@@ -163,9 +169,13 @@ def make_workload(token_ids: list[int], study: dict, replicas: int,
                       "increments": [rng.choice(pool, size=study["turn_tokens"]).tolist()
                                      for _ in range(study["turns"] - 1)]}
                      for placement, s in sessions]
+    window_items = [{"window": size, "placement": placement, "session": s, "first": document(study["session_tokens"]),
+                     "increments": [rng.choice(pool, size=study["turn_tokens"]).tolist()
+                                    for _ in range(study["window_turns"] - 1)]}
+                    for size, placement, s in windows]
     # warm-ups: one chunk each, prefixes of their own, so they leave nothing a measured request could find
     warmups = [document(study["chunk"]) for _ in range(study["warmups"])]
-    return {"chains": chain_items, "sessions": session_items, "warmups": warmups}
+    return {"chains": chain_items, "sessions": session_items, "windows": window_items, "warmups": warmups}
 
 
 def session_replica(placement: str, session: int, turn: int, replicas: int) -> int:
@@ -196,9 +206,11 @@ def _row(block: str, result, counts: dict, replica: int, prompt: list[int], **wh
 
 
 async def run_block(send: Send, block: str, workload: dict, study: dict, replicas: int,
-                    before_step: Callable[[str], None] | None = None) -> list[dict]:
-    """The block's requests, one at a time: warm-ups (the same on every replica), the chains, the
-    sessions. ``before_step`` (fault injection) runs before each chain step, with the step's name."""
+                    before_step: Callable[[str], None] | None = None, send_together: Send | None = None) -> list[dict]:
+    """The block's requests: warm-ups (the same on every replica), the chains and the sessions one at a
+    time, then the concurrency windows through ``send_together`` (a send whose counts come from the
+    response, not /metrics deltas; ``send`` when not given). ``before_step`` (fault injection) runs
+    before each chain step, with the step's name."""
     rows = []
     for replica in range(replicas):
         for prompt in workload["warmups"]:
@@ -225,6 +237,28 @@ async def run_block(send: Send, block: str, workload: dict, study: dict, replica
                 break  # the next turn's prompt needs this answer
             if turn + 1 < study["turns"]:
                 prompt = prompt + result.output_token_ids + item["increments"][turn]
+    for size in study["windows"]:
+        for placement in study["placements"]:
+            window = [item for item in workload.get("windows", [])
+                      if item["window"] == size and item["placement"] == placement]
+            for session_rows in await asyncio.gather(*(_window_session(send_together or send, block, item, study,
+                                                                       replicas) for item in window)):
+                rows += session_rows
+    return rows
+
+
+async def _window_session(send: Send, block: str, item: dict, study: dict, replicas: int) -> list[dict]:
+    """One session of a concurrency window, its turns one after another."""
+    rows, prompt = [], item["first"]
+    for turn in range(study["window_turns"]):
+        replica = session_replica(item["placement"], item["session"], turn, replicas)
+        result, counts = await send(replica, prompt)
+        rows.append(_row(block, result, counts, replica, prompt, kind="window", window=item["window"],
+                         placement=item["placement"], session=item["session"], turn=turn, context=len(prompt)))
+        if result.error:
+            break
+        if turn + 1 < study["window_turns"]:
+            prompt = prompt + result.output_token_ids + item["increments"][turn]
     return rows
 
 
@@ -262,6 +296,11 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     expected = len(study["placements"]) * study["sessions"] * study["turns"]
     checks["every_turn_answered"] = check(len(sessions) == expected and sessions["error"].isna().all(),
                                            int(sessions["error"].isna().sum()), expected)
+    if study["windows"]:
+        windows = measured[measured["kind"] == "window"]
+        expected = sum(study["windows"]) * len(study["placements"]) * study["window_turns"]
+        checks["every_window_turn_answered"] = check(len(windows) == expected and windows["error"].isna().all(),
+                                                      int(windows["error"].isna().sum()), expected)
     return checks
 
 
@@ -373,6 +412,56 @@ def sessions_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataF
     return pd.DataFrame(table)
 
 
+WINDOW_COLUMNS = ["window", "placement", "off_tokens_per_s_median", "off_n", "off_observations",
+                  "on_tokens_per_s_median", "on_n", "on_observations", "off_turn_ttft_median_s",
+                  "on_turn_ttft_median_s", "mean_paired_change_pct", "change_ci_low_pct", "change_ci_high_pct",
+                  "block_pairs"]
+
+
+def window_walls(rows: pd.DataFrame, output_tokens: int) -> pd.DataFrame:
+    """One row per block, window size and placement: the window's wall time (first request sent to
+    last answer complete) and its output tokens per second (answered turns x ``output_tokens``)."""
+    windows = rows[rows["kind"] == "window"] if "window" in rows else rows.iloc[0:0]
+    if windows.empty:
+        return pd.DataFrame(columns=["block", "arm", "window", "placement", "turns", "answered", "wall_s",
+                                     "output_tokens_per_s"])
+    grouped = windows.groupby(["block", "arm", "window", "placement"], sort=False)
+    walls = grouped.agg(started=("started_at", "min"), finished=("finished_at", "max"), turns=("turn", "count"),
+                        answered=("error", lambda errors: int(errors.isna().sum()))).reset_index()
+    walls["wall_s"] = walls["finished"] - walls["started"]
+    walls["output_tokens_per_s"] = walls["answered"] * output_tokens / walls["wall_s"]
+    return walls.drop(columns=["started", "finished"])
+
+
+def windows_table(rows: pd.DataFrame, pairs: list[tuple[str, str]], output_tokens: int) -> pd.DataFrame:
+    """Study B's short concurrency windows: per window size and placement, each arm's median output
+    tokens per second, its observations and median turn TTFT, and the mean ON/OFF paired change of the
+    throughput across block pairs."""
+    walls = window_walls(rows, output_tokens)
+    if walls.empty:
+        return pd.DataFrame(columns=WINDOW_COLUMNS)
+    turns = rows[rows["kind"] == "window"]
+    key = ["window", "placement"]
+    changes = []
+    for number, (off_block, on_block) in enumerate(pairs, start=1):
+        off = walls[walls["block"] == off_block].set_index(key)["output_tokens_per_s"]
+        on = walls[walls["block"] == on_block].set_index(key)["output_tokens_per_s"]
+        changes.append(pd.DataFrame({"pair": number, "change_pct": 100 * (on / off - 1)}).reset_index())
+    change = pd.concat(changes, ignore_index=True) if changes else pd.DataFrame(columns=[*key, "pair", "change_pct"])
+    table = []
+    for (window, placement), group in walls.groupby(key, sort=False):
+        row = {"window": int(window), "placement": placement}
+        for arm in (OFF, ON):
+            values = group[group["arm"] == arm]["output_tokens_per_s"]
+            ttft = turns[(turns["window"] == window) & (turns["placement"] == placement) & (turns["arm"] == arm)]
+            row.update({f"{arm}_tokens_per_s_median": values.median(), f"{arm}_n": int(values.count()),
+                        f"{arm}_observations": _observations(values),
+                        f"{arm}_turn_ttft_median_s": ttft["ttft_s"].median()})
+        row.update(_mean_change(change[(change["window"] == window) & (change["placement"] == placement)]))
+        table.append(row)
+    return pd.DataFrame(table, columns=WINDOW_COLUMNS)
+
+
 def pairing_checks(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict:
     """Every measured ON request has its OFF twin (same payload, same replica) and the same greedy
     answer: the pool's KV gives the answer the replica computes without it."""
@@ -412,7 +501,7 @@ def _change_cells(row) -> tuple[str, str]:
 
 
 def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
-             figures: list[str]) -> str:
+             figures: list[str], windows: pd.DataFrame | None = None) -> str:
     """Study B's page: the design as run, the gate, Table 3 (locality) and Table 4 (sessions)."""
     verdict = "VALID" if gate["valid"] else "INVALID: " + "; ".join(gate_failures(gate))
     lines = [f"# Study B's design: {study['backend']} (chunk {study['chunk']}, tier {study['tier']}), ON against OFF",
@@ -437,5 +526,17 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
                      f"{fmt_value(row.on_wall_median_s, 's')} | {change} | {ci} | "
                      f"{_pct(row.turn_ttft_change_pct)} | {_pct(row.decode_change_pct)} | "
                      f"{row.turns_matched} ({row.outputs_equal}) |")
+    if windows is not None and not windows.empty:
+        lines += ["", "## Short concurrency windows", "",
+                  f"Per window, W sessions of {study['window_turns']} turns sent at once; output tokens per second "
+                  "over the window's wall time. Hits from each response's cached tokens; answers not paired.", "",
+                  "| sessions at once | placement | OFF median | ON median | mean paired change | 95% CI | "
+                  "turn TTFT OFF / ON |", "|---|---|---|---|---|---|---|"]
+        for row in windows.itertuples():
+            change, ci = _change_cells(row)
+            lines.append(f"| {row.window} | {row.placement} | {fmt_value(row.off_tokens_per_s_median, '')} tok/s | "
+                         f"{fmt_value(row.on_tokens_per_s_median, '')} tok/s | {change} | {ci} | "
+                         f"{fmt_value(row.off_turn_ttft_median_s, 's')} / "
+                         f"{fmt_value(row.on_turn_ttft_median_s, 's')} |")
     lines += [""] + [f"![{Path(link).stem}]({link})" for link in figures]
     return "\n".join(lines) + "\n"

@@ -76,6 +76,7 @@ rule studyb_tables:
         locality="results/locality.csv",
         sessions="results/sessions.csv",
         summary="results/studyb/sessions_summary.csv",
+        windows="results/studyb/windows.csv",
         validity="results/studyb/validity.json",
         md="results/studyb.md",
         figures=directory("results/studyb/figures"),
