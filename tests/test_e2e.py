@@ -330,6 +330,7 @@ def test_study_b_blocks_run_off_on_on_off_and_the_pool_serves_only_cross_replica
     assert (run / "results" / "studyb" / "figures" / "locality.png").stat().st_size > 10_000
     report = (run / "results" / "report.html").read_text()
     assert 'id="studyb"' in report and "Locality chains (Study B's Table 3)" in report
+    assert "Short concurrency windows" in report and "Where the pool pays" in report
 
 
 # Last: it re-runs `all` in the same folder with another matrix, which rewrites the shared tables.

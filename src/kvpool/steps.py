@@ -496,8 +496,9 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
 
 
 def _studyb_section(files: dict) -> dict:
-    """Study B's part of the page (``files``: its validity.json, locality.csv, sessions summary and
-    figures folder): the verdict, both tables and both figures."""
+    """Study B's part of the page (``files``: its validity.json, locality.csv, sessions summary,
+    figures folder, windows table, crossover table and its figure's folder): the verdict, the tables
+    and the figures."""
     from kvpool.studyb import gate_failures
 
     gate = read_json(files["validity"])
@@ -508,13 +509,23 @@ def _studyb_section(files: dict) -> dict:
     sessions = pd.read_csv(files["sessions"])[
         ["placement", "off_wall_median_s", "on_wall_median_s", "mean_paired_change_pct", "change_ci_low_pct",
          "change_ci_high_pct", "turn_ttft_change_pct", "decode_change_pct", "turns_matched", "outputs_equal"]]
+    windows = pd.read_csv(files["windows"])[
+        ["window", "placement", "off_tokens_per_s_median", "on_tokens_per_s_median", "mean_paired_change_pct",
+         "change_ci_low_pct", "change_ci_high_pct", "off_turn_ttft_median_s", "on_turn_ttft_median_s"]]
+    crossover = pd.read_csv(files["crossover"])[
+        ["context", "prefill_s", "reload_s", "speedup", "prefill_fit_s", "reload_fit_s", "break_even_read_gbps",
+         "fit_read_gbps", "fit_overhead_s", "crossover_tokens"]]
     figures_dir = Path(files["figures"])
     return {"valid": gate["valid"], "failures": gate_failures(gate), "blocks": list(gate["blocks"]),
             "pool": f"{gate['backend']} (chunk {gate['chunk']}, tier {gate['tier']})",
             "locality_html": _html(locality.round(4)), "sessions_html": _html(sessions.round(4)),
+            "windows_html": _html(windows.round(4)) if len(windows) else None,
+            "crossover_html": _html(crossover.round(4)),
             "figures": [{"png": figures_dir / f"{stem}.png", "title": title} for stem, title in
                         (("locality", "Locality chains: TTFT per step, OFF and ON"),
-                         ("sessions", "Sessions: wall time per session, OFF and ON"))]}
+                         ("sessions", "Sessions: wall time per session, OFF and ON"))]
+            + [{"png": Path(files["crossover_figures"]) / "crossover.png",
+                "title": "Where the pool pays: prefill and reload against context, measured and fitted"}]}
 
 
 def _kv_bytes_html(path: Path | None) -> str:

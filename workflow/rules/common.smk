@@ -188,6 +188,9 @@ STUDYB_REPORT = (
         "locality": "results/locality.csv",
         "sessions": "results/studyb/sessions_summary.csv",
         "figures": "results/studyb/figures",
+        "windows": "results/studyb/windows.csv",
+        "crossover": "results/crossover.csv",
+        "crossover_figures": "results/crossover",
     }
     if STUDYB_TARGETS
     else {}
