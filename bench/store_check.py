@@ -33,12 +33,12 @@ import shutil
 import sys
 from pathlib import Path
 
-import aiohttp
 import pandas as pd
 import yaml
 from snakemake.utils import validate
 
 from kvpool.cells import Cell
+from kvpool.client import new_session
 from kvpool.fleet import free_ports, running_fleet
 from kvpool.model import RANDOM_MODEL_DIR
 from kvpool.phases import measured_request
@@ -85,7 +85,7 @@ async def check(replica, workload: list[dict], output_tokens: int, timeout_s: fl
     """Each document's follow-up cold, then after a GPU prefix-cache reset, with the pool's hits proven
     as the pipeline proves them (phases.measured_request: the replica's /metrics around the request)."""
     rows = []
-    async with aiohttp.ClientSession() as session:
+    async with new_session() as session:
         for item in workload:
             row = {"doc_id": item["doc_id"]}
             for path in ("cold", "reload"):

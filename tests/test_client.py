@@ -5,6 +5,7 @@ import json
 
 import aiohttp
 from aiohttp import web
+from conftest import completions_server
 
 from kvpool.client import complete, new_session
 
@@ -24,18 +25,8 @@ async def token_ids_stream(request):
 
 
 async def ask(prompt_tokens: int, session_factory):
-    app = web.Application(client_max_size=2**26)
-    app.add_routes([web.post("/v1/completions", token_ids_stream)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    try:
-        async with session_factory() as session:
-            return await complete(session, url, [123456] * prompt_tokens, 4, 30.0, token_ids=True)
-    finally:
-        await runner.cleanup()
+    async with completions_server(token_ids_stream, client_max_size=2**26) as url, session_factory() as session:
+        return await complete(session, url, [123456] * prompt_tokens, 4, 30.0, token_ids=True)
 
 
 def test_a_long_prompts_token_ids_line_is_read():

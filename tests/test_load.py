@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from aiohttp import web
+from conftest import completions_server
 
 from kvpool import kvbytes
 from kvpool.load import (
@@ -74,20 +75,10 @@ class StandIn:
 
 async def run_level(level: Level, count: int, delay_s: float, max_in_flight: int = 32):
     stand_in = StandIn(delay_s)
-    app = web.Application()
-    app.add_routes([web.post("/v1/completions", stand_in.completions)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    try:
-        async with aiohttp.ClientSession() as session:
-            started = time.monotonic()
-            sent = await send_level(session, level, [(i, url, [1, 2, 3, 4]) for i in range(count)], 1, 30.0,
-                                    max_in_flight, 1.0, 0)
-    finally:
-        await runner.cleanup()
+    async with completions_server(stand_in.completions) as url, aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        sent = await send_level(session, level, [(i, url, [1, 2, 3, 4]) for i in range(count)], 1, 30.0,
+                                max_in_flight, 1.0, 0)
     return sent, stand_in, started
 
 
