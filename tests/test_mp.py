@@ -354,8 +354,9 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
              "power": out["reuse-power"], "digests": out["pool-digests.csv"]}
     logs = {name: str(tmp_path / "logs" / name) for name in ("servers", "populate", "reuse")}
     plan_path, prompts_path = str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl")
-    if tier == "ram":
-        steps.run_memory_pool_cell(gpu_config, cell, plan_path, prompts_path, populate=populate,
+    if tier == "ram":  # only the sections the rule hands its script, as Snakemake would
+        declared = {key: gpu_config[key] for key in kvpool_config.MEMORY_POOL_CELL_SETTINGS}
+        steps.run_memory_pool_cell(declared, cell, plan_path, prompts_path, populate=populate,
                                    drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
     else:  # the three rules: each phase starts (and stops) its own servers, whose logs sit with its replicas'
         steps.run_populate(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],

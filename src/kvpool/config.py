@@ -24,6 +24,23 @@ OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--d
 OWNED_SERVER_FLAGS = {"--host", "--port", "--http-host", "--http-port", "--chunk-size", "--l1-size-gb",
                       "--eviction-policy", "--l2-adapter"}
 
+# What the timed phases read: the engine's timeouts and host, the workload, where pools live, the MP
+# server's timeouts, the preflight policy, sampling, the drop and whether a pool is kept. A rule hands
+# its script only the sections it declares, so a phase reading another one fails with a KeyError.
+PHASE_SETTINGS = (
+    "engine",
+    "workload",
+    "tiers",
+    "replicas",
+    "lmcache_mp",
+    "preflight_on_failure",
+    "telemetry_hz",
+    "drop_caches",
+    "keep_pools",
+)
+# A memory pool's cell runs populate, drop and reuse in one job: the drop's self-test reads fault_injection.
+MEMORY_POOL_CELL_SETTINGS = (*PHASE_SETTINGS, "fault_injection")
+
 
 def resolve_extends(config: dict, repo: Path) -> None:
     """Resolve ``extends`` in place: the named config file (a path in this repository, or absolute) is

@@ -62,19 +62,7 @@ def settings(*keys):
     return {key: config[key] for key in keys}
 
 
-# What the timed phases read: the engine's timeouts and host, the workload, where pools live, the MP
-# server's timeouts, the preflight policy, sampling, the drop and whether a pool is kept.
-PHASE_SETTINGS = (
-    "engine",
-    "workload",
-    "tiers",
-    "replicas",
-    "lmcache_mp",
-    "preflight_on_failure",
-    "telemetry_hz",
-    "drop_caches",
-    "keep_pools",
-)
+PHASE_SETTINGS = kvpool_config.PHASE_SETTINGS
 
 
 def cell_names(cells=None):
