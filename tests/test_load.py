@@ -178,18 +178,23 @@ def test_a_load_row_reports_what_the_fleet_delivered_in_the_levels_window():
     config = {"workload": {"output_tokens": 8, "doc_tokens": 2048}, "slo_s": 5.0}
     drive = {"available": True, "read_gb_per_s": 0.5, "aqu_sz": {"p95": 3.0}}
     row = load_row(Cell("lmcache-fs", "shared", 256, "disk"), "c4", records, {"wall_s": 2.0}, drive,
-                   {"mean_power_w": None, "energy_per_request_j": None}, True, config)
+                   {"mean_power_w": None, "energy_per_request_j": None}, True, config, per_token=65536)
     assert row["level_kind"] == "concurrency" and row["level_value"] == 4 and row["requests"] == 4
     assert row["errors"] == 1 and row["ttft_p50_s"] == pytest.approx(0.4)
     assert row["achieved_rps"] == 1.5 and row["output_tokens_per_s"] == 12.0  # 3 answered in 2 s
     assert row["goodput_rps"] == 1.0  # two of them within slo_s
     assert row["hit_fraction"] == 0.75 and row["queue_depth_p95"] == 3.0 and np.isnan(row["mean_power_w"])
     assert row["ttft_p50_ci_low_s"] <= row["ttft_p50_s"] <= row["ttft_p50_ci_high_s"]
+    # the answered follow-ups' hit tokens (3 x 2,048) x 64 KiB of KV each, over the 2 s window
+    assert row["loaded_gb_per_s"] == pytest.approx(3 * 2048 * 65536 / 2.0 / 1e9)
+    unknown = load_row(Cell("lmcache-fs", "shared", 256, "disk"), "c4", records, {"wall_s": 2.0}, drive,
+                       {"mean_power_w": None, "energy_per_request_j": None}, True, config)
+    assert np.isnan(unknown["loaded_gb_per_s"])  # a model whose KV size cannot be read: no rate, not zero
     table = load_markdown(pd.DataFrame([row]))
     line = table.splitlines()[2]
     assert [cell.strip() for cell in line.strip("|").split("|")][:4] == [
         "lmcache-fs / shared / chunk 256 / disk", "c4", "valid", "0.4 s [0.2, 6]"]
-    assert "1.5 req/s" in line and "1 of 4" in line
+    assert "1.5 req/s" in line and "1 of 4" in line and "0.201 GB/s" in line
 
 
 def test_the_load_figures_draw_from_the_load_table(tmp_path):
@@ -203,11 +208,19 @@ def test_the_load_figures_draw_from_the_load_table(tmp_path):
                          "level_kind": kind, "level_value": float(value), "valid": True,
                          "ttft_p50_s": base * value, "ttft_p50_ci_low_s": base * value * 0.9,
                          "ttft_p50_ci_high_s": base * value * 1.1, "ttft_p99_s": base * value * 1.5,
-                         "achieved_rps": value / base, "goodput_rps": 0.5, "drive_read_gb_per_s": 0.1 * value})
+                         "achieved_rps": value / base, "goodput_rps": 0.5, "drive_read_gb_per_s": 0.1 * value,
+                         "loaded_gb_per_s": 0.12 * value})
     load = pd.DataFrame(rows)
     ceilings = pd.DataFrame([{"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "ceiling_read_gb_per_s": 0.9}])
+    # a memory pool: no drive read and no ceiling, only the KV the replicas loaded
+    memory = load.assign(tier="ram", drive_read_gb_per_s=np.nan)
+    no_ceiling = pd.DataFrame(columns=["backend", "chunk", "tier", "ceiling_read_gb_per_s"])
+    reload = figures.load_reload_rate(load, ceilings)
+    assert set(reload.data["measure"]) == {"drive read", "KV loaded"}
+    memory_reload = figures.load_reload_rate(memory, no_ceiling)
+    assert set(memory_reload.data["measure"]) == {"KV loaded"}
     for stem, plot in (("ttft", figures.load_ttft(load)), ("throughput", figures.load_throughput(load)),
-                       ("goodput", figures.load_goodput(load)),
-                       ("reload", figures.load_reload_rate(load, ceilings))):
+                       ("goodput", figures.load_goodput(load)), ("reload", reload),
+                       ("memory-reload", memory_reload)):
         paths = figures.save(plot, tmp_path, stem)
         assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem

@@ -216,17 +216,24 @@ def load_goodput(load: pd.DataFrame):
 
 
 def load_reload_rate(load: pd.DataFrame, ceilings: pd.DataFrame):
-    """The shared arm's drive read rate against follow-ups in flight, beside the tier's measured
-    ceiling (dashed): where the curve flattens below the line, the reload path, not the drive, saturates."""
+    """The shared arm's reload rate against follow-ups in flight: the drive's read rate and the KV the
+    replicas loaded (hit tokens x KV bytes per token, the only rate a memory pool shows), beside the
+    tier's measured ceiling (dashed) where there is one: where the curves flatten below the line, the
+    reload path, not the drive, saturates."""
     data = _load_frame(load[(load["level_kind"] == "concurrency") & (load["arm"] == "shared")])
-    lines = _load_frame(ceilings.assign(arm="shared", valid=True))
-    return (ggplot(data, aes("level_value", "drive_read_gb_per_s", group="series"))
+    long = pd.concat([data.assign(measure="drive read", gb_per_s=data["drive_read_gb_per_s"]),
+                      data.assign(measure="KV loaded", gb_per_s=data.get("loaded_gb_per_s", float("nan")))])
+    long = long[long["gb_per_s"].notna()]
+    plot = (ggplot(long, aes("level_value", "gb_per_s", linetype="measure", group="series + measure"))
             + geom_line(colour=ARM_COLOURS["shared"]) + geom_point(colour=ARM_COLOURS["shared"])
-            + geom_hline(aes(yintercept="ceiling_read_gb_per_s"), data=lines, linetype="dashed")
             + facet_wrap("~setting")
-            + labs(title="Reload read rate against follow-ups in flight (dashed: the tier's measured ceiling)",
-                   x="follow-ups in flight", y="GB/s read during the level")
+            + labs(title="Reload rate against follow-ups in flight (dashed: the tier's measured ceiling)",
+                   x="follow-ups in flight", y="GB/s during the level", linetype="")
             + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+    lines = _load_frame(ceilings.assign(arm="shared", valid=True)).dropna(subset=["ceiling_read_gb_per_s"])
+    if len(lines):
+        plot += geom_hline(aes(yintercept="ceiling_read_gb_per_s"), data=lines, linetype="dashed")
+    return plot
 
 
 STUDYB_COLOURS = {"off": "#7570b3", "on": "#1b9e77"}

@@ -469,9 +469,10 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         under_load.append(("load_throughput", figures.load_throughput(levels)))
         if (levels["level_kind"] == "rate").any():
             under_load.append(("load_goodput", figures.load_goodput(levels)))
-        read = levels["drive_read_gb_per_s"].notna() & (levels["arm"] == "shared")
-        if len(table2) and read.any():
-            ceilings = table2[["backend", "chunk", "tier", "ceiling_read_gb_per_s"]].drop_duplicates()
+        rates = levels.reindex(columns=["drive_read_gb_per_s", "loaded_gb_per_s"]).notna().any(axis=1)
+        if (rates & (levels["arm"] == "shared")).any():
+            ceilings = (table2[["backend", "chunk", "tier", "ceiling_read_gb_per_s"]].drop_duplicates() if len(table2)
+                        else pd.DataFrame(columns=["backend", "chunk", "tier", "ceiling_read_gb_per_s"]))
             under_load.append(("load_reload_rate", figures.load_reload_rate(levels, ceilings)))
     drawn = {}
     for stem, plot in study + extra + under_load:
@@ -646,19 +647,21 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
     """``results/load.csv``: one row per cell and level (``c1`` is the cell's reuse phase; ``reuse``
     maps a cell to its reuse.csv, reuse.json, validity.json and telemetry summary; ``levels`` maps
     (cell, level) to the level's csv and json)."""
-    rows = []
+    from kvpool.model import engine_kv_bytes_per_token
+
+    per_token, rows = engine_kv_bytes_per_token(config), []
     for cell in cells_run:
         files = reuse[cell]
         summary_ = read_json(files["telemetry"])["reuse"]
         rows.append(summary.load_row(cell, "c1", read_records(files["csv"]), read_json(files["meta"]),
                                      summary_["drive"], summary_["power"], read_json(files["validity"])["valid"],
-                                     config))
+                                     config, per_token))
         for (level_cell, level), paths in levels.items():
             if level_cell == cell:
                 meta = read_json(paths["meta"])
                 rows.append(summary.load_row(cell, level, read_records(paths["csv"]), meta,
                                              meta["summary"]["drive"], meta["summary"]["power"], meta["valid"],
-                                             config))
+                                             config, per_token))
     table = pd.DataFrame(rows)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))

@@ -263,12 +263,14 @@ def tier_compare_markdown(table: pd.DataFrame) -> str:
 
 
 def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: dict, power: dict, valid: bool,
-             config: dict) -> dict:
+             config: dict, per_token: int | None = None) -> dict:
     """One cell at one load level: latency with bootstrap 95% intervals, what the fleet delivered
-    (achieved rate, output tokens and goodput per second of the level's window), hits, drive and power."""
+    (achieved rate, output tokens and goodput per second of the level's window), hits, drive and power;
+    ``per_token`` is the model's KV bytes per token (None where it cannot be read: no KV loaded rate)."""
     ok = records[records["error"].fillna("") == ""]
     ttft, e2e = ok["ttft_s"].astype(float), ok["e2e_s"].astype(float)
     wall = meta["wall_s"]
+    hit_tokens = float(ok["external_hit_tokens"].fillna(0).astype(float).sum())
     row = {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
            "level": level, "level_kind": "rate" if level.startswith("r") else "concurrency",
            "level_value": float(level[1:]), "valid": bool(valid), "requests": len(records)}
@@ -283,6 +285,9 @@ def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: d
         "hit_fraction": float(records["external_hit_tokens"].fillna(0).astype(float).mean()
                               / config["workload"]["doc_tokens"]) if len(records) else np.nan,
         "errors": int(len(records) - len(ok)),
+        # the KV the serving replicas loaded from the pool per second of the window: the measured hit
+        # tokens times the model's KV bytes per token; a memory pool's reload rate, which no drive shows
+        "loaded_gb_per_s": hit_tokens * per_token / wall / 1e9 if wall and per_token else np.nan,
         "drive_read_gb_per_s": drive.get("read_gb_per_s") if drive.get("available") else np.nan,
         "queue_depth_p95": drive["aqu_sz"]["p95"] if drive.get("available") else np.nan,
         "mean_power_w": power.get("mean_power_w"),
@@ -304,6 +309,7 @@ def load_for_reading(load: pd.DataFrame) -> pd.DataFrame:
         "output": fmt_value(row["output_tokens_per_s"], "tok/s"),
         "document loaded": fmt_value(row["hit_fraction"], "fraction"),
         "errors": f"{int(row['errors'])} of {int(row['requests'])}",
+        "KV loaded": fmt_value(row.get("loaded_gb_per_s", np.nan), "GB/s"),
         "drive read": fmt_value(row["drive_read_gb_per_s"], "GB/s"),
         "queue p95": fmt_value(row["queue_depth_p95"], ""), "GPU power": fmt_value(row["mean_power_w"], "W"),
         "energy / request": fmt_value(row["energy_per_request_j"], "J"),

@@ -62,7 +62,7 @@ rule load_table:
     params:
         cells=cell_names(),
         levels=[[cell.name, level] for cell, level in LOAD_DONE],
-        settings=settings("workload", "slo_s"),
+        settings=settings("workload", "slo_s", "engine", "random_model"),
     script:
         "../scripts/load_table.py"
 
