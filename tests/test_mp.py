@@ -274,11 +274,12 @@ def test_the_mp_gpu_config_plans_one_job_per_memory_pool_cell():
     assert (jobs["memory_pool_cell"], jobs["populate"], jobs["drop"], jobs["reuse"]) == ("2", "2", "2", "2")
 
 
-def test_the_gpu_load_config_measures_its_memory_pool_cells_at_every_level():
+@pytest.mark.parametrize("name", ["h200x2-mp-load", "h200-mp-load"])
+def test_the_gpu_load_config_measures_its_memory_pool_cells_at_every_level(name, tmp_path):
     """A memory pool cannot be restored between levels; its levels populate fresh servers instead,
     so the MP ram cells get every level rather than c1 alone."""
-    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--configfile", "config/h200x2-mp-load.yaml",
-                          "--directory", "/tmp/kvpool-dry-mp-load", "-s", str(REPO / "Snakefile")],
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--configfile", f"config/{name}.yaml",
+                          "--directory", str(tmp_path), "-s", str(REPO / "Snakefile")],
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
