@@ -57,6 +57,7 @@ STUDY_A_TARGETS = (
         "results/validity.csv",
         "results/kv_bytes.csv",
         "results/load.csv",
+        PEER_TARGETS.get("csv", []),
         "results/gate.ok",
     ]
     if CELLS

@@ -215,6 +215,36 @@ def test_each_load_level_is_its_own_unit_with_its_rows_and_gate(run):
     assert replicas_running_in(run) == []
 
 
+def test_vllm_bench_serve_replays_each_cell_after_its_levels(run):
+    """e2e.yaml's peer.enabled: the last unit of each cell's chain is vLLM's own client sending the
+    reuse phase's follow-ups again, on the restored pool and a fresh fleet; its hits (the serving
+    replicas' /metrics) equal what reuse loaded, and results/peer.csv sets both clients side by side."""
+    for arm in ("shared", "isolated"):
+        cell = run / CELL.format(backend="lmcache-fs", arm=arm)
+        meta = json.loads((cell / "load~peer" / "level.json").read_text())
+        assert meta["valid"], meta["checks"]
+        reused = pd.read_csv(cell / "reuse.csv")
+        hits = meta["checks"]["pool_hits" if arm == "shared" else "isolation"]
+        assert hits["value"] == (reused["external_hit_tokens"].sum() if arm == "shared" else 0) and hits["ok"]
+        rows = pd.read_csv(cell / "load~peer" / "requests.csv")
+        assert sorted(rows["doc_id"]) == sorted(reused["doc_id"]) and (rows["ttft_s"] > 0).all()
+        # the same serving replica per document, and the server counted the follow-up's exact length
+        assert dict(zip(rows["doc_id"], rows["serve_replica"], strict=True)) == dict(
+            zip(reused["doc_id"], reused["serve_replica"], strict=True))
+        assert (rows["prompt_tokens"] == 2048 + 256).all()
+        assert all(command.startswith("vllm bench serve --backend openai") for command in meta["commands"])
+        assert len(list((cell / "load~peer").glob("vllm-bench-replica-*.json"))) == 2
+    peer = pd.read_csv(run / "results" / "peer.csv").set_index("arm")
+    assert set(peer.index) == {"shared", "isolated"} and peer["valid"].all()
+    assert (peer[["kvpool_ttft_p50_s", "vllm_ttft_p50_s"]] > 0).all().all()
+    # both clients see what the pool is for: the shared arm's reloads beat the isolated arm's recompute
+    assert peer.loc["shared", "vllm_ttft_p50_s"] < peer.loc["isolated", "vllm_ttft_p50_s"]
+    assert "Against vLLM's client" in (run / "results" / "report.html").read_text()
+    # the pool went with the chain's last unit, the replay (keep_pools: false)
+    assert json.loads((run / CELL.format(backend="lmcache-fs", arm="shared") / "load~peer" / "level.json")
+                      .read_text())["pool_removed"]
+
+
 def test_a_new_load_level_builds_only_that_level(run, tmp_path):
     more = tmp_path / "more-load.yaml"
     more.write_text("load:\n  concurrency: [1, 2]\n  rates: [2.0]\n")  # 4 documents: no deeper concurrency

@@ -30,7 +30,7 @@ def test_levels_are_named_and_parsed_back():
     config = {"load": {"concurrency": [1, 4, 16], "rates": [0.5, 2]}}
     assert [level.name for level in levels(config)] == ["c4", "c16", "r0.5", "r2"]  # c1 is the reuse phase
     assert Level.from_name("c16") == Level("concurrency", 16) and Level.from_name("r0.5") == Level("rate", 0.5)
-    with pytest.raises(ValueError, match="c<concurrency> or r<rate>"):
+    with pytest.raises(ValueError, match="c<concurrency>, r<rate> or peer"):
         Level.from_name("x3")
 
 

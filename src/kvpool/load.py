@@ -26,27 +26,34 @@ from kvpool import validity
 from kvpool.client import RequestResult, complete
 from kvpool.pool import pool_files
 
-LEVEL_PATTERN = r"c[0-9]+|r[0-9]+(\.[0-9]+)?"
+LEVEL_PATTERN = r"c[0-9]+|r[0-9]+(\.[0-9]+)?|peer"
 
 
 @dataclass(frozen=True)
 class Level:
-    kind: str  # "concurrency" or "rate"
+    """A unit of a cell's load chain: ``concurrency`` (N in flight), ``rate`` (open-loop arrivals per
+    second) or ``peer`` (vLLM's own client replaying the reuse phase one at a time, kvpool.peer)."""
+
+    kind: str
     value: float
 
     @property
     def name(self) -> str:
+        if self.kind == "peer":
+            return "peer"
         if self.kind == "concurrency":
             return f"c{int(self.value)}"
         return f"r{self.value:g}"
 
     @classmethod
     def from_name(cls, name: str) -> Level:
+        if name == "peer":
+            return cls("peer", 1)
         if name.startswith("c"):
             return cls("concurrency", int(name[1:]))
         if name.startswith("r"):
             return cls("rate", float(name[1:]))
-        raise ValueError(f"a load level is c<concurrency> or r<rate>, not {name!r}")
+        raise ValueError(f"a load level is c<concurrency>, r<rate> or peer, not {name!r}")
 
 
 def levels(config: dict) -> list[Level]:
@@ -54,6 +61,12 @@ def levels(config: dict) -> list[Level]:
     load = config["load"]
     return ([Level("concurrency", n) for n in load["concurrency"] if n != 1]
             + [Level("rate", float(r)) for r in load["rates"]])
+
+
+def load_chain(config: dict) -> list[Level]:
+    """Every unit that runs on a cell's pool after its reuse phase, in run order: the load levels,
+    then the peer replay when ``peer.enabled`` (the last one removes the pool when pools are not kept)."""
+    return levels(config) + ([Level("peer", 1)] if config["peer"]["enabled"] else [])
 
 
 def arrival_offsets(rate: float, count: int, burstiness: float, seed: int) -> np.ndarray:

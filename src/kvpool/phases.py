@@ -328,21 +328,79 @@ async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[di
     return rows, started, finished, window
 
 
+def _peer(plan: dict, replicas: list[Replica], workload: list[dict], route: dict[int, int],
+          prefill: dict[int, int], cfg: dict, log_dir: Path, out_dir: Path) -> tuple:
+    """The peer replay (kvpool.peer): per serving replica, ``vllm bench serve`` sends its follow-ups
+    one at a time from a custom dataset of their exact token ids as text; the hits are the serving
+    replicas' /metrics deltas over the whole window."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from kvpool import peer
+    from kvpool.plan import BASE_ENV, SERVED_MODEL_NAME
+
+    output_tokens = cfg["workload"]["output_tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(plan["model"])
+    by_index = {r.index: r for r in replicas}
+    serving = sorted({route[item["doc_id"]] for item in workload})
+    bench_dir = log_dir.parent / "vllm-bench"  # log_dir holds the replicas' logs
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **BASE_ENV}
+
+    async def scrape_all() -> dict[int, dict]:
+        async with new_session() as session:
+            return {i: await metrics.scrape(session, by_index[i].url) for i in serving}
+
+    rows, commands = [], []
+    before = asyncio.run(scrape_all())
+    started = time.time()
+    for index in serving:
+        items = [item for item in workload if route[item["doc_id"]] == index]
+        dataset = bench_dir / f"replica-{index}.jsonl"
+        peer.write_dataset(dataset, peer.dataset([item["followup"] for item in items], tokenizer, output_tokens))
+        result_name = f"vllm-bench-replica-{index}.json"
+        args = peer.bench_args(by_index[index].url, SERVED_MODEL_NAME, plan["model"], dataset, len(items),
+                               output_tokens, out_dir, result_name)
+        commands.append("vllm bench serve " + " ".join(args))
+        log.info("vllm bench serve: %d follow-ups to replica %d", len(items), index)
+        peer.run_bench(args, bench_dir / f"replica-{index}.log", cfg["peer"]["timeout_s"], env)
+        result = peer.read_result(out_dir / result_name, len(items))
+        rows += [{**row, "level": "peer", "due_s": 0.0}
+                 for row in peer.rows(result, [item["doc_id"] for item in items], prefill, index)]
+    finished = time.time()
+    try:
+        after = asyncio.run(scrape_all())
+        window = sum(metrics.delta(after[i], before[i]).get("external_kv_transfer", 0) for i in serving)
+    except (aiohttp.ClientError, TimeoutError):
+        window = None
+    return rows, started, finished, window, commands
+
+
 def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path,
-               disks: list[str], level, servers: list[PoolServer] | None = None):
+               disks: list[str], level, servers: list[PoolServer] | None = None, out_dir: Path | None = None):
     """One load level: a fresh fleet on the restored pool, the drop checked again right before the
-    first request, every follow-up to a replica that did not prefill its document, sent at ``level``.
-    An lmcache-mp cell's level starts fresh servers on the restored L2 folder, as its reuse does,
-    unless ``servers`` (a memory pool's, re-populated for the level) run already."""
+    first request, every follow-up to a replica that did not prefill its document, sent at ``level``
+    (the ``peer`` level: by vLLM's own client, its files in ``out_dir``). An lmcache-mp cell's level
+    starts fresh servers on the restored L2 folder, as its reuse does, unless ``servers`` (a memory
+    pool's, re-populated for the level) run already."""
     route = followup_route(prefill, len(plan["replicas"]))
+    commands = None
     with pool_servers(plan, log_dir, cfg, servers) as (plan, _, pool_record):
         with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
             drop = drop_pool(plan, cfg["drop_caches"])
             with _sampler(plan, f"load~{level.name}", disks, cfg, replicas) as sampler:
-                rows, started, finished, window = asyncio.run(_load(replicas, workload, route, prefill, cfg, level))
+                if level.kind == "peer":
+                    rows, started, finished, window, commands = _peer(plan, replicas, workload, route, prefill, cfg,
+                                                                      log_dir, out_dir)
+                else:
+                    rows, started, finished, window = asyncio.run(_load(replicas, workload, route, prefill, cfg,
+                                                                        level))
     frame = pd.DataFrame(rows, columns=LOAD_COLUMNS)
     meta = {"level": level.name, "drop_before_level": drop, "wall_s": finished - started, "started_at": started,
             "finished_at": finished, "window_external_tokens": window}
+    if commands is not None:
+        meta["commands"] = commands
     if pool_record:
         meta["pool_server"] = pool_record
     return frame, meta, sampler

@@ -296,7 +296,7 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
 
 
 def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
-         studyb_json: str | None = None) -> None:
+         studyb_json: str | None = None, peer_csv: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
@@ -309,6 +309,11 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
         lines += [f"  {row.cell} load~{row.level}: its level.json names the failed checks"
                   for row in bad_levels.itertuples()]
         invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
+    if peer_csv is not None:  # vLLM's replay of a cell: an invalid one measured something else
+        replays = pd.read_csv(peer_csv)
+        bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
+        lines += [f"  {row.cell} load~peer: the cell or vllm bench serve's replay of it is invalid (its level.json "
+                  f"names the failed checks)" for row in bad.itertuples()]
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]
@@ -428,7 +433,7 @@ def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs:
 
 def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, tier_table: str | None,
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
-                 load: str | None = None, studyb: dict | None = None) -> None:
+                 load: str | None = None, studyb: dict | None = None, peer: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records under ``root``."""
@@ -491,6 +496,7 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
         "pool_server_html": _html(servers) if len(servers) else "",
         "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
+        "peer_html": _peer_html(peer) if peer else "",
         "load_figures": [drawn[s] for s, _ in under_load],
         "studyb": _studyb_section(studyb) if studyb else None,
     })
@@ -540,6 +546,13 @@ def _kv_bytes_html(path: Path | None) -> str:
         f"<li><b>{name}</b>: {meaning}</li>" for name, meaning in kvbytes.COMPARISONS.items()) + "</ul>"
 
 
+def _peer_html(peer_csv: str) -> str:
+    from kvpool.peer import peer_for_reading
+
+    table = pd.read_csv(peer_csv)
+    return _html(peer_for_reading(table)) if len(table) else ""
+
+
 def _html(frame: pd.DataFrame, flag: bool = False) -> str:
     if frame.empty:
         return "<p>Nothing to show: the matrix has no cell of this kind.</p>"
@@ -581,7 +594,7 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
              restored["kept_files"], restored["removed_files"])
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.load_level(plan, workload, prefill, config, Path(log_dir) / "replicas", disks,
-                                              level),
+                                              level, out_dir=Path(csv_out).parent),
         drive_csv, power_csv, log_dir)
     restored = {**restored, "unchanged_before": unchanged}
     pool_ok = load.files_restored(unchanged)
@@ -589,7 +602,7 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
     _finish_level(config, cell, level, frame, meta, restored, pool_ok, remove_pool, csv_out, json_out, drive_csv,
-                  power_csv, plan)
+                  power_csv, plan, workload)
 
 
 def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_path: str, prompts_path: str,
@@ -608,29 +621,37 @@ def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_pat
                      log_dir=str(logs_at / "populate"), servers=servers, plan=plan)
         frame, meta = _run_sampled_phase(
             plan, lambda disks: phases.load_level(plan, workload, prefill, config, logs_at / "replicas", disks,
-                                                  level, servers),
+                                                  level, servers, out_dir=level_dir),
             drive_csv, power_csv, log_dir)
     restored = load.repopulated(read_records(populate_csv), read_json(Path(populate_csv).with_suffix(".json")),
                                 read_records(again["populate.csv"]), read_json(again["populate.json"]))
     log.info("%s %s: memory pool populated again (%d bytes, the cell's populate held %d)", cell.name, level.name,
              restored["bytes"], restored["cell_bytes"])
     _finish_level(config, cell, level, frame, meta, restored, load.memory_restored(restored), False, csv_out,
-                  json_out, drive_csv, power_csv, plan)
+                  json_out, drive_csv, power_csv, plan, workload)
 
 
 def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: dict, restored: dict, pool_ok: dict,
                   pool_removed: bool, csv_out: str, json_out: str, drive_csv: str, power_csv: str,
-                  plan: dict) -> None:
+                  plan: dict, workload: list[dict]) -> None:
     """A level's rows, its gate and its telemetry summary."""
-    from kvpool import load
+    from kvpool import load, peer
 
     _archive(frame, Path(csv_out), f"load-{level.name}")
     frame.to_csv(csv_out, index=False)
-    hits = load.attribution(frame, meta["window_external_tokens"])
-    meta.update(pool_restore=restored,
-                **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok,
-                                    config["workload"]["doc_tokens"], config["min_hit_fraction"],
-                                    config["max_resident_fraction"]))
+    if level.kind == "peer":  # vLLM's client reports no hits per request: the window's, against reuse's
+        reused = read_records(str(Path(csv_out).parents[1] / "reuse.csv"))
+        expected = int(reused["external_hit_tokens"].fillna(0).sum()) if cell.arm == "shared" else 0
+        followups = {item["doc_id"]: len(item["followup"]) for item in workload}
+        meta.update(pool_restore=restored,
+                    **peer.checks(cell.arm, frame, followups, meta["window_external_tokens"], expected, pool_ok,
+                                  validity.cold_reads(meta["drop_before_level"], config["max_resident_fraction"])))
+    else:
+        hits = load.attribution(frame, meta["window_external_tokens"])
+        meta.update(pool_restore=restored,
+                    **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok,
+                                        config["workload"]["doc_tokens"], config["min_hit_fraction"],
+                                        config["max_resident_fraction"]))
     _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
                                  len(frame), plan_gpus(plan))
     meta["summary"] = {"drive": window["drive"], "power": window["power"]}
@@ -640,6 +661,23 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
         if not check["ok"]:
             log.error("%s %s invalid: %s is %s (needs %s)", cell.name, level.name, name, check["value"],
                       check["threshold"])
+
+
+def run_peer_table(cells_run: list[Cell], *, reuse: dict, replays: dict, csv_out: str, md_out: str) -> None:
+    """``results/peer.csv``: per cell, kvpool's TTFT (its reuse phase) beside vLLM's client's (the
+    ``load~peer`` replay of the same follow-ups to the same replicas); ``reuse`` maps a cell to its
+    reuse.csv and validity.json, ``replays`` to its replay's requests.csv and level.json."""
+    from kvpool import peer
+
+    rows = [peer.peer_row(cell, read_records(reuse[cell]["csv"]), read_records(replays[cell]["csv"]),
+                          read_json(reuse[cell]["validity"])["valid"], read_json(replays[cell]["meta"])["valid"])
+            for cell in cells_run]
+    table = pd.DataFrame(rows)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text(peer.peer_markdown(table))
+    for row in rows:
+        log.info("%s: TTFT p50 kvpool %.4g s, vllm bench serve %.4g s (%+.1f%%)", row["cell"],
+                 row["kvpool_ttft_p50_s"], row["vllm_ttft_p50_s"], row["p50_difference_pct"])
 
 
 def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: dict, csv_out: str,

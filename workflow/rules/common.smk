@@ -3,7 +3,7 @@ from pathlib import Path
 from kvpool import config as kvpool_config
 from kvpool import mp, runlock, studyb
 from kvpool.cells import CELL_PATTERN, Cell, cells, measured, pool_predecessor
-from kvpool.load import LEVEL_PATTERN, levels
+from kvpool.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.model import RANDOM_MODEL_DIR
 
 # What the config alone decides is checked while parsing, so a dry run catches it too. Paths and
@@ -109,16 +109,26 @@ def cell_log(step):
     return f"logs/{step}/{CELL_PATTERN}.log"
 
 
-# Load levels beyond the reuse phase (c1), in config order, for every cell
-LOAD_LEVELS = [level.name for level in levels(config)]
+# The units after the reuse phase (c1) on every cell's pool, in run order: the load levels in config
+# order, then the peer replay (vLLM's client, kvpool.peer) when peer.enabled
+LOAD_LEVELS = [level.name for level in load_chain(config)]
 LOAD_CELLS = CELLS if LOAD_LEVELS else []
-# (cell, level) pairs in matrix and config order: with measured_only, those that finished
-LOAD_DONE = [
-    (cell, level)
-    for cell in (CELLS if MEASURED_ONLY else LOAD_CELLS)
-    for level in LOAD_LEVELS
-    if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/load~{level}/level.json").exists()
-]
+
+
+def units_done(names):
+    """(cell, unit) pairs in matrix and config order: with measured_only, those that finished."""
+    return [
+        (cell, level)
+        for cell in (CELLS if MEASURED_ONLY else LOAD_CELLS)
+        for level in names
+        if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/load~{level}/level.json").exists()
+    ]
+
+
+LOAD_DONE = units_done([level.name for level in levels(config)])
+PEER_DONE = units_done(["peer"] if config["peer"]["enabled"] else [])
+# In all and the gate when a cell is replayed through vllm bench serve
+PEER_TARGETS = {"csv": "results/peer.csv"} if PEER_DONE else {}
 
 
 def last_output(cell):

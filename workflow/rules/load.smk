@@ -1,7 +1,8 @@
 # Load levels beyond the reuse phase (kvpool.load): each cell's follow-ups at one closed-loop
 # concurrency or open-loop rate, on the pool restored to what populate left (an MP memory pool,
 # which cannot be restored, is populated again on fresh servers). Re-measure one level with
-# --forcerun on its level.json; a new level in the config builds only that level.
+# --forcerun on its level.json; a new level in the config builds only that level. The last unit of
+# the chain, with peer.enabled, is load~peer: vLLM's own client replaying the reuse phase (kvpool.peer).
 
 
 rule load_level:
@@ -35,6 +36,7 @@ rule load_level:
                 if wc.level.startswith("r")
                 else {}
             ),
+            "peer": config["peer"] if wc.level == "peer" else {},
         },
         remove_pool=lambda wc: not config["keep_pools"] and wc.level == LOAD_LEVELS[-1],
         log_dir=lambda wc: f"logs/load/{Cell.from_wildcards(wc).name}/load~{wc.level}",

@@ -14,6 +14,8 @@ rule report:
         load="results/load.csv",
         cell_table="results/cell_table.csv",
         tier_table=TIER_TABLE,
+        # vllm bench serve's replay beside kvpool's client, when cells were replayed
+        peer=PEER_TARGETS.get("csv", []),
         # Study B's section, when the run has one
         studyb=list(STUDYB_REPORT.values()),
     output:

@@ -67,6 +67,26 @@ rule load_table:
         "../scripts/load_table.py"
 
 
+rule peer_table:
+    """results/peer.csv: kvpool's TTFT beside vllm bench serve's replay of the same follow-ups, per cell."""
+    input:
+        reuse=[f"results/cells/{cell.name}/reuse.csv" for cell, _ in PEER_DONE],
+        validity=[f"results/cells/{cell.name}/validity.json" for cell, _ in PEER_DONE],
+        replays=[f"results/cells/{cell.name}/load~peer/requests.csv" for cell, _ in PEER_DONE],
+        meta=[f"results/cells/{cell.name}/load~peer/level.json" for cell, _ in PEER_DONE],
+    output:
+        csv="results/peer.csv",
+        md="results/peer.md",
+    log:
+        "logs/summary/peer.log",
+    conda:
+        CONDA_ENV
+    params:
+        cells=[cell.name for cell, _ in PEER_DONE],
+    script:
+        "../scripts/peer_table.py"
+
+
 rule studyb_tables:
     """Study B's Tables 3 and 4 from every block, its gate (each block's checks, the ON/OFF pairing) and page."""
     input:

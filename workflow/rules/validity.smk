@@ -54,6 +54,7 @@ rule gate:
         tiers=TIER_COMPARE,
         report="results/report.html",
         studyb=STUDYB_TARGETS.get("validity", []),
+        peer=PEER_TARGETS.get("csv", []),
     output:
         "results/gate.ok",
     log:

