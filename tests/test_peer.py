@@ -133,12 +133,16 @@ def test_the_replays_gate_takes_its_hits_from_the_window_against_what_reuse_load
 
 
 def test_the_peer_row_sets_both_clients_ttft_side_by_side():
-    ours = pd.DataFrame({"ttft_s": [0.20, 0.22, 0.24, 9.0], "error": ["", "", "", "timeout"]})
-    theirs = pd.DataFrame({"ttft_s": [0.21, 0.23, 0.25, 0.26], "error": ["", "", "", ""]})
+    ours = pd.DataFrame({"doc_id": [0, 1, 2, 3], "ttft_s": [0.20, 0.22, 0.24, 9.0], "error": ["", "", "", "timeout"]})
+    theirs = pd.DataFrame({"doc_id": [3, 2, 1, 0], "ttft_s": [0.26, 0.25, 0.23, 0.21], "error": ["", "", "", ""]})
     row = peer.peer_row(SHARED, ours, theirs, True, True)
     assert row["kvpool_ttft_p50_s"] == pytest.approx(0.22) and row["vllm_ttft_p50_s"] == pytest.approx(0.24)
     assert row["p50_difference_pct"] == pytest.approx(100 * (0.24 / 0.22 - 1))
     assert row["valid"] and row["requests"] == 4
+    # paired by document (the failed one left out): +5%, +4.5%, +4.2%
+    assert row["paired_requests"] == 3 and row["paired_median_change_pct"] == pytest.approx(100 * (0.23 / 0.22 - 1))
+    assert row["paired_median_change_ci_low_pct"] <= row["paired_median_change_pct"] <= \
+        row["paired_median_change_ci_high_pct"]
     assert not peer.peer_row(SHARED, ours, theirs, True, False)["valid"]
     table = peer.peer_markdown(pd.DataFrame([row]))
     assert "lmcache-fs / shared / chunk 256 / disk" in table and "+9.1%" in table

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvpool.summary import percentile_ci
+
 PEER_LEVEL = "peer"
 
 
@@ -150,6 +152,15 @@ def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool,
         row[f"vllm_ttft_p{q}_s"] = float(np.percentile(theirs, q)) if len(theirs) else np.nan
         row[f"ratio_p{q}"] = row[f"vllm_ttft_p{q}_s"] / row[f"kvpool_ttft_p{q}_s"]
     row["p50_difference_pct"] = 100.0 * (row["ratio_p50"] - 1.0)
+    # the same follow-up measured by both clients: the median of the per-request changes, with its
+    # bootstrap interval, says whether the p50s differ by more than the requests' own spread
+    paired = (kvpool[kvpool["error"].fillna("") == ""].set_index("doc_id")["ttft_s"].astype(float).to_frame("ours")
+              .join(vllm[vllm["error"].fillna("") == ""].set_index("doc_id")["ttft_s"].astype(float).rename("theirs"),
+                    how="inner"))
+    change = 100.0 * (paired["theirs"] / paired["ours"] - 1.0)
+    row["paired_requests"] = len(change)
+    row["paired_median_change_pct"] = float(change.median()) if len(change) else np.nan
+    row["paired_median_change_ci_low_pct"], row["paired_median_change_ci_high_pct"] = percentile_ci(change, 50)
     return row
 
 
@@ -160,6 +171,9 @@ def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
         "gate": "valid" if r["valid"] else "INVALID", "follow-ups": int(r["requests"]),
         "kvpool TTFT p50": f"{r['kvpool_ttft_p50_s']:.4g} s", "vllm bench TTFT p50": f"{r['vllm_ttft_p50_s']:.4g} s",
         "p50 difference": f"{r['p50_difference_pct']:+.1f}%",
+        "paired change, median [95% CI]": f"{r['paired_median_change_pct']:+.1f}% "
+                                          f"[{r['paired_median_change_ci_low_pct']:+.1f}, "
+                                          f"{r['paired_median_change_ci_high_pct']:+.1f}]",
         "kvpool TTFT p99": f"{r['kvpool_ttft_p99_s']:.4g} s", "vllm bench TTFT p99": f"{r['vllm_ttft_p99_s']:.4g} s",
     } for _, r in table.iterrows()])
 
