@@ -216,8 +216,8 @@ def test_each_load_level_is_its_own_unit_with_its_rows_and_gate(run):
 
 
 def test_vllm_bench_serve_replays_each_cell_after_its_levels(run):
-    """e2e.yaml's peer.enabled: the last unit of each cell's chain is vLLM's own client sending the
-    reuse phase's follow-ups again, on the restored pool and a fresh fleet; its hits (the serving
+    """e2e.yaml's peer.enabled: the first unit after each cell's reuse phase is vLLM's own client sending
+    the reuse phase's follow-ups again, on the restored pool and a fresh fleet; its hits (the serving
     replicas' /metrics) equal what reuse loaded, and results/peer.csv sets both clients side by side."""
     for arm in ("shared", "isolated"):
         cell = run / CELL.format(backend="lmcache-fs", arm=arm)
@@ -240,9 +240,11 @@ def test_vllm_bench_serve_replays_each_cell_after_its_levels(run):
     # both clients see what the pool is for: the shared arm's reloads beat the isolated arm's recompute
     assert peer.loc["shared", "vllm_ttft_p50_s"] < peer.loc["isolated", "vllm_ttft_p50_s"]
     assert "Against vLLM's client" in (run / "results" / "report.html").read_text()
-    # the pool went with the chain's last unit, the replay (keep_pools: false)
-    assert json.loads((run / CELL.format(backend="lmcache-fs", arm="shared") / "load~peer" / "level.json")
-                      .read_text())["pool_removed"]
+    # the replay ran first after reuse, the load level after it
+    for arm in ("shared", "isolated"):
+        cell = run / CELL.format(backend="lmcache-fs", arm=arm)
+        replay = json.loads((cell / "load~peer" / "level.json").read_text())
+        assert replay["finished_at"] < json.loads((cell / "load~c2" / "level.json").read_text())["started_at"]
 
 
 def test_a_new_load_level_builds_only_that_level(run, tmp_path):

@@ -64,9 +64,10 @@ def levels(config: dict) -> list[Level]:
 
 
 def load_chain(config: dict) -> list[Level]:
-    """Every unit that runs on a cell's pool after its reuse phase, in run order: the load levels,
-    then the peer replay when ``peer.enabled`` (the last one removes the pool when pools are not kept)."""
-    return levels(config) + ([Level("peer", 1)] if config["peer"]["enabled"] else [])
+    """Every unit that runs on a cell's pool after its reuse phase, in run order: the peer replay of
+    that phase first when ``peer.enabled``, then the load levels in config order, so that a level added
+    later builds only itself. The last unit removes the pool when pools are not kept."""
+    return ([Level("peer", 1)] if config["peer"]["enabled"] else []) + levels(config)
 
 
 def arrival_offsets(rate: float, count: int, burstiness: float, seed: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """vLLM's own benchmark client, ``vllm bench serve``, replaying a cell's follow-ups.
 
-After a cell's reuse phase (and its load levels) the pool is restored to what populate left and a
+Right after a cell's reuse phase (before its load levels) the pool is restored to what populate left and a
 fresh fleet starts, as for a load level; then, for each serving replica, ``vllm bench serve`` sends
 that replica's follow-ups one at a time from a custom dataset file. The prompts are the follow-ups'
 token ids as text that the model's tokenizer turns back into exactly those ids (checked here before
