@@ -215,7 +215,7 @@ def test_each_load_level_is_its_own_unit_with_its_rows_and_gate(run):
     assert replicas_running_in(run) == []
 
 
-def test_vllm_bench_serve_replays_each_cell_after_its_levels(run):
+def test_vllm_bench_serve_replays_each_cell_right_after_its_reuse_phase(run):
     """e2e.yaml's peer.enabled: the first unit after each cell's reuse phase is vLLM's own client sending
     the reuse phase's follow-ups again, on the restored pool and a fresh fleet; its hits (the serving
     replicas' /metrics) equal what reuse loaded, and results/peer.csv sets both clients side by side."""
