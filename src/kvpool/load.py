@@ -149,16 +149,21 @@ def memory_restored(restored: dict) -> dict:
             "threshold": "populated again without errors, in the same placement, to the cell's pool bytes"}
 
 
+def request_checks(rows: pd.DataFrame) -> dict:
+    """What every unit of the load chain asks of its requests: no errors, every follow-up cross-replica."""
+    errors = int((rows["error"].fillna("") != "").sum())
+    cross = rows["prefill_replica"] != rows["serve_replica"]
+    return {"zero_errors": {"ok": errors == 0, "value": errors, "threshold": 0},
+            "cross_replica": {"ok": bool(len(rows)) and bool(cross.all()),
+                              "value": float(cross.mean()) if len(rows) else 0.0, "threshold": 1.0}}
+
+
 def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_restored: dict, doc_tokens: int,
                  min_hit_fraction: float, max_resident_fraction: float) -> dict:
     """A level's gate: what the cell's gate asks of its reuse, on this level's requests."""
-    errors = int((rows["error"].fillna("") != "").sum())
     fractions = rows["cached_tokens"].fillna(0).astype(float) / doc_tokens
     checks = {
-        "zero_errors": {"ok": errors == 0, "value": errors, "threshold": 0},
-        "cross_replica": {"ok": bool(len(rows)) and bool((rows["prefill_replica"] != rows["serve_replica"]).all()),
-                          "value": float((rows["prefill_replica"] != rows["serve_replica"]).mean()) if len(rows)
-                          else 0.0, "threshold": 1.0},
+        **request_checks(rows),
         "pool_restored": pool_restored,
         "hit_attribution": {"ok": hits["agree"], "value": hits, "threshold": "the two sums equal"},
     }

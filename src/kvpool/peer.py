@@ -119,14 +119,12 @@ def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], windo
     over the window (vLLM's client reports none per request) against what kvpool's reuse phase loaded
     (shared arm) or nothing (isolated arm), and the server's prompt token counts equal to the
     follow-ups' (the text dataset carried exactly kvpool's prompts)."""
-    errors = int((frame["error"].fillna("") != "").sum())
+    from kvpool.load import request_checks
+
     sent = frame["prompt_tokens"].astype(int).tolist()
     wanted = [followup_tokens[d] for d in frame["doc_id"]]
     found = {
-        "zero_errors": {"ok": errors == 0, "value": errors, "threshold": 0},
-        "cross_replica": {"ok": bool(len(frame)) and bool((frame["prefill_replica"] != frame["serve_replica"]).all()),
-                          "value": float((frame["prefill_replica"] != frame["serve_replica"]).mean()) if len(frame)
-                          else 0.0, "threshold": 1.0},
+        **request_checks(frame),
         "same_prompts": {"ok": sent == wanted, "value": int(sum(a != b for a, b in zip(sent, wanted, strict=True))),
                          "threshold": "every prompt's token count as the server counted it equals the follow-up's"},
         "pool_restored": pool_restored,
