@@ -365,6 +365,39 @@ def test_study_b_blocks_run_off_on_on_off_and_the_pool_serves_only_cross_replica
     assert "Short concurrency windows" in report and "Where the pool pays" in report
 
 
+def redis_servers_running_in(workdir):
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if "redis-server" in " ".join(p.info["cmdline"] or []) and str(workdir) in " ".join(p.info["cmdline"])]
+
+
+# It re-runs `all` in the same folder with another matrix (the model, prompts and reference are reused).
+def test_a_redis_pool_is_shared_and_its_bytes_are_counted_and_checked(run):
+    result = snakemake(run, CONFIGS / "e2e.yaml", CONFIGS / "e2e-redis.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    cell = "results/cells/backend~lmcache-redis/arm~{arm}/chunk~256/tier~ram"
+    shared, isolated = (run / cell.format(arm=arm) for arm in ("shared", "isolated"))
+    assert json.loads((shared / "validity.json").read_text())["valid"]
+    assert json.loads((isolated / "validity.json").read_text())["valid"]
+    # every follow-up loads its whole document from the shared server, none from an isolated one
+    assert (pd.read_csv(shared / "reuse.csv")["external_hit_tokens"] == 2048).all()
+    assert (pd.read_csv(isolated / "reuse.csv")["external_hit_tokens"] == 0).all()
+    # the pool's size is what the server holds: one value per chunk of KV (4 KiB a token)
+    populate = json.loads((shared / "populate.json").read_text())
+    (server,) = populate["pool_server"].values()
+    chunks, kv = server["metrics"]["redis_pool_chunks"], server["metrics"]["redis_pool_kv_bytes"]
+    assert kv == chunks * 256 * 4096 and populate["pool"]["bytes"] == kv >= 4 * 2048 * 4096
+    assert populate["pool"]["source"].startswith("redis_pool_kv_bytes")
+    digests = pd.read_csv(shared / "populate-digests.csv")
+    assert len(digests) == chunks and set(digests["copy"]) == {"shared"}
+    # the arms' stored chunks, read back from their servers, agree bit for bit
+    kv_bytes = pd.read_csv(run / "results" / "kv_bytes.csv")
+    rows = kv_bytes[kv_bytes["backend"] == "lmcache-redis"].set_index("comparison")
+    assert rows.loc["store_across_arms", "keys"] >= 32 and rows.loc["store_across_arms", "differ"] == 0
+    assert rows.loc["after_load_against_cold", "keys"] > 0 and rows.loc["after_load_against_cold", "differ"] == 0
+    assert "lmcache-redis" in (run / "results" / "report.html").read_text()
+    assert redis_servers_running_in(run) == [] and replicas_running_in(run) == []
+
+
 # Last: it re-runs `all` in the same folder with another matrix, which rewrites the shared tables.
 def test_local_disk_shared_arm_is_marked_invalid(run):
     # Same folder: the model, prompts and reference of the first run are reused.

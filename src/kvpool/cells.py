@@ -9,6 +9,7 @@ from pathlib import Path
 
 CELL_PATTERN = "backend~{backend}/arm~{arm}/chunk~{chunk}/tier~{tier}"
 MP_BACKEND = "lmcache-mp"
+REDIS_BACKEND = "lmcache-redis"
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,14 @@ class Cell:
 
 
 def cells(config: dict) -> list[Cell]:
-    """Every cell of the configured matrix, in a stable order."""
+    """Every cell of the configured matrix, in a stable order. An lmcache-redis pool is its server's
+    memory wherever the tier points, so that backend forms cells only on ``lmcache_redis.tiers``."""
     return [
         Cell(backend, arm, chunk, tier)
         for backend, chunk, tier, arm in itertools.product(
             config["backends"], config["chunk_sizes"], config["tiers"], config["arms"]
         )
+        if backend != REDIS_BACKEND or tier in config["lmcache_redis"]["tiers"]
     ]
 
 
@@ -49,8 +52,10 @@ def measured(config: dict, workdir: Path) -> list[Cell]:
 
 
 def is_memory_pool(config: dict, cell: Cell) -> bool:
-    """Whether ``cell``'s pool is an LMCache MP server's L1 alone, which lives only as long as the
-    server and puts no files on its tier."""
+    """Whether ``cell``'s pool is a server's memory alone (an LMCache MP server's L1 on a memory tier,
+    or a Redis server), which lives only as long as the server and puts no files on its tier."""
+    if cell.backend == REDIS_BACKEND:
+        return True
     return cell.backend == MP_BACKEND and cell.tier in config["lmcache_mp"]["memory_tiers"]
 
 

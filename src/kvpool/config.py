@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from snakemake.utils import update_config
 
-from kvpool import mp
+from kvpool import mp, redis_pool
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.model import engine_kv_bytes_per_token
 
@@ -33,6 +33,7 @@ PHASE_SETTINGS = (
     "tiers",
     "replicas",
     "lmcache_mp",
+    "lmcache_redis",
     "preflight_on_failure",
     "telemetry_hz",
     "drop_caches",
@@ -178,7 +179,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
 
         if memory := [cell.name for cell in cells(config) if is_memory_pool(config, cell)]:
             found.append(f"fault_injection.corrupt_stored_chunk needs pools of files; {memory[0]} is an MP "
-                         "server's memory (drop its tier from lmcache_mp.memory_tiers or the matrix)")
+                         "server's memory (drop it from the matrix: its tier from lmcache_mp.memory_tiers, or the "
+                         "lmcache-redis backend)")
     if config["study_b"]["enabled"]:
         from kvpool import studyb
 
@@ -186,7 +188,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             studyb.resolved(config)
         except ValueError as exc:
             found.append(str(exc))
-    return found + _input_problems(config) + mp.problems(config)
+    return found + _input_problems(config) + mp.problems(config) + redis_pool.problems(config)
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:

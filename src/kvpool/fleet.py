@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from kvpool import mp
+from kvpool import mp, redis_pool
 from kvpool.plan import SERVED_MODEL_NAME, with_port, with_server_ports
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class PoolServer(ManagedProcess):
     """One LMCache multi-process server (the lmcache-mp pool): ZMQ for replicas, HTTP for health and metrics."""
 
     kind = "lmcache server"
+    pool_bytes_metric = mp.L1_BYTES
 
     def __init__(self, entry: dict, log_path: Path):
         super().__init__(entry, log_path, f"http://{entry['host']}:{entry['http_port']}")
@@ -225,6 +226,59 @@ class PoolServer(ManagedProcess):
         if pending > 0:
             log.error("%s still had %d L2 stores pending after %.0f s", self.name, pending, timeout_s)
         return {"pending_l2_stores": pending, "waited_s": round(time.monotonic() - started, 3)}
+
+
+class RedisServer(ManagedProcess):
+    """One Redis server (the lmcache-redis pool): the replicas' LMCache connectors and kvpool's own
+    counting client speak RESP to it on its one port."""
+
+    kind = "redis server"
+    pool_bytes_metric = redis_pool.POOL_BYTES
+
+    def __init__(self, entry: dict, log_path: Path):
+        super().__init__(entry, log_path, redis_pool.url(entry["host"], entry["port"]))
+
+    def start(self) -> None:
+        Path(self.entry["workdir"]).mkdir(parents=True, exist_ok=True)
+        super().start()
+
+    def _client(self):
+        return redis_pool.client(self.entry["host"], self.entry["port"])
+
+    def healthy(self) -> bool:
+        """Answers PING, and is the server this process started (another one could hold the port)."""
+        import redis
+
+        try:
+            with self._client() as conn:
+                return bool(conn.ping()) and conn.info("server")["process_id"] == self.proc.pid
+        except (redis.RedisError, OSError):
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """The pool's KV bytes and chunks, and the server's memory, now."""
+        import redis
+
+        try:
+            with self._client() as conn:
+                return redis_pool.pool_metrics(conn)
+        except redis.RedisError as exc:  # the phase records a server it cannot read (an OSError) as failed
+            raise OSError(f"{self.name} ({self.url}): {exc}") from exc
+
+    def digest_rows(self) -> list[dict]:
+        """Every chunk's KV value the server holds, digested; its copy is the arm's pool name (the server's
+        working directory: shared, replica-N), as a file pool's rows name their directory."""
+        import redis
+
+        try:
+            with self._client() as conn:
+                return redis_pool.digest_rows(conn, Path(self.entry["workdir"]).name)
+        except redis.RedisError as exc:
+            raise OSError(f"{self.name} ({self.url}): {exc}") from exc
+
+    def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
+        """Nothing to wait for: a SET has been applied once LMCache's put returns."""
+        return {"pending_l2_stores": 0, "waited_s": 0.0}
 
 
 def _still_running(members: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
@@ -287,27 +341,37 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
                     replica.stop()
 
 
+def _server_ports(server: dict) -> list[int]:
+    return [port for port in (server["port"], server.get("http_port")) if port is not None]
+
+
 def resolve_server_ports(plan: dict) -> dict:
-    """The plan with its MP servers' ports checked free; taken ones move, with their replicas' connectors."""
+    """The plan with its pool servers' ports checked free; taken ones move, with their replicas' connectors."""
     for server in plan.get("servers", []):
-        if port_is_free(server["host"], server["port"]) and port_is_free(server["host"], server["http_port"]):
+        ports = _server_ports(server)
+        if all(port_is_free(server["host"], port) for port in ports):
             continue
-        in_use = ({p for s in plan["servers"] for p in (s["port"], s["http_port"])}
-                  | {r["port"] for r in plan["replicas"]})
-        fresh = free_ports(server["host"], 2, exclude=in_use)
-        log.warning("lmcache server %d ports %d/%d taken since planning; moved to %s", server["index"],
-                    server["port"], server["http_port"], fresh)
-        plan = with_server_ports(plan, server["index"], *fresh)
+        in_use = {p for s in plan["servers"] for p in _server_ports(s)} | {r["port"] for r in plan["replicas"]}
+        fresh = free_ports(server["host"], len(ports), exclude=in_use)
+        log.warning("pool server %d ports %s taken since planning; moved to %s", server["index"], ports, fresh)
+        plan = with_server_ports(plan, server["index"], fresh[0], fresh[1] if len(fresh) > 1 else None)
     return plan
+
+
+def pool_server(entry: dict, log_dir: Path) -> ManagedProcess:
+    """The process of one planned pool server: a Redis server, or an LMCache MP server (plans written
+    before servers had a kind are MP plans)."""
+    if entry.get("kind") == "redis":
+        return RedisServer(entry, Path(log_dir) / f"redis-server-{entry['index']}.log")
+    return PoolServer(entry, Path(log_dir) / f"lmcache-server-{entry['index']}.log")
 
 
 @contextmanager
 def running_servers(plan: dict, log_dir: Path, timeout_s: float):
-    """Start the plan's LMCache MP servers (none for other backends), wait for health, yield the plan
-    (ports resolved) and the servers, and always stop them all."""
+    """Start the plan's pool servers (LMCache MP or Redis; none for other backends), wait for health,
+    yield the plan (ports resolved) and the servers, and always stop them all."""
     plan = resolve_server_ports(plan)
-    servers = [PoolServer(entry, Path(log_dir) / f"lmcache-server-{entry['index']}.log")
-               for entry in plan.get("servers", [])]
+    servers = [pool_server(entry, log_dir) for entry in plan.get("servers", [])]
     with _terminate_as_exit():
         try:
             for server in servers:

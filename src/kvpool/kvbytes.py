@@ -54,10 +54,21 @@ def pool_digests(dirs: list[Path], populate: pd.DataFrame | None = None) -> pd.D
     files = [(directory, path) for directory in dict.fromkeys(map(Path, dirs)) for path in pool_files([directory])]
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda item: file_digest(item[1]), files))
-    before = None if populate is None else set(zip(populate["copy"], populate["key"], strict=True))
-    rows = [{"copy": d.name, "key": str(p.relative_to(d)), "bytes": p.stat().st_size, "blake2b": digest,
-             "stored_in": "populate" if before is None or (d.name, str(p.relative_to(d))) in before else "reuse"}
+    rows = [{"copy": d.name, "key": str(p.relative_to(d)), "bytes": p.stat().st_size, "blake2b": digest}
             for (d, p), digest in zip(files, digests, strict=True)]
+    return with_stored_in(rows, populate)
+
+
+def value_digest(value: bytes) -> str:
+    """A stored value's digest, as ``file_digest`` gives a file's (a Redis pool's chunk against a file's)."""
+    return hashlib.blake2b(value, digest_size=16).hexdigest()
+
+
+def with_stored_in(rows: list[dict], populate: pd.DataFrame | None) -> pd.DataFrame:
+    """Digest rows (copy, key, bytes, blake2b) with when each was stored, as ``pool_digests`` says."""
+    before = None if populate is None else set(zip(populate["copy"], populate["key"], strict=True))
+    rows = [{**row, "stored_in": "populate" if before is None or (row["copy"], row["key"]) in before else "reuse"}
+            for row in rows]
     return pd.DataFrame(rows, columns=DIGEST_COLUMNS)
 
 

@@ -155,6 +155,15 @@ def _sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list
                    gpus=gpus or None)
 
 
+def server_settings(cfg: dict, plan: dict) -> dict:
+    """The config section of the plan's pool servers: ``lmcache_redis`` for Redis servers, else ``lmcache_mp``
+    (its startup and drain timeouts)."""
+    redis = any(server.get("kind") == "redis" for server in plan.get("servers", []))
+    if redis:
+        return {"drain_timeout_s": 0, **cfg["lmcache_redis"]}
+    return cfg["lmcache_mp"]
+
+
 @contextmanager
 def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer] | None = None):
     """The cell's LMCache MP servers for one phase, and what they did in it (``record``, filled on exit).
@@ -167,7 +176,7 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
     if not plan.get("servers"):
         yield plan, [], record
         return
-    settings = cfg["lmcache_mp"]
+    settings = server_settings(cfg, plan)
     if servers is not None:
         planned = [(s["index"], s["port"], s["http_port"]) for s in plan["servers"]]
         serving = [(s.entry["index"], s.entry["port"], s.entry["http_port"]) for s in servers]
@@ -190,7 +199,7 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
                 log.error("%s could not be read after the phase: %s", server.name, cause)
                 continue
             record[str(server.index)] = {"drain": drain, "metrics": mp.metrics_delta(after, before[server.index]),
-                                         "l1_bytes": after.get(mp.L1_BYTES)}
+                                         "l1_bytes": after.get(server.pool_bytes_metric)}
 
 
 def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
@@ -235,10 +244,12 @@ async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], f
 
 
 def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
-    """Evict the plan's pool files from the page cache and verify; an MP memory pool has none to drop."""
+    """Evict the plan's pool files from the page cache and verify; a memory pool has none to drop."""
     record = drop_from_page_cache([Path(r["pool_dir"]) for r in plan["replicas"]], use_proc_drop_caches)
     if plan.get("memory_pool"):
-        record.update(memory_backed=True, pool_in="the LMCache server's L1 (host RAM)")
+        redis = any(server.get("kind") == "redis" for server in plan["servers"])
+        record.update(memory_backed=True, pool_in="the Redis servers' memory" if redis
+                      else "the LMCache server's L1 (host RAM)")
     return record
 
 

@@ -12,20 +12,27 @@ import os
 import sys
 from pathlib import Path
 
-from kvpool import mp
+from kvpool import mp, redis_pool
 from kvpool.cells import Cell, is_memory_pool, pool_dirs
 
 SERVED_MODEL_NAME = "kvpool-model"
 OFF_ARM = "off"  # no KV connector: the fleet's only cache is vLLM's own prefix cache
 CPU_CONNECTOR_MODULE = "kvpool.cpu_connector"
+# Backends whose pool is held by servers the pipeline starts, and the ports each server takes.
+SERVER_BACKENDS = {mp.BACKEND: 2, redis_pool.BACKEND: 1}
 # Set on every replica: no hub, no telemetry, and nothing that differs between replicas.
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
 
 
-def lmcache_config(config: dict, cell: Cell, pool_dir: Path) -> dict:
-    """LMCache settings for one replica of ``cell``; the pool path is the arm's only difference."""
+def lmcache_config(config: dict, cell: Cell, pool_dir: Path, server_url: str | None = None) -> dict:
+    """LMCache settings for one replica of ``cell``; the pool path (or, for lmcache-redis, its server's
+    ``server_url``) is the arm's only difference."""
     settings = {"chunk_size": cell.chunk, "local_cpu": False}
-    if cell.backend == "lmcache-fs":
+    if cell.backend == redis_pool.BACKEND:
+        if server_url is None:
+            raise ValueError(f"{cell.name}: an lmcache-redis replica needs its server's url")
+        settings.update(remote_url=server_url, remote_serde="naive")
+    elif cell.backend == "lmcache-fs":
         # fs:// checks the directory on every lookup, so chunks written by any replica are found.
         settings.update(remote_url=f"fs://localhost:0{pool_dir}/", remote_serde="naive")
     elif cell.backend == mp.BACKEND:
@@ -127,7 +134,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     util = _gpu_memory_share(engine)
     off = cell.arm == OFF_ARM
     dirs = [None] * replicas if off else pool_dirs(config, cell, root=pool_root)
-    servers = _servers(config, cell, dirs, server_ports or []) if cell.backend == mp.BACKEND and not off else []
+    servers = _servers(config, cell, dirs, server_ports or []) if cell.backend in SERVER_BACKENDS and not off else []
     entries = []
     for index, (place, pool_dir, port) in enumerate(zip(places, dirs, ports, strict=True)):
         entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
@@ -136,7 +143,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
             transfer = None
             entry.update(lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None))
-        elif servers:
+        elif cell.backend == mp.BACKEND:
             server = servers[0] if cell.arm == "shared" else servers[index]
             transfer = mp.kv_transfer_config(server["host"], server["port"])
             entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
@@ -144,7 +151,13 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
         else:
             lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
             transfer = kv_transfer_config(engine["kind"])
-            entry.update(lmcache_config_file=str(lmcache_file), lmcache_config=lmcache_config(config, cell, pool_dir),
+            server_url = None
+            if servers:  # lmcache-redis: the in-process connector, pointed at the replica's server
+                server = servers[0] if cell.arm == "shared" else servers[index]
+                server_url = redis_pool.url(server["host"], server["port"])
+                entry["server"] = server["index"]
+            entry.update(lmcache_config_file=str(lmcache_file),
+                         lmcache_config=lmcache_config(config, cell, pool_dir, server_url),
                          env=replica_env(engine, place, config["hash_keys"], lmcache_file))
         entry["kv_transfer"] = transfer
         entry["argv"] = engine_argv(engine, model, port, kv_transfer=transfer, prefix_caching=True,
@@ -158,18 +171,30 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     return plan
 
 
+def server_port_count(cell: Cell, replicas: int) -> int:
+    """Ports ``cell``'s pool servers take: an MP server a ZMQ and an HTTP port, a Redis server one; one
+    server for the shared arm, one per replica for the isolated arm, none for other backends."""
+    if cell.backend not in SERVER_BACKENDS or cell.arm == OFF_ARM:
+        return 0
+    return (1 if cell.arm == "shared" else replicas) * SERVER_BACKENDS[cell.backend]
+
+
 def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> list[dict]:
-    """One MP server for the shared arm, one per replica for the isolated arm."""
+    """One pool server for the shared arm, one per replica for the isolated arm."""
     count = 1 if cell.arm == "shared" else len(dirs)
-    if len(ports) != 2 * count:
-        raise ValueError(f"{cell.name} needs {2 * count} server ports (ZMQ and HTTP per server), got {len(ports)}")
+    if len(ports) != server_port_count(cell, len(dirs)):
+        raise ValueError(f"{cell.name} needs {server_port_count(cell, len(dirs))} server ports, got {len(ports)}")
     host = config["engine"]["host"]
+    if cell.backend == redis_pool.BACKEND:
+        return [{"index": index, "kind": "redis", "host": host, "port": ports[index], "http_port": None,
+                 "workdir": str(dirs[index]), "env": dict(BASE_ENV),
+                 "argv": redis_pool.server_argv(config, host, ports[index], dirs[index])} for index in range(count)]
     memory = is_memory_pool(config, cell)
     servers = []
     for index in range(count):
         port, http_port = ports[2 * index], ports[2 * index + 1]
         l2_dir = None if memory else dirs[index]
-        servers.append({"index": index, "host": host, "port": port, "http_port": http_port,
+        servers.append({"index": index, "kind": "lmcache", "host": host, "port": port, "http_port": http_port,
                         "l1_size_gib": mp.l1_size_gib(config, cell.tier),
                         "l2_dir": None if l2_dir is None else str(l2_dir),
                         "env": mp.server_env(config, BASE_ENV),
@@ -215,14 +240,22 @@ def with_port(replica: dict, port: int) -> dict:
     return {**replica, "port": port, "argv": _with_flag(replica["argv"], "--port", str(port))}
 
 
-def with_server_ports(plan: dict, index: int, port: int, http_port: int) -> dict:
-    """The plan with MP server ``index`` moved to ``port``/``http_port``, its replicas' connectors with it."""
-    servers = [{**s, "port": port, "http_port": http_port,
-                "argv": _with_flag(_with_flag(s["argv"], "--port", str(port)), "--http-port", str(http_port))}
-               if s["index"] == index else s for s in plan["servers"]]
+def with_server_ports(plan: dict, index: int, port: int, http_port: int | None) -> dict:
+    """The plan with pool server ``index`` moved to ``port`` (and an MP server's ``http_port``), its
+    replicas' connectors with it."""
+    def moved(server: dict) -> dict:
+        argv = _with_flag(server["argv"], "--port", str(port))
+        if http_port is not None:
+            argv = _with_flag(argv, "--http-port", str(http_port))
+        return {**server, "port": port, "http_port": http_port, "argv": argv}
+
+    servers = [moved(s) if s["index"] == index else s for s in plan["servers"]]
     replicas = []
     for replica in plan["replicas"]:
-        if replica.get("server") == index:
+        if replica.get("server") == index and replica["lmcache_config"] is not None:  # lmcache-redis
+            replica = {**replica, "lmcache_config": {**replica["lmcache_config"],
+                                                     "remote_url": redis_pool.url(servers[index]["host"], port)}}
+        elif replica.get("server") == index:
             transfer = mp.kv_transfer_config(servers[index]["host"], port)
             replica = {**replica, "kv_transfer": transfer, "argv": _with_flag(
                 replica["argv"], "--kv-transfer-config", json.dumps(transfer, sort_keys=True))}

@@ -14,9 +14,9 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool import mp
 from kvpool.cells import Cell
 from kvpool.files import read_frame_or_empty, read_json, read_records
+from kvpool.plan import SERVER_BACKENDS
 from kvpool.summary import fmt_interval, fmt_value
 from kvpool.validity import failures
 
@@ -92,10 +92,11 @@ def _cold_read_note(drop: dict) -> str:
 
 
 def pool_server_table(root: Path, cells: list[Cell]) -> pd.DataFrame:
-    """What each lmcache-mp cell's servers counted per phase (``pool_server`` in populate.json and
-    reuse.json): lookups, L1 and L2 chunks, the L1 bytes held at the phase's end, L2 stores pending."""
+    """What each pool server counted per phase (``pool_server`` in populate.json and reuse.json): an
+    lmcache-mp server's lookups, L1 and L2 chunks, L1 bytes held at the phase's end and L2 stores
+    pending; a Redis server's chunks, their KV bytes and its own memory at the phase's end."""
     rows = []
-    for cell in (c for c in cells if c.backend == mp.BACKEND):
+    for cell in (c for c in cells if c.backend in SERVER_BACKENDS):
         for phase in ("populate", "reuse"):
             meta = read_json(root / "results" / "cells" / cell.name / f"{phase}.json")
             for server, record in meta.get("pool_server", {}).items():

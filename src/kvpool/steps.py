@@ -16,11 +16,11 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool import kvbytes, logs, mp, phases, pool, prompts, provenance, summary, validity
+from kvpool import kvbytes, logs, mp, phases, pool, prompts, provenance, redis_pool, summary, validity
 from kvpool.cells import Cell, is_memory_pool, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
-from kvpool.plan import OFF_ARM, fleet_plan, plan_gpus, reference_plan
+from kvpool.plan import fleet_plan, plan_gpus, reference_plan, server_port_count
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -68,8 +68,7 @@ def _new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: P
     HTTP port each, clear of the replicas' (one server shared, one per replica isolated, none off)."""
     ports, source = _ports(config, config["replicas"])
     server_ports = None
-    if cell.backend == mp.BACKEND and cell.arm != OFF_ARM:
-        count = 2 * (1 if cell.arm == "shared" else config["replicas"])
+    if count := server_port_count(cell, config["replicas"]):
         server_ports = free_ports(config["engine"]["host"], count, exclude=ports)
     return fleet_plan(config, cell, model, Path(cell_dir).resolve(), ports, source, server_ports=server_ports,
                       pool_root=pool_root)
@@ -119,14 +118,23 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
     _archive(frame, Path(csv_out), "populate")
     frame.to_csv(csv_out, index=False)
     dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
-    if plan.get("memory_pool"):  # no files: the pool is what the servers hold in L1
+    if plan.get("memory_pool"):  # no files: the pool is what the servers hold in memory
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
+        measure = redis_pool.POOL_BYTES if cell.backend == redis_pool.BACKEND else mp.L1_BYTES
         meta["pool"] = {"files": 0, "bytes": int(held), "resident_bytes": None, "resident_fraction": None,
-                        "source": f"{mp.L1_BYTES} of the pool's servers after populate"}
+                        "source": f"{measure} of the pool's servers after populate"}
     else:
         meta["pool"] = pool.residency(dirs)
-    kvbytes.pool_digests(dirs).to_csv(digests_csv, index=False)
+    _pool_digests(dirs, servers).to_csv(digests_csv, index=False)
     write_json(json_out, meta)
+
+
+def _pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The pool's chunks digested: a Redis pool's values from its servers, else the pool's files (an MP
+    memory pool has none: its L1 cannot be read from outside)."""
+    if servers and all(hasattr(server, "digest_rows") for server in servers):
+        return kvbytes.with_stored_in([row for server in servers for row in server.digest_rows()], populate)
+    return kvbytes.pool_digests(dirs, populate)
 
 
 def run_drop(config: dict, plan_path: str, out: str) -> None:
@@ -187,7 +195,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
-    digests = kvbytes.pool_digests(dirs, stored)
+    digests = _pool_digests(dirs, servers, stored)
     digests.to_csv(digests_csv, index=False)
     log.info("pool digests: %d files, %d stored during reuse", len(digests),
              int((digests["stored_in"] == "reuse").sum()))
@@ -209,8 +217,8 @@ def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path:
     paths; ``log_dirs`` maps populate, reuse and servers to log folders.
     """
     plan = yaml.safe_load(Path(plan_path).read_text())
-    with running_servers(plan, Path(log_dirs["servers"]), config["lmcache_mp"]["startup_timeout_s"]) as (
-            plan, servers):
+    timeout_s = phases.server_settings(config, plan)["startup_timeout_s"]
+    with running_servers(plan, Path(log_dirs["servers"]), timeout_s) as (plan, servers):
         run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
                      json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
                      digests_csv=populate["digests"], log_dir=log_dirs["populate"], servers=servers, plan=plan)
@@ -268,10 +276,11 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
     """Compare each chunk's bytes across the arms' pools (see kvbytes); differences are logged."""
     digests = {(c.backend, c.chunk, c.tier, c.arm): kvbytes.read_digests(path)
                for c, path in zip(cells_run, digests_csvs, strict=True)}
-    # an MP memory pool is the server's L1: nothing of it is a file, so there are no bytes to hash
+    # an MP memory pool is the server's L1: nothing of it is a file, so there are no bytes to hash (a
+    # Redis pool's values are read from its servers and hashed like files)
     no_files = {(c.backend, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
                 "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
-                for c in cells_run if is_memory_pool(config, c)}
+                for c in cells_run if is_memory_pool(config, c) and c.backend == mp.BACKEND}
     table = kvbytes.kv_bytes_table(digests, config, no_files)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
@@ -614,7 +623,8 @@ def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_pat
     level_dir, logs_at = Path(csv_out).parent, Path(log_dir)
     again = {name: str(level_dir / name) for name in ("populate.csv", "populate.json", "populate-drive.csv",
                                                      "populate-power.csv", "populate-digests.csv")}
-    with running_servers(plan, logs_at / "servers", config["lmcache_mp"]["startup_timeout_s"]) as (plan, servers):
+    timeout_s = phases.server_settings(config, plan)["startup_timeout_s"]
+    with running_servers(plan, logs_at / "servers", timeout_s) as (plan, servers):
         run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=again["populate.csv"],
                      json_out=again["populate.json"], drive_csv=again["populate-drive.csv"],
                      power_csv=again["populate-power.csv"], digests_csv=again["populate-digests.csv"],

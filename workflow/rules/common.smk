@@ -1,8 +1,9 @@
+import re
 from pathlib import Path
 
 from kvpool import config as kvpool_config
-from kvpool import mp, runlock, studyb
-from kvpool.cells import CELL_PATTERN, Cell, cells, measured, pool_predecessor
+from kvpool import mp, redis_pool, runlock, studyb
+from kvpool.cells import CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.model import RANDOM_MODEL_DIR
 
@@ -37,7 +38,7 @@ CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'
 
 
 wildcard_constraints:
-    backend="lmcache-fs|lmcache-local-disk|lmcache-mp",
+    backend="lmcache-fs|lmcache-local-disk|lmcache-mp|lmcache-redis",
     arm="shared|isolated",
     chunk=r"\d+",
     level=LEVEL_PATTERN,

@@ -22,6 +22,7 @@ rule plan:
             "random_model",
             "min_pool_bytes",
             *(("lmcache_mp",) if wc.backend == mp.BACKEND else ()),
+            *(("lmcache_redis",) if wc.backend == redis_pool.BACKEND else ()),
         ),
     script:
         "../scripts/make_plan.py"

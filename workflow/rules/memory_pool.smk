@@ -1,9 +1,15 @@
-# An lmcache-mp pool on a memory tier is the LMCache server's L1: it lives only as long as the server,
-# so populate, drop and reuse of such a cell run in one job around one set of servers (each phase
-# still starts a fresh fleet). Every other cell runs them as the three rules of populate.smk,
-# drop.smk and reuse.smk. Re-run such a cell with --forcerun memory_pool_cell. The rule exists in
-# every matrix (it matches no cell where none is an MP memory pool), so that --forcerun names it anywhere.
-MEMORY_POOL_TIERS = [t for t in config["lmcache_mp"]["memory_tiers"] if t in config["tiers"]] if mp.used(config) else []
+# A memory pool (an lmcache-mp pool on a memory tier is the LMCache server's L1; an lmcache-redis pool
+# is the Redis server's memory) lives only as long as its servers, so populate, drop and reuse of such
+# a cell run in one job around one set of servers (each phase still starts a fresh fleet). Every other
+# cell runs them as the three rules of populate.smk, drop.smk and reuse.smk. Re-run such a cell with
+# --forcerun memory_pool_cell. The rule exists in every matrix (it matches no cell where none is a
+# memory pool), so that --forcerun names it anywhere.
+MEMORY_POOLS = sorted({(c.backend, c.tier) for c in cells(config) if is_memory_pool(config, c)})
+# The backend wildcard matches only where the same path's tier makes the pair a memory pool (a
+# lookahead to the tier), so an lmcache-mp cell on a drive tier never falls to this rule.
+MEMORY_POOL_BACKENDS = "|".join(
+    f"{re.escape(backend)}(?=/arm~[^/]+/chunk~[^/]+/tier~{re.escape(tier)}/)" for backend, tier in MEMORY_POOLS
+)
 
 
 ruleorder: memory_pool_cell > populate
@@ -12,7 +18,7 @@ ruleorder: memory_pool_cell > reuse
 
 
 rule memory_pool_cell:
-    """Start the cell's LMCache servers, populate, check the drop, reuse, stop the servers."""
+    """Start the cell's pool servers, populate, check the drop, reuse, stop the servers."""
     input:
         plan=cell_path("plan.yaml"),
         prompts="results/workload/prompts.jsonl",
@@ -34,8 +40,7 @@ rule memory_pool_cell:
     benchmark:
         cell_path("benchmarks/memory_pool_cell.tsv")
     wildcard_constraints:
-        backend=mp.BACKEND,
-        tier="|".join(MEMORY_POOL_TIERS) or "(?!)",  # (?!) matches nothing
+        backend=MEMORY_POOL_BACKENDS or "(?!)",  # (?!) matches nothing
     conda:
         CONDA_ENV
     resources:
