@@ -18,6 +18,20 @@ def config():
     return copy.deepcopy(data)
 
 
+@pytest.fixture
+def free_disk(monkeypatch):
+    """Sets the free bytes every drive reports (``shutil.disk_usage``), so a check of the tiers' room
+    sees the figure the test gives, not whatever the machine running it has left."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+
+    def set_free(free_bytes: int):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**13, 0, free_bytes))
+    return set_free
+
+
 @contextlib.asynccontextmanager
 async def completions_server(handler, **app_settings):
     """A stand-in OpenAI completions endpoint on a free loopback port: ``handler`` answers

@@ -15,7 +15,8 @@ def test_schema_fills_defaults():
     assert data["workload"]["doc_tokens"] == 6000
 
 
-def test_default_config_has_no_problems(config, tmp_path):
+def test_default_config_has_no_problems(config, tmp_path, free_disk):
+    free_disk(10**12)  # on a machine with the room its pools need; a full drive is refused (below)
     assert problems(config, tmp_path) == []
 
 
@@ -50,12 +51,8 @@ def test_pool_size_follows_the_model_and_dtype(config):
     assert pool_bytes_per_cell(config, "isolated") is None
 
 
-def test_a_tier_too_small_for_its_pools_is_named(config, tmp_path, monkeypatch):
-    import shutil
-    from collections import namedtuple
-
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 450_000_000))
+def test_a_tier_too_small_for_its_pools_is_named(config, tmp_path, free_disk):
+    free_disk(450_000_000)
     config["tiers"] = {"disk": str(tmp_path / "pools")}
     config["drive_ceiling_bytes"] = 1 << 20
     found = "\n".join(problems(config, tmp_path))
@@ -63,17 +60,13 @@ def test_a_tier_too_small_for_its_pools_is_named(config, tmp_path, monkeypatch):
     assert "tiers.disk" in found and "needs 0.60 GB" in found and "keep_pools: false" in found
     config["keep_pools"] = False
     assert problems(config, tmp_path) == []
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 300_000_000))
+    free_disk(300_000_000)
     found = "\n".join(problems(config, tmp_path))  # the isolated pool alone does not
     assert "needs 0.40 GB" in found and "the largest pool" in found
 
 
-def test_pools_already_in_the_tier_count_as_available(config, tmp_path, monkeypatch):
-    import shutil
-    from collections import namedtuple
-
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 100_000_000))
+def test_pools_already_in_the_tier_count_as_available(config, tmp_path, free_disk):
+    free_disk(100_000_000)
     config["tiers"] = {"disk": str(tmp_path / "pools")}
     config["drive_ceiling_bytes"] = 1 << 20
     assert problems(config, tmp_path) != []
