@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := 2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup run test lint clean-results
+.PHONY: setup run test lint cluster-tools clean-results
 
 setup: $(VENV)/.kvpool-installed
 
@@ -34,8 +34,17 @@ lint: setup
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 	$(BIN)/snakemake --lint
 
+# The cluster test (tests/test_cluster.py) starts a one-node SLURM of its own: Debian's slurm-wlm and
+# munge. Installed here as root where apt-get works; elsewhere the test is skipped and says what to install.
+cluster-tools:
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    slurm-wlm munge >/dev/null; \
+	else echo "slurm-wlm and munge are not installed (and this is not root on Debian): the cluster test will skip"; fi
+
 # Lint and the unit tests first (a failure shows in seconds), then the real end-to-end runs (minutes).
-test: setup lint
+test: setup lint cluster-tools
 	$(BIN)/python -m pytest -v -m "not e2e"
 	$(BIN)/python -m pytest -v -m e2e
 
