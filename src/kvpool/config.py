@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from snakemake.utils import update_config
 
-from kvpool import mp, redis_pool
+from kvpool import external, mp, redis_pool
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.model import engine_kv_bytes_per_token
 
@@ -145,7 +145,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
         # a download inside a replica's startup would count against startup_timeout_s, per replica
         found.append(f"engine.model {model!r} is neither a local directory nor in the Hugging Face cache; "
                      f"download it first (hf download {model}) or give its path")
-    for tier in config["tiers"] if check_paths else []:
+    # an external fleet's pool is where its replicas keep it, not under a tier kvpool creates
+    for tier in config["tiers"] if check_paths and not external.is_external(config) else []:
         root = tier_root(config, tier, workdir)
         existing = _nearest_existing(root)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -188,7 +189,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             studyb.resolved(config)
         except ValueError as exc:
             found.append(str(exc))
-    return found + _input_problems(config) + mp.problems(config) + redis_pool.problems(config)
+    return (found + _input_problems(config) + mp.problems(config) + redis_pool.problems(config)
+            + external.problems(config))
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:

@@ -193,6 +193,35 @@ class Replica(ManagedProcess):
             return False
 
 
+class ExternalReplica(Replica):
+    """A replica someone else runs (fleet.mode: external): asked, never started or stopped. Its process
+    is not ours to see, so it counts as alive; a request it fails is recorded with its error."""
+
+    kind = "external replica"
+
+    def __init__(self, entry: dict):
+        ManagedProcess.__init__(self, entry, Path(os.devnull), entry["url"].rstrip("/"))
+
+    def start(self) -> None:
+        log.info("%s: %s (not started by kvpool)", self.name, self.url)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Nothing to stop: the fleet outlives the phase."""
+
+    def alive(self) -> bool:
+        return True
+
+    def remember_family(self) -> None:
+        """No process of ours."""
+
+    def port_owner_problem(self) -> str | None:
+        return None
+
+    def died_error(self) -> FleetError:
+        return FleetError(f"{self.name} ({self.url}) is not healthy (/health, or {SERVED_MODEL_NAME} not in "
+                          "/v1/models: serve it with --served-model-name <name> kvpool-model)")
+
+
 class PoolServer(ManagedProcess):
     """One LMCache multi-process server (the lmcache-mp pool): ZMQ for replicas, HTTP for health and metrics."""
 
@@ -311,6 +340,8 @@ def wait_healthy(replicas: list[ManagedProcess], timeout_s: float) -> None:
                 pending.remove(replica)
         if pending and time.monotonic() > deadline:
             worst = pending[0]
+            if isinstance(worst, ExternalReplica):
+                raise FleetError(f"after {timeout_s:.0f} s: {worst.died_error()}")
             raise FleetError(f"{worst.name} ({worst.url}) not healthy after {timeout_s:.0f} s; "
                              f"last lines of {worst.log_path}:\n{log_tail(worst.log_path)}")
         if pending:
@@ -319,7 +350,14 @@ def wait_healthy(replicas: list[ManagedProcess], timeout_s: float) -> None:
 
 @contextmanager
 def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
-    """Start every replica of ``plan``, wait for health, yield them, and always stop them all."""
+    """Start every replica of ``plan``, wait for health, yield them, and always stop them all. An
+    external fleet's replicas are only waited for: kvpool starts and stops none of them."""
+    if plan.get("external"):
+        replicas = [ExternalReplica(entry) for entry in plan["replicas"]]
+        wait_healthy(replicas, timeout_s)
+        log.info("external fleet of %d healthy", len(replicas))
+        yield replicas
+        return
     plan = resolve_ports(plan)
     replicas = [Replica(entry, Path(log_dir) / f"replica-{entry['index']}.log") for entry in plan["replicas"]]
     started = time.monotonic()

@@ -17,10 +17,10 @@ import aiohttp
 import pandas as pd
 from tqdm import tqdm
 
-from kvpool import metrics, mp
+from kvpool import external, metrics, mp
 from kvpool.client import RequestResult, complete, new_session
 from kvpool.fleet import FleetError, PoolServer, Replica, running_fleet, running_servers
-from kvpool.plan import plan_gpus
+from kvpool.plan import plan_gpus, plan_pool_dirs
 from kvpool.pool import drop_from_page_cache
 from kvpool.routing import followup_route, populate_route
 from kvpool.telemetry import Sampler
@@ -64,6 +64,8 @@ async def measured_request(session: aiohttp.ClientSession, replica: Replica, pro
 
 
 def _await_exit(replica: Replica, timeout_s: float) -> None:
+    if replica.proc is None:  # an external replica: no process of ours to wait for
+        return
     try:
         replica.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -151,7 +153,7 @@ async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) 
 def _sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
     gpus = plan_gpus(plan)
     return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"],
-                   pids=lambda: {r.index: r.proc.pid for r in replicas},
+                   pids=lambda: {r.index: r.proc.pid for r in replicas if r.proc is not None},
                    gpus=gpus or None)
 
 
@@ -213,6 +215,8 @@ def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int]
     route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
     with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
         with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
+            endpoints = [external.describe(r.url) for r in replicas] if plan.get("external") else None
             started = time.time()
             with _sampler(plan, "populate", disks, cfg, replicas) as sampler:
                 rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe, expect_shared))
@@ -224,6 +228,8 @@ def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int]
         log.error(message)
     frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
     meta = {"preflight": preflight, "wall_s": wall_s, "started_at": started}
+    if endpoints is not None:
+        meta["endpoints"] = endpoints
     if pool_record:
         meta["pool_server"] = pool_record
     return frame, meta, sampler
@@ -245,7 +251,7 @@ async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], f
 
 def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
     """Evict the plan's pool files from the page cache and verify; a memory pool has none to drop."""
-    record = drop_from_page_cache([Path(r["pool_dir"]) for r in plan["replicas"]], use_proc_drop_caches)
+    record = drop_from_page_cache(plan_pool_dirs(plan), use_proc_drop_caches)
     if plan.get("memory_pool"):
         redis = any(server.get("kind") == "redis" for server in plan["servers"])
         record.update(memory_backed=True, pool_in="the Redis servers' memory" if redis
@@ -429,7 +435,7 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
 
     def corrupt_first_chunk(step: str) -> None:
         """Fault injection: the first chunk file the chain's cold step stored, before the cross step."""
-        files = pool_files([Path(r["pool_dir"]) for r in plan["replicas"] if r["pool_dir"]])
+        files = pool_files(plan_pool_dirs(plan))
         if step == "cold":
             before.clear()
             before.update(files)

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvpool import mp, redis_pool
+from kvpool import external, mp, redis_pool
 from kvpool.cells import Cell, is_memory_pool, pool_dirs
 
 SERVED_MODEL_NAME = "kvpool-model"
@@ -171,6 +171,20 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     return plan
 
 
+def external_plan(config: dict, cell: Cell, model: str) -> dict:
+    """An external fleet's plan: the arm's endpoints in replica order and, where this machine sees them,
+    their pool directories; nothing to launch (no argv, no environment, no servers)."""
+    urls = config["fleet"]["endpoints"][cell.arm]
+    entries = []
+    for index, (url, pool_dir) in enumerate(zip(urls, external.visible_pool_dirs(config, cell.arm), strict=True)):
+        host, port = external.endpoint(url)
+        entries.append({"index": index, "url": url, "host": host, "port": port, "core": None, "gpu": None,
+                        "sequential_start": False, "pool_dir": pool_dir, "lmcache_config_file": None,
+                        "lmcache_config": None, "kv_transfer": None, "env": {}, "argv": None})
+    return {"cell": cell.name, "engine_kind": config["engine"]["kind"], "model": model, "port_source": "external",
+            "external": True, "replicas": entries}
+
+
 def server_port_count(cell: Cell, replicas: int) -> int:
     """Ports ``cell``'s pool servers take: an MP server a ZMQ and an HTTP port, a Redis server one; one
     server for the shared arm, one per replica for the isolated arm, none for other backends."""
@@ -200,6 +214,12 @@ def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> li
                         "env": mp.server_env(config, BASE_ENV),
                         "argv": mp.server_argv(config, cell, host, port, http_port, l2_dir)})
     return servers
+
+
+def plan_pool_dirs(plan: dict) -> list[Path]:
+    """Each replica's pool directory, in replica order, where this machine sees one: an off arm has
+    none, an external fleet only those given as fleet.pool_dirs."""
+    return [Path(r["pool_dir"]) for r in plan["replicas"] if r["pool_dir"]]
 
 
 def plan_gpus(plan: dict) -> list[int]:

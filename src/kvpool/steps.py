@@ -16,11 +16,11 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool import kvbytes, logs, mp, phases, pool, prompts, provenance, redis_pool, summary, validity
+from kvpool import external, kvbytes, logs, mp, phases, pool, prompts, provenance, redis_pool, summary, validity
 from kvpool.cells import Cell, is_memory_pool, pool_root
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
-from kvpool.plan import fleet_plan, plan_gpus, reference_plan, server_port_count
+from kvpool.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +65,10 @@ def _ports(config: dict, count: int) -> tuple[list[int], str]:
 
 def _new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Path | None = None) -> dict:
     """``cell``'s fleet plan on free (or configured) ports; an lmcache-mp cell's servers get a ZMQ and an
-    HTTP port each, clear of the replicas' (one server shared, one per replica isolated, none off)."""
+    HTTP port each, clear of the replicas' (one server shared, one per replica isolated, none off).
+    An external fleet's plan is its endpoints."""
+    if external.is_external(config):
+        return external_plan(config, cell, model)
     ports, source = _ports(config, config["replicas"])
     server_ports = None
     if count := server_port_count(cell, config["replicas"]):
@@ -101,13 +104,16 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
     the validity gate checks that reuse read exactly these bytes.
     """
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
-    # a configured port that is busy fails here, before the cell's old pool is cleared
-    plan = checked_ports(plan, servers)
-    root = pool_root(config, cell)
-    if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
-        shutil.rmtree(root)
-    for directory in {r["pool_dir"] for r in plan["replicas"]}:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+    if plan.get("external"):
+        _refuse_a_used_external_pool(plan)
+    else:
+        # a configured port that is busy fails here, before the cell's old pool is cleared
+        plan = checked_ports(plan, servers)
+        root = pool_root(config, cell)
+        if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
+            shutil.rmtree(root)
+        for directory in set(plan_pool_dirs(plan)):
+            directory.mkdir(parents=True, exist_ok=True)
     workload = prompts.read_workload(Path(prompts_path))
     probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
     frame, meta = _run_sampled_phase(
@@ -117,7 +123,7 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
         drive_csv, power_csv, log_dir)
     _archive(frame, Path(csv_out), "populate")
     frame.to_csv(csv_out, index=False)
-    dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
+    dirs = plan_pool_dirs(plan)
     if plan.get("memory_pool"):  # no files: the pool is what the servers hold in memory
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
         measure = redis_pool.POOL_BYTES if cell.backend == redis_pool.BACKEND else mp.L1_BYTES
@@ -127,6 +133,19 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
         meta["pool"] = pool.residency(dirs)
     _pool_digests(dirs, servers).to_csv(digests_csv, index=False)
     write_json(json_out, meta)
+
+
+def _refuse_a_used_external_pool(plan: dict) -> None:
+    """An external fleet's pool is not kvpool's to clear: populate must find the directories it can see
+    empty, or the reuse phase would count hits that an earlier run stored."""
+    for directory in dict.fromkeys(plan_pool_dirs(plan)):
+        if not directory.is_dir():
+            raise RuntimeError(f"fleet.pool_dirs: {directory} is not a directory this machine can see")
+        if files := pool.pool_files([directory]):
+            raise RuntimeError(
+                f"the external fleet's pool {directory} already holds {len(files)} files; kvpool never removes a pool "
+                "it did not create, and a used pool would count an earlier run's chunks as hits: empty it (or start "
+                f"the fleet on a new directory) and re-run {plan['cell']} from its populate")
 
 
 def _pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -141,7 +160,7 @@ def run_drop(config: dict, plan_path: str, out: str) -> None:
     plan = yaml.safe_load(Path(plan_path).read_text())
     injected = None
     if config["fault_injection"]["corrupt_stored_chunk"]:  # the self-test: reuse must not pass on this pool
-        files = pool.pool_files([Path(r["pool_dir"]) for r in plan["replicas"]])
+        files = pool.pool_files(plan_pool_dirs(plan))
         if not files:
             raise RuntimeError(f"fault_injection.corrupt_stored_chunk: {plan['cell']}'s pool holds no file to corrupt")
         injected = pool.corrupt(max(files, key=lambda p: p.stat().st_size))
@@ -178,10 +197,10 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     workload = prompts.read_workload(Path(prompts_path))
     prefill = _prefills(populate_csv, workload, cell)
     root, cell_dir = pool_root(config, cell), Path(csv_out).parent
-    if not root.is_dir():
+    if not plan.get("external") and not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
                            f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
-    dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
+    dirs = plan_pool_dirs(plan)
     stored = kvbytes.read_digests(populate_digests)
     found = len(pool.pool_files(dirs))
     if found > len(stored):
@@ -201,6 +220,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
              int((digests["stored_in"] == "reuse").sum()))
     # measured; the tier holds one cell's pool at a time (load levels remove it after the last level)
     remove_pool = not config["keep_pools"] if remove_pool is None else remove_pool
+    remove_pool = remove_pool and not plan.get("external")  # an external fleet's pool is never kvpool's
     if remove_pool:
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
@@ -237,19 +257,22 @@ def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log
 
 
 def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
-                 reference_csv: str, populate_digests: str | None, reuse_digests: str | None, out: str) -> None:
+                 reference_csv: str | None, populate_digests: str | None, reuse_digests: str | None,
+                 out: str) -> None:
     """The cell's gate; ``populate_digests``/``reuse_digests`` None only for records kept from runs that
-    did not hash the pool at populate's end (the check is then absent, not passed)."""
+    did not hash the pool at populate's end (the check is then absent, not passed); ``reference_csv``
+    None where no recompute replica ran (an external fleet's, listed as not verified)."""
     populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
     unchanged = None
     if populate_digests is not None and reuse_digests is not None:
         unchanged = kvbytes.unchanged(kvbytes.read_digests(populate_digests), kvbytes.read_digests(reuse_digests))
     result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv),
-                               read_records(reference_csv),
+                               read_records(reference_csv) if reference_csv else None,
                                reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
                                populate_meta["preflight"], chunk=cell.chunk,
                                write_errors=populate_meta.get("pool_write_errors", [])
-                               + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged)
+                               + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged,
+                               not_verified=external.not_verified(config, cell.arm))
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
@@ -300,8 +323,10 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
     for path in validity_jsons:
         record = read_json(path)
         rows.append({"cell": record["cell"], "valid": record["valid"],
-                     "reasons": "; ".join(validity.failures(record))})
-    pd.DataFrame(rows, columns=["cell", "valid", "reasons"]).to_csv(out, index=False)
+                     "reasons": "; ".join(validity.failures(record)),
+                     # an external fleet's checks that could not be made: neither passed nor failed
+                     "not_verified": "; ".join(record.get("not_verified", {}))})
+    pd.DataFrame(rows, columns=["cell", "valid", "reasons", "not_verified"]).to_csv(out, index=False)
 
 
 def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
@@ -346,7 +371,7 @@ def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
     """The whole disks behind a plan's pool directories, and how each directory resolved."""
     from kvpool.drive import block_devices
 
-    resolved = [block_devices(Path(d)) for d in dict.fromkeys(r["pool_dir"] for r in plan["replicas"])]
+    resolved = [block_devices(d) for d in dict.fromkeys(plan_pool_dirs(plan))]
     return sorted({disk for record in resolved for disk in record["disks"]}), resolved
 
 
@@ -595,7 +620,7 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
     if not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}); re-run the cell from its populate: "
                            f"snakemake {Path(csv_out).parent}/reuse.csv --forcerun populate")
-    dirs = [Path(r["pool_dir"]) for r in plan["replicas"]]
+    dirs = plan_pool_dirs(plan)
     stored = kvbytes.read_digests(populate_digests)
     restored = load.restore_pool(dirs, stored)
     unchanged = kvbytes.unchanged(stored, kvbytes.pool_digests(dirs, stored))

@@ -253,5 +253,5 @@ def summarize_power(power: pd.DataFrame, meta: dict, requests: int) -> dict:
     summary["replicas"] = {
         source: {"cpu_s": float(g["cpu_s"].iloc[-1] - g["cpu_s"].iloc[0]), "peak_rss_bytes": int(g["rss_bytes"].max())}
         for source, g in replicas.groupby("source")
-    }
+    } if not replicas.empty else {}  # an external fleet's replicas are no processes of ours to sample
     return summary

@@ -30,12 +30,15 @@ REFERENCE_PATH = {"shared": "after_document", "isolated": "cold"}
 
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
              drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
-             write_errors: list[str] = (), pool_unchanged: dict | None = None) -> dict:
+             write_errors: list[str] = (), pool_unchanged: dict | None = None,
+             not_verified: dict[str, str] | None = None) -> dict:
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
     ``chunk`` (default: the smallest configured, whose hit bound is the loosest).
 
     ``pool_unchanged`` (kvbytes.unchanged: populate's files against the pool after reuse) is None for
-    records of runs that did not hash the pool at populate's end; the check is then left out."""
+    records of runs that did not hash the pool at populate's end; the check is then left out.
+    ``not_verified`` names checks that could not be made (an external fleet's, kvpool.external) with
+    why: they leave ``checks`` for a ``not_verified`` entry, and count neither way."""
     documents = config["workload"]["documents"]
     doc_tokens = config["workload"]["doc_tokens"]
     messages = pd.concat([populate["error"], reuse["error"]]).fillna("")
@@ -79,6 +82,8 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     # place, an isolated replica against a cold recompute. Equal KV bytes give equal greedy tokens;
     # KV damaged in transfer does not.
     path = REFERENCE_PATH[cell_arm]
+    if reference is None:  # no recompute replica ran (an external fleet's fleet.reference: false)
+        reference = pd.DataFrame(columns=["doc_id", "output_text", "path"])
     if "path" in reference:
         reference = reference[reference["path"] == path]
     expected = reference.set_index("doc_id")["output_text"]
@@ -87,7 +92,12 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
         **check(len(reuse) > 0 and bool(matches.all()), int(matches.sum()) if len(reuse) else 0, len(reuse)),
         "reference_path": path,
     }
-    return {"valid": all(c["ok"] for c in checks.values()), "checks": checks}
+    for name in not_verified or {}:
+        checks.pop(name, None)
+    result = {"valid": all(c["ok"] for c in checks.values()), "checks": checks}
+    if not_verified:
+        result["not_verified"] = dict(not_verified)
+    return result
 
 
 def failures(validity: dict) -> list[str]:

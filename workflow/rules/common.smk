@@ -2,7 +2,7 @@ import re
 from pathlib import Path
 
 from kvpool import config as kvpool_config
-from kvpool import mp, redis_pool, runlock, studyb
+from kvpool import external, mp, redis_pool, runlock, studyb
 from kvpool.cells import CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.model import RANDOM_MODEL_DIR

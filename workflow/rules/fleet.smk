@@ -21,6 +21,8 @@ rule plan:
             "workload",
             "random_model",
             "min_pool_bytes",
+            # only an external fleet's plan reads it: a launched fleet's cells are not re-planned for it
+            *(("fleet",) if external.is_external(config) else ()),
             *(("lmcache_mp",) if wc.backend == mp.BACKEND else ()),
             *(("lmcache_redis",) if wc.backend == redis_pool.BACKEND else ()),
         ),

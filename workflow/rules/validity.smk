@@ -1,13 +1,14 @@
 rule validity:
     """The validity gate of one cell: errors, cross-replica routing, pool size, cold reads, hits, outputs."""
     input:
+        # an external fleet measured without kvpool's recompute replica (fleet.reference: false) has none
+        **({"reference": "results/reference/outputs.csv"} if external.needs_reference(config) else {}),
         populate=cell_path("populate.csv"),
         populate_meta=cell_path("populate.json"),
         reuse=cell_path("reuse.csv"),
         reuse_meta=cell_path("reuse.json"),
         populate_digests=cell_recorded("populate-digests.csv"),
         reuse_digests=cell_recorded("pool-digests.csv"),
-        reference="results/reference/outputs.csv",
     output:
         cell_path("validity.json"),
     log:
@@ -21,6 +22,7 @@ rule validity:
             "min_pool_bytes",
             "min_hit_fraction",
             "max_resident_fraction",
+            *(("fleet",) if external.is_external(config) else ()),
         ),
     script:
         "../scripts/run_validity.py"
