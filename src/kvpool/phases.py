@@ -309,6 +309,17 @@ def reference(plan: dict, workload: list[dict], cfg: dict, log_dir: Path) -> pd.
 LOAD_COLUMNS = [*RECORD_COLUMNS, "level", "due_s"]
 
 
+async def _scrape_serving(session: aiohttp.ClientSession, by_index: dict[int, Replica],
+                          serving: list[int]) -> dict[int, dict]:
+    """The ``/metrics`` counters of each serving replica now."""
+    return {i: await metrics.scrape(session, by_index[i].url) for i in serving}
+
+
+def _window_external(before: dict[int, dict], after: dict[int, dict]) -> int:
+    """Tokens the serving replicas loaded from the pool between two scrapes, by their own count."""
+    return sum(metrics.delta(after[i], before[i]).get("external_kv_transfer", 0) for i in before)
+
+
 async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[dict], float, float, int | None]:
     from kvpool.load import send_level
 
@@ -319,16 +330,13 @@ async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[di
     serving = sorted({route[item["doc_id"]] for item in workload})
     requests = [(item["doc_id"], by_index[route[item["doc_id"]]].url, item["followup"]) for item in workload]
     async with new_session() as session:
-        before = {i: await metrics.scrape(session, by_index[i].url) for i in serving}
+        before = await _scrape_serving(session, by_index, serving)
         started = time.time()
         sent = await send_level(session, level, requests, output_tokens, timeout_s, load["max_in_flight"],
                                 load["burstiness"], load["seed"])
         finished = time.time()
-        window = 0  # over the level's window, the serving replicas' own count of tokens loaded from the pool
         try:
-            for i in serving:
-                after = await metrics.scrape(session, by_index[i].url)
-                window += metrics.delta(after, before[i]).get("external_kv_transfer", 0)
+            window = _window_external(before, await _scrape_serving(session, by_index, serving))
         except (aiohttp.ClientError, TimeoutError):
             window = None
     rows = []
@@ -367,7 +375,7 @@ def _peer(plan: dict, replicas: list[Replica], workload: list[dict], route: dict
 
     async def scrape_all() -> dict[int, dict]:
         async with new_session() as session:
-            return {i: await metrics.scrape(session, by_index[i].url) for i in serving}
+            return await _scrape_serving(session, by_index, serving)
 
     rows, commands = [], []
     before = asyncio.run(scrape_all())
@@ -387,8 +395,7 @@ def _peer(plan: dict, replicas: list[Replica], workload: list[dict], route: dict
                  for row in peer.rows(result, [item["doc_id"] for item in items], prefill, index)]
     finished = time.time()
     try:
-        after = asyncio.run(scrape_all())
-        window = sum(metrics.delta(after[i], before[i]).get("external_kv_transfer", 0) for i in serving)
+        window = _window_external(before, asyncio.run(scrape_all()))
     except (aiohttp.ClientError, TimeoutError):
         window = None
     return rows, started, finished, window, commands
