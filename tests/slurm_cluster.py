@@ -29,7 +29,8 @@ def _free_port() -> int:
 
 def slurm_conf(root: Path, socket_path: Path, node: str, cpus: int, memory_mb: int) -> str:
     """slurm.conf for one node on loopback: no accounting, no cgroups (a container has none to give),
-    and finished jobs kept in squeue's view for 10 minutes, which the executor's squeue status needs."""
+    and finished jobs kept in squeue's view for an hour: the executor's squeue status needs them there
+    until it has seen them end, and the test reads every job of its run (12 minutes on 2 cores)."""
     return "\n".join([
         "ClusterName=kvpool-test",
         f"SlurmctldHost={node}(127.0.0.1)",
@@ -55,7 +56,7 @@ def slurm_conf(root: Path, socket_path: Path, node: str, cpus: int, memory_mb: i
         "MpiDefault=none",
         "SwitchType=switch/none",
         "ReturnToService=2",
-        "MinJobAge=600",
+        "MinJobAge=3600",
         f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN",
         "PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         "",
