@@ -126,3 +126,17 @@ def test_an_endpoint_describes_its_version_models_and_cache():
     assert "not exposed" in described["kv_connector"]
     gone = external.describe("http://127.0.0.1:9")  # nothing listens: recorded as unknown, not raised
     assert gone["vllm_version"] is None and gone["models"] is None
+
+
+def test_the_kv_bytes_table_says_an_unseen_pool_was_not_hashed(config, tmp_path):
+    import pandas as pd
+
+    from kvpool import kvbytes
+    from kvpool.steps import run_kv_bytes
+
+    config = external_config(config, pool_dirs={})
+    digests = tmp_path / "pool-digests.csv"
+    kvbytes.pool_digests([], None).to_csv(digests, index=False)  # what reuse writes with no pool to see
+    run_kv_bytes(config, [CELL], [str(digests)], str(tmp_path / "kv.csv"), str(tmp_path / "kv.md"))
+    (row,) = pd.read_csv(tmp_path / "kv.csv").itertuples()
+    assert row.keys == 0 and "fleet.pool_dirs.shared is not set" in row.meaning

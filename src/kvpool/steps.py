@@ -304,6 +304,8 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
     no_files = {(c.backend, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
                 "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
                 for c in cells_run if is_memory_pool(config, c) and c.backend == mp.BACKEND}
+    no_files |= {(c.backend, c.chunk, c.tier): external.not_verified(config, c.arm)["pool_unchanged"]
+                 for c in cells_run if "pool_unchanged" in external.not_verified(config, c.arm)}
     table = kvbytes.kv_bytes_table(digests, config, no_files)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))

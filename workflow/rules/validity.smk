@@ -80,6 +80,12 @@ rule kv_bytes:
         CONDA_ENV
     params:
         cells=cell_names(DIGESTED),
-        settings=settings("engine", "workload", "tiers", "lmcache_mp"),
+        settings=settings(
+            "engine",
+            "workload",
+            "tiers",
+            "lmcache_mp",
+            *(("fleet",) if external.is_external(config) else ()),
+        ),
     script:
         "../scripts/kv_bytes.py"
