@@ -202,9 +202,6 @@ class ExternalReplica(Replica):
     def __init__(self, entry: dict):
         ManagedProcess.__init__(self, entry, Path(os.devnull), entry["url"].rstrip("/"))
 
-    def start(self) -> None:
-        log.info("%s: %s (not started by kvpool)", self.name, self.url)
-
     def stop(self, grace_s: float = 30.0) -> None:
         """Nothing to stop: the fleet outlives the phase."""
 
