@@ -88,6 +88,16 @@ def test_gpu_plan_packs_replicas_and_starts_them_in_turn(config):
     assert all(r["sequential_start"] for r in plan["replicas"])
 
 
+def test_a_fixed_kv_cache_size_lets_packed_replicas_start_at_once(config):
+    config["engine"].update(kind="vllm", gpu_memory_utilization=0.84, replicas_per_gpu=2, kv_cache_memory_gib=44.25)
+    plan = plan_for(config)
+    argv = plan["replicas"][0]["argv"]
+    assert argv[argv.index("--kv-cache-memory") + 1] == str(int(44.25 * 2**30))
+    assert not any(r["sequential_start"] for r in plan["replicas"])
+    config["engine"]["kind"] = "vllm-cpu"  # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
+    assert "--kv-cache-memory" not in plan_for(config)["replicas"][0]["argv"]
+
+
 def test_gpu_plan_needs_enough_gpus(config):
     config["engine"].update(kind="vllm", gpus=[0])
     with pytest.raises(ValueError, match="need 2 GPUs"):

@@ -80,6 +80,8 @@ def engine_argv(engine: dict, model: str, port: int, *, kv_transfer: dict | None
     ]
     if gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization:.4f}"]
+    if engine["kind"] == "vllm" and engine.get("kv_cache_memory_gib") is not None:
+        argv += ["--kv-cache-memory", str(int(engine["kv_cache_memory_gib"] * 2**30))]
     if kv_transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer, sort_keys=True)]
     return argv + list(engine["extra_args"])
@@ -101,8 +103,10 @@ def placements(engine: dict, replicas: int, available_cores: list[int] | None = 
     if len(gpus) < gpus_needed:
         raise ValueError(f"{replicas} replicas at {per_gpu} per GPU need {gpus_needed} GPUs; "
                          f"engine.gpus lists {len(gpus)}")
-    # Replicas sharing a GPU must start one after another: vLLM sizes its KV cache from free memory.
-    return [{"core": None, "gpu": gpus[i // per_gpu], "sequential_start": per_gpu > 1} for i in range(replicas)]
+    # Replicas sharing a GPU must start one after another where vLLM sizes its KV cache from free
+    # memory; a fixed KV cache size (kv_cache_memory_gib) lets them start at once.
+    sequential = per_gpu > 1 and engine.get("kv_cache_memory_gib") is None
+    return [{"core": None, "gpu": gpus[i // per_gpu], "sequential_start": sequential} for i in range(replicas)]
 
 
 def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Path | None) -> dict:
