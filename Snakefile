@@ -37,6 +37,7 @@ if not MEASURED_ONLY:
     include: "workflow/rules/memory_pool.smk"
     include: "workflow/rules/ceiling.smk"
     include: "workflow/rules/load.smk"
+    include: "workflow/rules/routers.smk"
     include: "workflow/rules/studyb.smk"
 
 
@@ -58,6 +59,7 @@ STUDY_A_TARGETS = (
         "results/kv_bytes.csv",
         "results/load.csv",
         PEER_TARGETS.get("csv", []),
+        ROUTER_TARGETS.get("md", []),
         "results/gate.ok",
     ]
     if CELLS

@@ -22,6 +22,7 @@ from plotnine import (
     geom_text,
     ggplot,
     labs,
+    position_dodge,
     scale_alpha_manual,
     scale_colour_manual,
     scale_fill_manual,
@@ -295,3 +296,45 @@ def crossover(frame, fit):
             + scale_x_log10() + scale_y_log10() + scale_colour_manual(values=colours)
             + labs(title=title, x="context (tokens)", y="TTFT (s)", colour="")
             + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+
+
+ROUTER_PHASES = ["follow-up", "hot", "after-loss"]
+SOURCE_COLOURS = {"own cache": "#7570b3", "pool": "#1b9e77", "computed": "#d95f02"}
+
+
+def _router_frame(table: pd.DataFrame) -> pd.DataFrame:
+    data = table[table["phase"].isin(ROUTER_PHASES)].copy()
+    data["setting"] = data["backend"] + " / chunk " + data["chunk"].astype(str) + " / " + data["tier"]
+    data["phase"] = pd.Categorical(data["phase"], ROUTER_PHASES)
+    data["validity"] = data["valid"].map({True: "valid", False: "INVALID"})
+    return data
+
+
+def router_ttft(table: pd.DataFrame):
+    """TTFT p50 (bars, with its interval) and p99 (points) per router and arm, one panel per phase: where
+    a router alone keeps requests on the replica that holds their document, and where only the pool helps."""
+    data = _router_frame(table)
+    return (ggplot(data, aes("router", "ttft_p50_s", fill="arm", alpha="validity"))
+            + geom_col(position="dodge", width=0.7)
+            + geom_errorbar(aes(ymin="ttft_p50_ci_low_s", ymax="ttft_p50_ci_high_s"), position="dodge", width=0.7)
+            + geom_point(aes(y="ttft_p99_s", colour="arm"), position=position_dodge(width=0.7), shape="^")
+            + facet_grid("setting ~ phase") + scale_fill_manual(values=ARM_COLOURS)
+            + scale_colour_manual(values=ARM_COLOURS) + scale_alpha_manual(values=FAINT_INVALID)
+            + labs(title="TTFT p50 (bars) and p99 (triangles) per router", x="", y="seconds")
+            + theme_bw() + theme(figure_size=(10, 4), plot_title=element_text(size=11),
+                                 axis_text_x=element_text(rotation=30, ha="right")))
+
+
+def router_sources(table: pd.DataFrame):
+    """Where each router's prompt tokens came from: the serving replica's own cache, the pool, or computed."""
+    data = _router_frame(table)
+    long = pd.concat([data.assign(source=name, fraction=data[column]) for name, column in
+                      (("own cache", "local_cache_fraction"), ("pool", "pool_fraction"),
+                       ("computed", "computed_fraction"))])
+    long["source"] = pd.Categorical(long["source"], list(SOURCE_COLOURS))
+    return (ggplot(long, aes("router", "fraction", fill="source", alpha="validity"))
+            + geom_col(width=0.7) + facet_grid("setting + arm ~ phase")
+            + scale_fill_manual(values=SOURCE_COLOURS) + scale_alpha_manual(values=FAINT_INVALID)
+            + labs(title="Where the prompt tokens came from, per router", x="", y="fraction of prompt tokens")
+            + theme_bw() + theme(figure_size=(10, 5), plot_title=element_text(size=11),
+                                 axis_text_x=element_text(rotation=30, ha="right")))

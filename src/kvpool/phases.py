@@ -482,3 +482,109 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
     if pool_record:
         meta["pool_server"] = pool_record
     return rows, meta
+
+
+def _routed_row(router: str, phase: str, seq: int, doc_id: int, first: int | None, serve: Replica, seen: bool,
+                result: RequestResult, counts: dict[str, int] | None) -> dict:
+    counts = counts or {}
+    row = dataclasses.asdict(result)
+    row.update(router=router, phase=phase, seq=seq, doc_id=doc_id, first_replica=first, serve_replica=serve.index,
+               seen_before=seen, local_cache_hit_tokens=counts.get("local_cache_hit"),
+               external_hit_tokens=counts.get("external_kv_transfer"),
+               local_compute_tokens=counts.get("local_compute"))
+    return row
+
+
+async def _routed_one_at_a_time(by_index: dict[int, Replica], router, phase: str, sends: list[tuple[int, list[int]]],
+                                tokens: dict[int, list[int]], seen: dict[int, set[int]], cfg: dict) -> list[dict]:
+    """Requests ``sends`` (doc_id, prompt) one at a time, each where the router sends it, with the serving
+    replica's counter deltas around it."""
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    rows = []
+    async with new_session() as session:
+        for seq, (doc_id, prompt) in enumerate(tqdm(sends, desc=f"{router.name} {phase}", unit="request")):
+            place = router.first if phase == "first" else router.followup
+            index = place(doc_id, tokens[doc_id])
+            result, counts = await measured_request(session, by_index[index], prompt, output_tokens, timeout_s)
+            rows.append(_routed_row(router.name, phase, seq, doc_id, router.placed.get(doc_id), by_index[index],
+                                    index in seen[doc_id], result, counts))
+            seen[doc_id].add(index)
+    return rows
+
+
+async def _routed_hot(by_index: dict[int, Replica], router, sends: list[tuple[int, list[int]]],
+                      tokens: dict[int, list[int]], seen: dict[int, set[int]], cfg: dict, in_flight: int):
+    """The hot phase: ``in_flight`` requests at a time; per request only its response's ``cached_tokens``
+    (own cache and pool together), the split by source from the serving replicas' counters over the phase."""
+    from kvpool.load import Level, send_level
+
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    placed = [(doc_id, router.followup(doc_id, tokens[doc_id]), prompt) for doc_id, prompt in sends]
+    seen_then = []
+    for doc_id, index, _ in placed:  # in send order: a hot document's second request finds its first
+        seen_then.append(index in seen[doc_id])
+        seen[doc_id].add(index)
+    serving = sorted({index for _, index, _ in placed})
+    async with new_session() as session:
+        before = await _scrape_serving(session, by_index, serving)
+        sent = await send_level(session, Level("concurrency", in_flight),
+                                [(doc_id, by_index[index].url, prompt) for doc_id, index, prompt in placed],
+                                output_tokens, timeout_s, in_flight, 1.0, 0)
+        after = await _scrape_serving(session, by_index, serving)
+    window = {source: sum(metrics.delta(after[i], before[i]).get(source, 0) for i in serving)
+              for source in ("local_cache_hit", "external_kv_transfer", "local_compute")}
+    rows = [_routed_row(router.name, "hot", seq, doc_id, router.placed.get(doc_id), by_index[index], was_seen, result,
+                        None)
+            for seq, ((doc_id, index, _), was_seen, (_, _, result)) in enumerate(zip(placed, seen_then, sent,
+                                                                                       strict=True))]
+    return rows, window
+
+
+def router_unit(plan: dict, workload: list[dict], router_name: str, cfg: dict, log_dir: Path, disks: list[str]):
+    """A router unit (kvpool.routers): one fleet on a fresh pool; each document's first request, the
+    pool dropped from the page cache and checked, every follow-up, the hot phase, then a replica stopped
+    and every follow-up again, each request where ``router_name`` sends it."""
+    from collections import defaultdict
+
+    from kvpool import routers
+
+    settings = cfg["routers"]
+    tokens = {item["doc_id"]: item["document"] for item in workload}
+    followups = {item["doc_id"]: item["followup"] for item in workload}
+    doc_ids = [item["doc_id"] for item in workload]
+    seen: dict[int, set[int]] = defaultdict(set)
+    windows, loss = {}, None
+    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            by_index = {r.index: r for r in replicas}
+            router = routers.Router(router_name, sorted(by_index), settings["seed"])
+            with _sampler(plan, f"router~{router_name}", disks, cfg, replicas) as sampler:
+                started = time.time()
+                rows = asyncio.run(_routed_one_at_a_time(by_index, router, "first",
+                                                         [(d, tokens[d]) for d in doc_ids], tokens, seen, cfg))
+                drop = drop_pool(plan, cfg["drop_caches"])
+                order = routers.followup_order(doc_ids, settings["seed"])
+                rows += asyncio.run(_routed_one_at_a_time(by_index, router, "follow-up",
+                                                          [(d, followups[d]) for d in order], tokens, seen, cfg))
+                hot = settings["hot"]
+                if hot["requests"]:
+                    draws = routers.hot_draws(doc_ids, hot["requests"], hot["zipf_exponent"], settings["seed"])
+                    hot_rows, windows["hot"] = asyncio.run(_routed_hot(
+                        by_index, router, [(d, followups[d]) for d in draws], tokens, seen, cfg, hot["concurrency"]))
+                    rows += hot_rows
+                if settings["lose_replica"]:
+                    lost = replicas[-1]
+                    lost.stop()
+                    loss = {"replica": lost.index, "stopped": not lost.alive(), "at": time.time()}
+                    log.info("%s: replica %d stopped; %s routes around it", plan["cell"], lost.index, router_name)
+                    router.lose(lost.index)
+                    order = routers.followup_order(doc_ids, settings["seed"] + 1)
+                    rows += asyncio.run(_routed_one_at_a_time(by_index, router, "after-loss",
+                                                              [(d, followups[d]) for d in order], tokens, seen, cfg))
+                finished = time.time()
+    frame = pd.DataFrame(rows).reindex(columns=routers.COLUMNS)
+    meta = {"router": router_name, "drop_before_followups": drop, "windows": windows, "loss": loss,
+            "wall_s": finished - started, "started_at": started, "finished_at": finished}
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return frame, meta, sampler

@@ -332,7 +332,7 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
 
 
 def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
-         studyb_json: str | None = None, peer_csv: str | None = None) -> None:
+         studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
@@ -350,6 +350,11 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
         bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
         lines += [f"  {row.cell} load~peer: the cell or vllm bench serve's replay of it is invalid (its level.json "
                   f"names the failed checks)" for row in bad.itertuples()]
+    if routers_csv is not None:  # a router unit whose pool missed, leaked, or whose tokens are unattributed
+        units = pd.read_csv(routers_csv).drop_duplicates(["cell", "router"])
+        bad = units[~units["valid"].astype(bool)]
+        lines += [f"  {row.cell} router~{row.router}: its run.json names the failed checks" for row in bad.itertuples()]
+        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]
@@ -862,3 +867,70 @@ def run_crossover(config: dict, *, locality_csv: str, csv_out: str, md_out: str,
     Path(md_out).write_text(f"{page}\n![crossover]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
     if isinstance(fit, str):
         log.warning("no crossover fit: %s", fit)
+
+
+def router_pool_root(config: dict, cell: Cell, router: str) -> Path:
+    """A router unit's own pool folder in the cell's tier (each unit starts it empty)."""
+    from kvpool.cells import run_pools
+
+    return run_pools(config, cell.tier) / "routers" / cell.name / f"router~{router}"
+
+
+def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompts_path: str, plan_out: str,
+                    manifest_out: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                    provenance_config: dict) -> None:
+    """One router unit (kvpool.routers): its own plan on a fresh pool of the cell's kind, one fleet, every
+    request where the router sends it; the rows, the unit's gate and its telemetry summary."""
+    from kvpool import routers
+
+    unit_dir = Path(csv_out).parent
+    root = router_pool_root(config, cell, router)
+    plan = checked_ports(_new_plan(config, cell, model, unit_dir, pool_root=root))
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
+    if root.exists():
+        shutil.rmtree(root)
+    for directory in set(plan_pool_dirs(plan)):
+        directory.mkdir(parents=True, exist_ok=True)
+    workload = prompts.read_workload(Path(prompts_path))
+    frame, meta = _run_sampled_phase(
+        plan, lambda disks: phases.router_unit(plan, workload, router, config, Path(log_dir), disks),
+        drive_csv, power_csv, log_dir)
+    if not config["keep_pools"]:
+        shutil.rmtree(root, ignore_errors=True)
+    _archive(frame, Path(csv_out), f"router-{router}")
+    frame.to_csv(csv_out, index=False)
+    meta.update(routers.checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
+                               config["workload"]["doc_tokens"], config["min_hit_fraction"],
+                               config["max_resident_fraction"]))
+    _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
+                                 len(frame), plan_gpus(plan))
+    meta["summary"] = {"drive": window["drive"], "power": window["power"]}
+    write_json(json_out, meta)
+    for name, check in meta["checks"].items():
+        if not check["ok"]:
+            log.error("%s router~%s invalid: %s is %s (needs %s)", cell.name, router, name, check["value"],
+                      check["threshold"])
+
+
+def run_router_table(units: list[tuple[Cell, str]], *, csvs: list[str], metas: list[str], csv_out: str,
+                     md_out: str, figures_dir: str) -> None:
+    """results/routers.csv and .md, and their figures: per cell, router and phase."""
+    from kvpool import figures, routers
+
+    rows = []
+    for (cell, router), csv, meta_path in zip(units, csvs, metas, strict=True):
+        frame, meta = read_records(csv), read_json(meta_path)
+        for phase in routers.PHASES:
+            sent = frame[frame["phase"] == phase]
+            if sent.empty:
+                continue
+            sources = routers.phase_sources(sent, meta["windows"].get(phase))
+            rows.append(routers.phase_row(cell, router, phase, sent, sources, meta["valid"]))
+    table = pd.DataFrame(rows)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text(routers.markdown(table))
+    out = Path(figures_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    figures.save(figures.router_ttft(table), out, "ttft")
+    figures.save(figures.router_sources(table), out, "sources")

@@ -43,6 +43,7 @@ wildcard_constraints:
     chunk=r"\d+",
     level=LEVEL_PATTERN,
     block=r"\d+-(on|off)",
+    router="cross|round-robin|random|prefix-affinity",
     tier="[A-Za-z0-9_-]+",
 
 
@@ -132,11 +133,41 @@ PEER_DONE = units_done(["peer"] if config["peer"]["enabled"] else [])
 PEER_TARGETS = {"csv": "results/peer.csv"} if PEER_DONE else {}
 
 
-def last_output(cell):
+def pool_done(cell):
     """The file whose job ends a cell's use of its pool: its last load level's, else its reuse's."""
     if cell in LOAD_CELLS:
         return f"results/cells/{cell.name}/load~{LOAD_LEVELS[-1]}/level.json"
     return f"results/cells/{cell.name}/reuse.json"
+
+
+# Routers compared (kvpool.routers): per cell, one unit per router, each on a fresh pool of its own,
+# after the cell's pool is done and one after another; the next cell of the tier waits for the last.
+ROUTER_NAMES = list(config["routers"]["names"])
+ROUTER_UNITS = [
+    (cell, router)
+    for cell in CELLS
+    for router in ROUTER_NAMES
+    if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/router~{router}/run.json").exists()
+]
+ROUTER_TARGETS = {"csv": "results/routers.csv", "md": "results/routers.md"} if ROUTER_UNITS else {}
+ROUTER_SETTINGS = ("routers", "min_hit_fraction", "max_resident_fraction")
+
+
+def router_after(wildcards):
+    """Ordering only (ancient): a cell's router units run after its pool is done, one after another."""
+    cell = Cell.from_wildcards(wildcards)
+    position = ROUTER_NAMES.index(wildcards.router)
+    before = (
+        pool_done(cell) if position == 0 else f"results/cells/{cell.name}/router~{ROUTER_NAMES[position - 1]}/run.json"
+    )
+    return ancient(before)
+
+
+def last_output(cell):
+    """The file whose job ends a cell's use of its tier: its last router unit's, else its pool's last."""
+    if ROUTER_NAMES and not MEASURED_ONLY:
+        return f"results/cells/{cell.name}/router~{ROUTER_NAMES[-1]}/run.json"
+    return pool_done(cell)
 
 
 # the cells whose pool files were hashed (runs before the byte-level check did not hash them)

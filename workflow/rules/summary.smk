@@ -67,6 +67,25 @@ rule load_table:
         "../scripts/load_table.py"
 
 
+rule router_table:
+    """results/routers.csv: TTFT and where the prompt tokens came from, per cell, router and phase."""
+    input:
+        csvs=[f"results/cells/{cell.name}/router~{router}/requests.csv" for cell, router in ROUTER_UNITS],
+        metas=[f"results/cells/{cell.name}/router~{router}/run.json" for cell, router in ROUTER_UNITS],
+    output:
+        csv="results/routers.csv",
+        md="results/routers.md",
+        figures=directory("results/routers"),
+    log:
+        "logs/summary/routers.log",
+    conda:
+        CONDA_ENV
+    params:
+        units=[[cell.name, router] for cell, router in ROUTER_UNITS],
+    script:
+        "../scripts/router_table.py"
+
+
 rule peer_table:
     """results/peer.csv: kvpool's TTFT beside vllm bench serve's replay of the same follow-ups, per cell."""
     input:

@@ -57,6 +57,7 @@ rule gate:
         report="results/report.html",
         studyb=STUDYB_TARGETS.get("validity", []),
         peer=PEER_TARGETS.get("csv", []),
+        routers=ROUTER_TARGETS.get("csv", []),
     output:
         "results/gate.ok",
     log:

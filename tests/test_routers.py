@@ -1,0 +1,120 @@
+"""The routers (kvpool.routers): where each policy sends a document's requests, what losing a replica
+moves, the hot draws, and the router unit's gate on made-up rows."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvpool import routers
+from kvpool.cells import Cell
+
+DOCS = {doc: list(range(doc * 100, doc * 100 + 64)) for doc in range(40)}
+
+
+def placements(name: str, replicas=(0, 1, 2, 3), seed=0):
+    router = routers.Router(name, list(replicas), seed)
+    first = {doc: router.first(doc, tokens) for doc, tokens in DOCS.items()}
+    return router, first
+
+
+def test_cross_sends_every_follow_up_to_the_replica_after_its_prefill_even_after_a_loss():
+    router, first = placements("cross")
+    assert list(first.values())[:5] == [0, 1, 2, 3, 0]  # Study A's populate: round robin in order
+    assert all(router.followup(doc, DOCS[doc]) == (first[doc] + 1) % 4 for doc in DOCS)
+    router.lose(3)
+    after = {doc: router.followup(doc, DOCS[doc]) for doc in DOCS}
+    assert all(after[doc] != first[doc] and after[doc] != 3 for doc in DOCS)
+    assert {after[doc] for doc in DOCS if first[doc] == 2} == {0}  # wraps past the lost replica
+
+
+def test_prefix_affinity_keeps_a_document_on_one_replica_and_a_loss_moves_only_that_replicas_documents():
+    router, first = placements("prefix-affinity")
+    assert all(router.followup(doc, DOCS[doc]) == first[doc] for doc in DOCS)
+    assert len(set(first.values())) == 4  # the hash spreads documents over every replica
+    router.lose(1)
+    after = {doc: router.followup(doc, DOCS[doc]) for doc in DOCS}
+    moved = {doc for doc in DOCS if after[doc] != first[doc]}
+    assert moved == {doc for doc in DOCS if first[doc] == 1} and 1 not in after.values()
+
+
+def test_round_robin_and_random_ignore_the_document_and_random_is_seeded():
+    router, _ = placements("round-robin")
+    assert [router.followup(doc, DOCS[doc]) for doc in range(6)] == [0, 1, 2, 3, 0, 1]  # the turn goes on
+    def draws(seed):
+        router = placements("random", seed=seed)[0]
+        return [router.followup(doc, DOCS[doc]) for doc in DOCS]
+
+    one, two, other = draws(7), draws(7), draws(8)
+    assert one == two and one != other and set(one) == {0, 1, 2, 3}
+
+
+def test_unknown_router_and_losing_the_last_replica_are_refused():
+    with pytest.raises(ValueError, match="not one of cross, round-robin, random, prefix-affinity"):
+        routers.Router("least-loaded", [0, 1], 0)
+    router = routers.Router("cross", [0, 1], 0)
+    router.lose(1)
+    with pytest.raises(ValueError, match="a replica left"):
+        router.lose(0)
+
+
+def test_hot_draws_are_seeded_and_concentrated_on_a_few_documents():
+    doc_ids = list(range(20))
+    draws = routers.hot_draws(doc_ids, 400, 1.2, seed=3)
+    assert draws == routers.hot_draws(doc_ids, 400, 1.2, seed=3) and routers.hot_draws(doc_ids, 0, 1.2, 3) == []
+    counts = pd.Series(draws).value_counts()
+    assert counts.iloc[0] > 400 / 20 * 3 and counts.iloc[:3].sum() > 0.4 * 400
+
+
+def rows(arm_external: int, seen=(True, False), phases=("first", "follow-up"), errors=("", "")) -> pd.DataFrame:
+    frame = pd.DataFrame({
+        "router": "cross", "phase": list(phases), "seq": range(len(phases)), "doc_id": 0, "first_replica": 0,
+        "serve_replica": [0, 1], "seen_before": [False, seen[1]], "ttft_s": [0.5, 0.1], "e2e_s": [0.6, 0.2],
+        "prompt_tokens": 1024, "cached_tokens": [0, arm_external], "local_cache_hit_tokens": [0, 0],
+        "external_hit_tokens": [0, arm_external], "local_compute_tokens": [1024, 1024 - arm_external],
+        "output_text": "x", "error": list(errors)})
+    return frame
+
+
+COLD = {"memory_backed": False, "resident_fraction": 0.0}
+
+
+def gate(arm, frame, windows=None, loss=None):
+    return routers.checks(arm, frame, windows or {}, COLD, loss, 1024, 0.9, 0.05)
+
+
+def test_the_gate_asks_a_shared_pool_to_deliver_where_a_request_moved_and_an_isolated_one_not_to():
+    assert gate("shared", rows(1024))["valid"]
+    missed = gate("shared", rows(0))
+    assert not missed["valid"] and missed["checks"]["pool_hits"]["value"] == 0.0
+    assert gate("isolated", rows(0))["valid"]
+    leaked = gate("isolated", rows(1024))
+    assert not leaked["valid"] and leaked["checks"]["isolation"]["value"] == 1024
+    # a request back on a replica that served the document before is not the pool's to deliver
+    assert gate("shared", rows(0, seen=(True, True)))["valid"]
+
+
+def test_the_gate_fails_on_errors_unattributed_tokens_a_window_that_disagrees_and_a_lost_replica_serving():
+    assert not gate("shared", rows(1024, errors=("", "replica 1 died")))["checks"]["zero_errors"]["ok"]
+    unattributed = rows(1024)
+    unattributed.loc[1, "external_hit_tokens"] = np.nan
+    assert not gate("shared", unattributed)["checks"]["hit_attribution"]["ok"]
+    hot = rows(1024, phases=("first", "hot"))
+    agree = {"hot": {"local_cache_hit": 0, "external_kv_transfer": 1024, "local_compute": 0}}
+    disagree = {"hot": {"local_cache_hit": 0, "external_kv_transfer": 512, "local_compute": 512}}
+    assert gate("shared", hot, agree)["checks"]["hit_attribution"]["ok"]
+    assert not gate("shared", hot, disagree)["checks"]["hit_attribution"]["ok"]
+    after = rows(1024, phases=("first", "after-loss"))
+    assert gate("shared", after, loss={"replica": 2, "stopped": True})["checks"]["replica_lost"]["ok"]
+    served = gate("shared", after, loss={"replica": 1, "stopped": True})["checks"]["replica_lost"]
+    assert not served["ok"] and served["value"]["served_after"] == 1
+
+
+def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica():
+    frame = rows(1024, phases=("follow-up", "follow-up"))
+    sources = routers.phase_sources(frame, None)
+    assert sources == {"local_cache_hit": 0, "external_kv_transfer": 1024, "local_compute": 1024}
+    row = routers.phase_row(Cell("lmcache-fs", "shared", 256, "disk"), "cross", "follow-up", frame, sources, True)
+    assert row["pool_fraction"] == 0.5 and row["computed_fraction"] == 0.5 and row["max_replica_share"] == 0.5
+    assert row["moved_fraction"] == 1.0 and row["requests"] == 2 and row["ttft_p50_s"] == pytest.approx(0.3)
+    assert "| lmcache-fs / shared / chunk 256 / disk | cross | follow-up | valid | 2 |" in routers.markdown(
+        pd.DataFrame([row]))

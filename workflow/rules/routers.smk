@@ -1,0 +1,33 @@
+# Routers compared (kvpool.routers): per cell and router, one fleet on a fresh pool of the cell's kind
+# sends each document's first request, every follow-up, a hot phase and, after one replica is
+# stopped, every follow-up again, each request where the router sends it. A new router in
+# routers.names builds only its units; --forcerun on a unit's run.json re-measures it.
+
+
+rule router_unit:
+    """One cell under one router: its own plan and pool, one fleet, the four phases, the unit's gate."""
+    input:
+        model_input,
+        prompts="results/workload/prompts.jsonl",
+        after=router_after,
+    output:
+        plan=cell_path("router~{router}/plan.yaml"),
+        manifest=cell_path("router~{router}/manifest.json"),
+        csv=cell_path("router~{router}/requests.csv"),
+        meta=cell_path("router~{router}/run.json"),
+        drive=cell_path("router~{router}/drive-samples.csv"),
+        power=cell_path("router~{router}/power-samples.csv"),
+    log:
+        f"logs/routers/{CELL_PATTERN}/router~{{router}}.log",
+    benchmark:
+        cell_path("benchmarks/router~{router}.tsv")
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        model=model_path(),
+        settings=settings(*PHASE_SETTINGS, *ROUTER_SETTINGS, "hash_keys", "lmcache", "random_model"),
+        log_dir=lambda wc: f"logs/routers/{Cell.from_wildcards(wc).name}/router~{wc.router}",
+    script:
+        "../scripts/run_router_unit.py"
