@@ -22,6 +22,7 @@ LAUNCH_ONLY = {
     "load.rates": lambda config: bool(config["load"]["rates"]),
     "peer.enabled": lambda config: config["peer"]["enabled"],
     "study_b.enabled": lambda config: config["study_b"]["enabled"],
+    "routers.names": lambda config: bool(config["routers"]["names"]),
     "fault_injection.corrupt_stored_chunk": lambda config: config["fault_injection"]["corrupt_stored_chunk"],
 }
 
