@@ -1,6 +1,8 @@
 """The routers (kvpool.routers): where each policy sends a document's requests, what losing a replica
 moves, the hot draws, and the router unit's gate on made-up rows."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -118,3 +120,36 @@ def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica()
     assert row["moved_fraction"] == 1.0 and row["requests"] == 2 and row["ttft_p50_s"] == pytest.approx(0.3)
     assert "| lmcache-fs / shared / chunk 256 / disk | cross | follow-up | valid | 2 |" in routers.markdown(
         pd.DataFrame([row]))
+
+
+def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
+    from kvpool import steps
+    from kvpool.files import write_json
+
+    cell = Cell("lmcache-fs", "shared", 256, "disk")
+    units, csvs, metas = [], [], []
+    for router, valid in (("cross", True), ("prefix-affinity", False)):
+        frame = pd.concat([rows(1024), rows(1024, phases=("hot", "hot"))], ignore_index=True).assign(router=router)
+        csvs.append(str(tmp_path / f"{router}.csv"))
+        frame.to_csv(csvs[-1], index=False)
+        metas.append(str(tmp_path / f"{router}.json"))
+        write_json(metas[-1], {"valid": valid, "windows": {"hot": {"local_cache_hit": 0, "external_kv_transfer": 2048,
+                                                                    "local_compute": 0}}})
+        units.append((cell, router))
+    out = tmp_path / "results"
+    out.mkdir()
+    steps.run_router_table(units, csvs=csvs, metas=metas, csv_out=str(out / "routers.csv"),
+                           md_out=str(out / "routers.md"), figures_dir=str(out / "routers"))
+    table = pd.read_csv(out / "routers.csv")
+    assert list(table["phase"]) == ["first", "follow-up", "hot"] * 2
+    assert table.loc[table["phase"] == "hot", "pool_fraction"].tolist() == [1.0, 1.0]  # the window's split
+    assert {"ttft.png", "ttft.svg", "sources.png", "sources.svg"} <= {p.name for p in (out / "routers").iterdir()}
+    section = steps._routers_section(str(out / "routers.csv"))
+    assert section["html"].count("INVALID") == 3 and all(Path(f["png"]).exists() for f in section["figures"])
+    assert "| prefix-affinity | hot | **INVALID** |" in (out / "routers.md").read_text()
+    validity = tmp_path / "validity.csv"
+    pd.DataFrame([{"cell": cell.name, "valid": True, "reasons": ""}]).to_csv(validity, index=False)
+    kv_bytes = tmp_path / "kv_bytes.csv"
+    kv_bytes.write_text("backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,meaning\n")
+    with pytest.raises(SystemExit, match="router~prefix-affinity: its run.json names the failed checks"):
+        steps.gate(str(validity), str(kv_bytes), str(tmp_path / "gate.ok"), routers_csv=str(out / "routers.csv"))

@@ -474,7 +474,8 @@ def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs:
 
 def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, tier_table: str | None,
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
-                 load: str | None = None, studyb: dict | None = None, peer: str | None = None) -> None:
+                 load: str | None = None, studyb: dict | None = None, peer: str | None = None,
+                 routers: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records under ``root``."""
@@ -538,6 +539,7 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         "pool_server_html": _html(servers) if len(servers) else "",
         "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
         "peer_html": _peer_html(peer) if peer else "",
+        "routers": _routers_section(routers) if routers else None,
         "load_figures": [drawn[s] for s, _ in under_load],
         "studyb": _studyb_section(studyb) if studyb else None,
     })
@@ -585,6 +587,17 @@ def _kv_bytes_html(path: Path | None) -> str:
                        for (backend, chunk, tier), _, found in kvbytes.findings(table))
     return _html(report.kv_bytes_for_reading(table)) + findings + "<ul>" + "".join(
         f"<li><b>{name}</b>: {meaning}</li>" for name, meaning in kvbytes.COMPARISONS.items()) + "</ul>"
+
+
+def _routers_section(routers_csv: str) -> dict:
+    """The report's routers section: the table of results/routers.csv and its figures beside it."""
+    table = pd.read_csv(routers_csv)
+    shown = table[["cell", "router", "phase", "valid", "requests", "ttft_p50_s", "ttft_p99_s", "local_cache_fraction",
+                   "pool_fraction", "computed_fraction", "moved_fraction", "max_replica_share"]]
+    folder = Path(routers_csv).with_suffix("")
+    titles = {"ttft": "TTFT per router and arm, by phase", "sources": "Where each router's prompt tokens came from"}
+    return {"html": _html(shown, flag=True),
+            "figures": [{"png": str(folder / f"{stem}.png"), "title": title} for stem, title in titles.items()]}
 
 
 def _peer_html(peer_csv: str) -> str:

@@ -16,6 +16,8 @@ rule report:
         tier_table=TIER_TABLE,
         # vllm bench serve's replay beside kvpool's client, when cells were replayed
         peer=PEER_TARGETS.get("csv", []),
+        # the routers compared, when the run has router units (the figures beside the table)
+        routers=ROUTER_TARGETS.get("csv", []),
         # Study B's section, when the run has one
         studyb=list(STUDYB_REPORT.values()),
     output:

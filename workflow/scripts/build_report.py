@@ -7,4 +7,5 @@ steps.build_report(snakemake.params.config, cells, ".", cell_table=snakemake.inp
                    tier_table=snakemake.input.tier_table or None, kv_bytes=snakemake.input.kv_bytes,
                    out_html=snakemake.output.html, figures_dir=snakemake.output.figures,
                    tables_dir=snakemake.output.tables, load=snakemake.input.load,
-                   studyb=snakemake.params.studyb or None, peer=snakemake.input.get("peer") or None)
+                   studyb=snakemake.params.studyb or None, peer=snakemake.input.get("peer") or None,
+                   routers=snakemake.input.get("routers") or None)
