@@ -65,6 +65,16 @@ def test_a_tier_too_small_for_its_pools_is_named(config, tmp_path, free_disk):
     assert "needs 0.40 GB" in found and "the largest pool" in found
 
 
+def test_a_router_units_pool_counts_beside_the_largest_cell_pool(config, tmp_path, free_disk):
+    free_disk(900_000_000)
+    config.update(tiers={"disk": str(tmp_path / "pools")}, drive_ceiling_bytes=1 << 20, keep_pools=False)
+    assert problems(config, tmp_path) == []
+    # a router unit's pool may hold every document twice over the isolated arm's: 400 MB + 800 MB
+    config["routers"]["names"] = ["cross", "prefix-affinity"]
+    found = "\n".join(problems(config, tmp_path))
+    assert "needs 1.20 GB" in found and "the largest pool and a router unit's" in found
+
+
 def test_pools_already_in_the_tier_count_as_available(config, tmp_path, free_disk):
     free_disk(100_000_000)
     config["tiers"] = {"disk": str(tmp_path / "pools")}

@@ -211,18 +211,23 @@ def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
 
 def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir: Path) -> list[str]:
     # an MP memory pool lives in its server's RAM, not in the tier's directory
-    sizes = [pool_bytes_per_cell(config, cell.arm) for cell in cells(config)
-             if cell.tier == tier and not is_memory_pool(config, cell)]
+    on_tier = [cell for cell in cells(config) if cell.tier == tier and not is_memory_pool(config, cell)]
+    sizes = [pool_bytes_per_cell(config, cell.arm) for cell in on_tier]
     if not sizes or None in sizes:
         return []
-    # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest
-    pools = sum(sizes) if config["keep_pools"] else max(sizes)
+    # A router unit's own pool (kvpool.routers) stores each document once and, where a request lands
+    # on a replica that never held it without a shared pool, again: at most twice an isolated cell's.
+    routers = [2 * size for size in sizes for _ in config["routers"]["names"]]
+    # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest, and at
+    # most one router unit's beside it
+    pools = sum(sizes + routers) if config["keep_pools"] else max(sizes) + max(routers, default=0)
     needed = pools + config["drive_ceiling_bytes"]
     # Pools already in the tier are replaced cell by cell, so their space counts as available.
     available = shutil.disk_usage(existing).free + _tree_bytes(run_pools(config, tier, workdir))
     if needed <= available:
         return []
-    held = f"{len(sizes)} pools" if config["keep_pools"] else "the largest pool"
+    held = (f"{len(sizes) + len(routers)} pools" if config["keep_pools"]
+            else "the largest pool" + (" and a router unit's" if routers else ""))
     return [f"tiers.{tier}: {root} has {available / 1e9:.2f} GB available but needs {needed / 1e9:.2f} GB "
             f"({held}, {pools / 1e9:.2f} GB, plus the {config['drive_ceiling_bytes'] / 1e9:.2f} GB "
             f"ceiling file); free space, lower workload.documents"

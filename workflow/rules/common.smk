@@ -133,15 +133,17 @@ PEER_DONE = units_done(["peer"] if config["peer"]["enabled"] else [])
 PEER_TARGETS = {"csv": "results/peer.csv"} if PEER_DONE else {}
 
 
-def pool_done(cell):
+def last_output(cell):
     """The file whose job ends a cell's use of its pool: its last load level's, else its reuse's."""
     if cell in LOAD_CELLS:
         return f"results/cells/{cell.name}/load~{LOAD_LEVELS[-1]}/level.json"
     return f"results/cells/{cell.name}/reuse.json"
 
 
-# Routers compared (kvpool.routers): per cell, one unit per router, each on a fresh pool of its own,
-# after the cell's pool is done and one after another; the next cell of the tier waits for the last.
+# Routers compared (kvpool.routers): per cell, one unit per router, each on a fresh pool of its own
+# that it removes when it ends. A unit needs nothing of its cell's records, so a new load level or
+# router builds only itself; the fleet resource keeps it from overlapping any other timed phase, and
+# the space check counts one router pool beside the tier's largest cell pool.
 ROUTER_NAMES = list(config["routers"]["names"])
 ROUTER_UNITS = [
     (cell, router)
@@ -151,23 +153,6 @@ ROUTER_UNITS = [
 ]
 ROUTER_TARGETS = {"csv": "results/routers.csv", "md": "results/routers.md"} if ROUTER_UNITS else {}
 ROUTER_SETTINGS = ("routers", "min_hit_fraction", "max_resident_fraction")
-
-
-def router_after(wildcards):
-    """Ordering only (ancient): a cell's router units run after its pool is done, one after another."""
-    cell = Cell.from_wildcards(wildcards)
-    position = ROUTER_NAMES.index(wildcards.router)
-    before = (
-        pool_done(cell) if position == 0 else f"results/cells/{cell.name}/router~{ROUTER_NAMES[position - 1]}/run.json"
-    )
-    return ancient(before)
-
-
-def last_output(cell):
-    """The file whose job ends a cell's use of its tier: its last router unit's, else its pool's last."""
-    if ROUTER_NAMES and not MEASURED_ONLY:
-        return f"results/cells/{cell.name}/router~{ROUTER_NAMES[-1]}/run.json"
-    return pool_done(cell)
 
 
 # the cells whose pool files were hashed (runs before the byte-level check did not hash them)

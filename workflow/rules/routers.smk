@@ -9,7 +9,6 @@ rule router_unit:
     input:
         model_input,
         prompts="results/workload/prompts.jsonl",
-        after=router_after,
     output:
         plan=cell_path("router~{router}/plan.yaml"),
         manifest=cell_path("router~{router}/manifest.json"),
