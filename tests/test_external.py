@@ -23,7 +23,8 @@ def external_config(config, **fleet):
                   tiers={"disk": config["tiers"]["disk"]})
     config["peer"]["enabled"] = False
     config["study_b"]["enabled"] = False
-    config["fleet"] = {"mode": "external", "endpoints": {"shared": URLS}, "pool_dirs": {}, "reference": True, **fleet}
+    config["fleet"] = {"mode": "external", "endpoints": {"shared": URLS}, "pool_dirs": {}, "reference": True,
+                       "wait_s": 60, **fleet}
     return config
 
 
@@ -43,6 +44,7 @@ def test_an_external_config_with_its_endpoints_has_no_problems(config, tmp_path)
     (lambda c: c["load"].update(concurrency=[1, 2]), "load.concurrency: needs kvpool to restore the pool"),
     (lambda c: c["peer"].update(enabled=True), "peer.enabled: needs kvpool"),
     (lambda c: c["study_b"].update(enabled=True), "study_b.enabled: needs kvpool"),
+    (lambda c: c["routers"].update(names=["cross"]), "routers.names: needs kvpool"),
 ])
 def test_what_an_external_fleet_cannot_do_is_refused_by_name(config, tmp_path, change, named):
     config = external_config(config)
@@ -64,6 +66,22 @@ def test_an_external_plan_names_the_endpoints_and_launches_nothing(config, tmp_p
     assert all(r["argv"] is None and r["env"] == {} for r in plan["replicas"])
     assert plan_pool_dirs(plan) == [tmp_path / "pool"] * 2
     assert plan_pool_dirs(_new_plan(external_config(config, pool_dirs={}), CELL, "m", tmp_path)) == []
+
+
+def test_a_fleet_that_is_down_is_named_after_fleet_wait_s_not_a_replicas_startup(config, tmp_path):
+    import time
+
+    from kvpool.fleet import FleetError, free_ports, running_fleet
+
+    port = free_ports("127.0.0.1", 1)[0]  # nothing listens there
+    config = external_config(config, endpoints={"shared": [f"http://127.0.0.1:{port}", URLS[1]]}, wait_s=2)
+    plan = _new_plan(config, CELL, "resources/model", tmp_path)
+    assert plan["wait_s"] == 2
+    started = time.monotonic()
+    with pytest.raises(FleetError, match=rf"after 2 s \(fleet.wait_s\): external replica 0 \(http://127.0.0.1:{port}\)"):
+        with running_fleet(plan, tmp_path, timeout_s=600):
+            pass
+    assert time.monotonic() - started < 30
 
 
 def test_the_gate_lists_what_it_could_not_verify_apart(config):

@@ -338,7 +338,7 @@ def wait_healthy(replicas: list[ManagedProcess], timeout_s: float) -> None:
         if pending and time.monotonic() > deadline:
             worst = pending[0]
             if isinstance(worst, ExternalReplica):
-                raise FleetError(f"after {timeout_s:.0f} s: {worst.died_error()}")
+                raise FleetError(f"after {timeout_s:.0f} s (fleet.wait_s): {worst.died_error()}")
             raise FleetError(f"{worst.name} ({worst.url}) not healthy after {timeout_s:.0f} s; "
                              f"last lines of {worst.log_path}:\n{log_tail(worst.log_path)}")
         if pending:
@@ -351,7 +351,8 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
     external fleet's replicas are only waited for: kvpool starts and stops none of them."""
     if plan.get("external"):
         replicas = [ExternalReplica(entry) for entry in plan["replicas"]]
-        wait_healthy(replicas, timeout_s)
+        # a deployed fleet is up already: wait its own short while, not a launched replica's startup
+        wait_healthy(replicas, plan.get("wait_s", timeout_s))
         log.info("external fleet of %d healthy", len(replicas))
         yield replicas
         return

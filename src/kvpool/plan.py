@@ -186,7 +186,7 @@ def external_plan(config: dict, cell: Cell, model: str) -> dict:
                         "sequential_start": False, "pool_dir": pool_dir, "lmcache_config_file": None,
                         "lmcache_config": None, "kv_transfer": None, "env": {}, "argv": None})
     return {"cell": cell.name, "engine_kind": config["engine"]["kind"], "model": model, "port_source": "external",
-            "external": True, "replicas": entries}
+            "external": True, "wait_s": config["fleet"]["wait_s"], "replicas": entries}
 
 
 def server_port_count(cell: Cell, replicas: int) -> int:
