@@ -13,6 +13,8 @@ rule load_level:
         populate=cell_path("populate.csv"),
         populate_digests=cell_path("populate-digests.csv"),
         after=level_after,
+        # the peer replay's gate compares its hits with what the reuse phase loaded
+        reuse=lambda wc: (f"results/cells/{Cell.from_wildcards(wc).name}/reuse.csv" if wc.level == "peer" else []),
     output:
         csv=cell_path("load~{level}/requests.csv"),
         meta=cell_path("load~{level}/level.json"),
