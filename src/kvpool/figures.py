@@ -338,3 +338,8 @@ def router_sources(table: pd.DataFrame):
             + labs(title="Where the prompt tokens came from, per router", x="", y="fraction of prompt tokens")
             + theme_bw() + theme(figure_size=(10, 5), plot_title=element_text(size=11),
                                  axis_text_x=element_text(rotation=30, ha="right")))
+
+
+# results/routers/<stem>.png: how each is drawn, and its title on the report page
+ROUTER_FIGURES = {"ttft": (router_ttft, "TTFT per router and arm, by phase"),
+                  "sources": (router_sources, "Where each router's prompt tokens came from")}

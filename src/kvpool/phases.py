@@ -315,9 +315,14 @@ async def _scrape_serving(session: aiohttp.ClientSession, by_index: dict[int, Re
     return {i: await metrics.scrape(session, by_index[i].url) for i in serving}
 
 
+def _window(before: dict[int, dict], after: dict[int, dict], source: str) -> int:
+    """Prompt tokens of ``source`` the serving replicas counted between two scrapes."""
+    return sum(metrics.delta(after[i], before[i]).get(source, 0) for i in before)
+
+
 def _window_external(before: dict[int, dict], after: dict[int, dict]) -> int:
     """Tokens the serving replicas loaded from the pool between two scrapes, by their own count."""
-    return sum(metrics.delta(after[i], before[i]).get("external_kv_transfer", 0) for i in before)
+    return _window(before, after, "external_kv_transfer")
 
 
 async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[dict], float, float, int | None]:
@@ -487,11 +492,9 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
 def _routed_row(router: str, phase: str, seq: int, doc_id: int, first: int | None, serve: Replica, seen: bool,
                 result: RequestResult, counts: dict[str, int] | None) -> dict:
     counts = counts or {}
-    row = dataclasses.asdict(result)
-    row.update(router=router, phase=phase, seq=seq, doc_id=doc_id, first_replica=first, serve_replica=serve.index,
-               seen_before=seen, local_cache_hit_tokens=counts.get("local_cache_hit"),
-               external_hit_tokens=counts.get("external_kv_transfer"),
-               local_compute_tokens=counts.get("local_compute"))
+    row = _record(doc_id, first, serve.index, result, counts)
+    row.update(router=router, phase=phase, seq=seq, first_replica=row.pop("prefill_replica"), seen_before=seen,
+               local_cache_hit_tokens=counts.get("local_cache_hit"))
     return row
 
 
@@ -516,6 +519,7 @@ async def _routed_hot(by_index: dict[int, Replica], router, sends: list[tuple[in
                       tokens: dict[int, list[int]], seen: dict[int, set[int]], cfg: dict, in_flight: int):
     """The hot phase: ``in_flight`` requests at a time; per request only its response's ``cached_tokens``
     (own cache and pool together), the split by source from the serving replicas' counters over the phase."""
+    from kvpool import routers
     from kvpool.load import Level, send_level
 
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
@@ -531,8 +535,7 @@ async def _routed_hot(by_index: dict[int, Replica], router, sends: list[tuple[in
                                 [(doc_id, by_index[index].url, prompt) for doc_id, index, prompt in placed],
                                 output_tokens, timeout_s, in_flight, 1.0, 0)
         after = await _scrape_serving(session, by_index, serving)
-    window = {source: sum(metrics.delta(after[i], before[i]).get(source, 0) for i in serving)
-              for source in ("local_cache_hit", "external_kv_transfer", "local_compute")}
+    window = {source: _window(before, after, source) for source in routers.SOURCES}
     rows = [_routed_row(router.name, "hot", seq, doc_id, router.placed.get(doc_id), by_index[index], was_seen, result,
                         None)
             for seq, ((doc_id, index, _), was_seen, (_, _, result)) in enumerate(zip(placed, seen_then, sent,

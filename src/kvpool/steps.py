@@ -109,11 +109,7 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
     else:
         # a configured port that is busy fails here, before the cell's old pool is cleared
         plan = checked_ports(plan, servers)
-        root = pool_root(config, cell)
-        if root.exists():  # a fresh pool per cell; only this cell's own folder is ever removed
-            shutil.rmtree(root)
-        for directory in set(plan_pool_dirs(plan)):
-            directory.mkdir(parents=True, exist_ok=True)
+        _fresh_pool(pool_root(config, cell), plan)  # only this cell's own folder is ever removed
     workload = prompts.read_workload(Path(prompts_path))
     probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
     frame, meta = _run_sampled_phase(
@@ -146,6 +142,15 @@ def _refuse_a_used_external_pool(plan: dict) -> None:
                 f"the external fleet's pool {directory} already holds {len(files)} files; kvpool never removes a pool "
                 "it did not create, and a used pool would count an earlier run's chunks as hits: empty it (or start "
                 f"the fleet on a new directory) and re-run {plan['cell']} from its populate")
+
+
+def _fresh_pool(root: Path, plan: dict) -> None:
+    """Empty ``root`` (a cell's, a Study B block's or a router unit's own pool folder) and create the
+    plan's pool directories in it."""
+    if root.exists():
+        shutil.rmtree(root)
+    for directory in set(plan_pool_dirs(plan)):
+        directory.mkdir(parents=True, exist_ok=True)
 
 
 def _pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -594,10 +599,11 @@ def _routers_section(routers_csv: str) -> dict:
     table = pd.read_csv(routers_csv)
     shown = table[["cell", "router", "phase", "valid", "requests", "ttft_p50_s", "ttft_p99_s", "local_cache_fraction",
                    "pool_fraction", "computed_fraction", "moved_fraction", "max_replica_share"]]
-    folder = Path(routers_csv).with_suffix("")
-    titles = {"ttft": "TTFT per router and arm, by phase", "sources": "Where each router's prompt tokens came from"}
-    return {"html": _html(shown, flag=True),
-            "figures": [{"png": str(folder / f"{stem}.png"), "title": title} for stem, title in titles.items()]}
+    from kvpool.figures import ROUTER_FIGURES
+
+    folder = Path(routers_csv).with_suffix("")  # run_router_table's figures folder
+    return {"html": _html(shown, flag=True), "figures": [{"png": str(folder / f"{stem}.png"), "title": title}
+                                                         for stem, (_, title) in ROUTER_FIGURES.items()]}
 
 
 def _peer_html(peer_csv: str) -> str:
@@ -707,15 +713,21 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
                     **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok,
                                         config["workload"]["doc_tokens"], config["min_hit_fraction"],
                                         config["max_resident_fraction"]))
-    _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
-                                 len(frame), plan_gpus(plan))
-    meta["summary"] = {"drive": window["drive"], "power": window["power"]}
     meta["pool_removed"] = pool_removed
+    _write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} {level.name}")
+
+
+def _write_unit(meta: dict, requests: int, drive_csv: str, power_csv: str, plan: dict, json_out: str,
+                name: str) -> None:
+    """A measured unit's record (a load level's, a router unit's), its telemetry window summarized
+    beside its gate, and each failed check logged under ``name``."""
+    _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
+                                 requests, plan_gpus(plan))
+    meta["summary"] = {"drive": window["drive"], "power": window["power"]}
     write_json(json_out, meta)
-    for name, check in meta["checks"].items():
+    for check_name, check in meta["checks"].items():
         if not check["ok"]:
-            log.error("%s %s invalid: %s is %s (needs %s)", cell.name, level.name, name, check["value"],
-                      check["threshold"])
+            log.error("%s invalid: %s is %s (needs %s)", name, check_name, check["value"], check["threshold"])
 
 
 def run_peer_table(cells_run: list[Cell], *, reuse: dict, replays: dict, csv_out: str, md_out: str) -> None:
@@ -796,11 +808,8 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
     arm = studyb.block_arm(block)
     cell = studyb.block_cell(study, arm)
     root = studyb_pool_root(config, study)
-    if root.exists():  # independently restarted: nothing of an earlier block's pool is left
-        shutil.rmtree(root)
     plan = checked_ports(_new_plan(config, cell, model, Path(plan_out).parent, pool_root=root))
-    for directory in {r["pool_dir"] for r in plan["replicas"] if r["pool_dir"]}:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+    _fresh_pool(root, plan)  # independently restarted: nothing of an earlier block's pool is left
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
     workload = read_json(workload_path)
@@ -901,10 +910,7 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
     plan = checked_ports(_new_plan(config, cell, model, unit_dir, pool_root=root))
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
-    if root.exists():
-        shutil.rmtree(root)
-    for directory in set(plan_pool_dirs(plan)):
-        directory.mkdir(parents=True, exist_ok=True)
+    _fresh_pool(root, plan)
     workload = prompts.read_workload(Path(prompts_path))
     frame, meta = _run_sampled_phase(
         plan, lambda disks: phases.router_unit(plan, workload, router, config, Path(log_dir), disks),
@@ -916,14 +922,7 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
     meta.update(routers.checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
                                config["workload"]["doc_tokens"], config["min_hit_fraction"],
                                config["max_resident_fraction"]))
-    _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
-                                 len(frame), plan_gpus(plan))
-    meta["summary"] = {"drive": window["drive"], "power": window["power"]}
-    write_json(json_out, meta)
-    for name, check in meta["checks"].items():
-        if not check["ok"]:
-            log.error("%s router~%s invalid: %s is %s (needs %s)", cell.name, router, name, check["value"],
-                      check["threshold"])
+    _write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} router~{router}")
 
 
 def run_router_table(units: list[tuple[Cell, str]], *, csvs: list[str], metas: list[str], csv_out: str,
@@ -945,5 +944,5 @@ def run_router_table(units: list[tuple[Cell, str]], *, csvs: list[str], metas: l
     Path(md_out).write_text(routers.markdown(table))
     out = Path(figures_dir)
     out.mkdir(parents=True, exist_ok=True)
-    figures.save(figures.router_ttft(table), out, "ttft")
-    figures.save(figures.router_sources(table), out, "sources")
+    for stem, (draw, _) in figures.ROUTER_FIGURES.items():
+        figures.save(draw(table), out, stem)
