@@ -84,7 +84,8 @@ def test_each_cell_was_measured_on_an_h200_by_its_commit_with_two_replicas_packe
                        for r in replicas)
         for level in run.levels[cell]:  # every level ran after the cell's reuse, on the same machine
             meta = read_json(run.level_dir(cell, level) / "level.json")
-            assert meta["level"] == level and meta["started_at"] > read_json(run.cell_dir(cell) / "reuse.json")["started_at"]
+            reuse = read_json(run.cell_dir(cell) / "reuse.json")
+            assert meta["level"] == level and meta["started_at"] > reuse["started_at"]
 
 
 @pytest.mark.parametrize(("run", "cell", "level"), UNITS, ids=UNIT_IDS)
