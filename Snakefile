@@ -38,6 +38,7 @@ if not MEASURED_ONLY:
     include: "workflow/rules/ceiling.smk"
     include: "workflow/rules/load.smk"
     include: "workflow/rules/routers.smk"
+    include: "workflow/rules/contexts.smk"
     include: "workflow/rules/studyb.smk"
 
 
@@ -60,6 +61,7 @@ STUDY_A_TARGETS = (
         "results/load.csv",
         PEER_TARGETS.get("csv", []),
         ROUTER_TARGETS.get("md", []),
+        CONTEXT_TARGETS.get("md", []),
         "results/gate.ok",
     ]
     if CELLS

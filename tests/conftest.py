@@ -48,3 +48,15 @@ async def completions_server(handler, **app_settings):
         yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     finally:
         await runner.cleanup()
+
+
+def passing_gate_inputs(folder: Path, cell_name: str) -> tuple[str, str]:
+    """A run's validity table with ``cell_name`` valid and a KV bytes table with nothing damaged, as
+    steps.gate reads them: what a unit's flag alone must fail."""
+    import pandas as pd
+
+    validity = folder / "validity.csv"
+    pd.DataFrame([{"cell": cell_name, "valid": True, "reasons": ""}]).to_csv(validity, index=False)
+    kv_bytes = folder / "kv_bytes.csv"
+    kv_bytes.write_text("backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,meaning\n")
+    return str(validity), str(kv_bytes)

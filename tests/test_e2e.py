@@ -23,6 +23,14 @@ def snakemake(workdir, *configfiles, target="all"):
     return subprocess.run(argv, capture_output=True, text=True, timeout=3600)
 
 
+def measured_run(tmp_path_factory, overlay: str, target: str):
+    """A fresh working directory that ran ``target`` of e2e.yaml with ``overlay`` (tests/configs) on top."""
+    workdir = tmp_path_factory.mktemp(overlay.removesuffix(".yaml"))
+    result = snakemake(workdir, CONFIGS / "e2e.yaml", CONFIGS / overlay, target=target)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return workdir
+
+
 def replicas_running_in(workdir):
     found = []
     for proc in psutil.process_iter(["cmdline", "cwd"]):

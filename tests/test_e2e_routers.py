@@ -5,7 +5,7 @@ import json
 
 import pandas as pd
 import pytest
-from test_e2e import CELL, CONFIGS, replicas_running_in, snakemake
+from test_e2e import CELL, measured_run, replicas_running_in
 
 pytestmark = pytest.mark.e2e
 DOC_TOKENS = 2048
@@ -13,10 +13,7 @@ DOC_TOKENS = 2048
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("e2e-routers")
-    result = snakemake(workdir, CONFIGS / "e2e.yaml", CONFIGS / "e2e-routers.yaml", target="results/routers.md")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return workdir
+    return measured_run(tmp_path_factory, "e2e-routers.yaml", "results/routers.md")
 
 
 def unit(run, arm, router):

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import passing_gate_inputs
 
 from kvpool import routers
 from kvpool.cells import Cell
@@ -147,9 +148,6 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
     section = steps._routers_section(str(out / "routers.csv"))
     assert section["html"].count("INVALID") == 3 and all(Path(f["png"]).exists() for f in section["figures"])
     assert "| prefix-affinity | hot | **INVALID** |" in (out / "routers.md").read_text()
-    validity = tmp_path / "validity.csv"
-    pd.DataFrame([{"cell": cell.name, "valid": True, "reasons": ""}]).to_csv(validity, index=False)
-    kv_bytes = tmp_path / "kv_bytes.csv"
-    kv_bytes.write_text("backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,meaning\n")
+    validity, kv_bytes = passing_gate_inputs(tmp_path, cell.name)
     with pytest.raises(SystemExit, match="router~prefix-affinity: its run.json names the failed checks"):
-        steps.gate(str(validity), str(kv_bytes), str(tmp_path / "gate.ok"), routers_csv=str(out / "routers.csv"))
+        steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), routers_csv=str(out / "routers.csv"))

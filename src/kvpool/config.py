@@ -189,8 +189,10 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             studyb.resolved(config)
         except ValueError as exc:
             found.append(str(exc))
-    return (found + _input_problems(config) + mp.problems(config) + redis_pool.problems(config)
-            + external.problems(config))
+    from kvpool import contexts
+
+    return (found + contexts.problems(config) + _input_problems(config) + mp.problems(config)
+            + redis_pool.problems(config) + external.problems(config))
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
@@ -218,6 +220,10 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     # A router unit's own pool (kvpool.routers) stores each document once and, where a request lands
     # on a replica that never held it without a shared pool, again: at most twice an isolated cell's.
     routers = [2 * size for size in sizes for _ in config["routers"]["names"]]
+    # a length unit's pool (kvpool.contexts) holds its chains' documents and questions once
+    per_token = engine_kv_bytes_per_token(config)
+    routers += [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token
+                for tokens in config["contexts"]["doc_tokens"] if any(cell.arm == "shared" for cell in on_tier)]
     # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest, and at
     # most one router unit's beside it
     pools = sum(sizes + routers) if config["keep_pools"] else max(sizes) + max(routers, default=0)

@@ -75,8 +75,14 @@ def table(locality: pd.DataFrame, bytes_per_token: int, tier: str) -> tuple[pd.D
     reason comes back in the fit's place."""
     cold = locality[locality["step"] == PREFILL_STEP].set_index("context")["off_ttft_median_s"]
     cross = locality[locality["step"] == RELOAD_STEP].set_index("context")["on_ttft_median_s"]
-    measured = pd.DataFrame({"prefill_s": cold, "reload_s": cross}).dropna().sort_index()
-    frame = measured.reset_index().rename(columns={"index": "context"})
+    return fitted(pd.DataFrame({"prefill_s": cold, "reload_s": cross}), bytes_per_token, tier)
+
+
+def fitted(measured: pd.DataFrame, bytes_per_token: int, tier: str) -> tuple[pd.DataFrame, Fit | str]:
+    """``measured`` (per context, its index: the prefill and reload medians, ``prefill_s`` and
+    ``reload_s``) with both models fitted, as ``table`` returns it."""
+    measured = measured[["prefill_s", "reload_s"]].dropna().sort_index()
+    frame = measured.rename_axis("context").reset_index()
     frame.insert(0, "tier", tier)
     frame["speedup"] = frame["prefill_s"] / frame["reload_s"]
     frame["kv_bytes"] = frame["context"] * bytes_per_token

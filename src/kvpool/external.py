@@ -23,6 +23,7 @@ LAUNCH_ONLY = {
     "peer.enabled": lambda config: config["peer"]["enabled"],
     "study_b.enabled": lambda config: config["study_b"]["enabled"],
     "routers.names": lambda config: bool(config["routers"]["names"]),
+    "contexts.doc_tokens": lambda config: bool(config["contexts"]["doc_tokens"]),
     "fault_injection.corrupt_stored_chunk": lambda config: config["fault_injection"]["corrupt_stored_chunk"],
 }
 

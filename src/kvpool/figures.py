@@ -298,6 +298,45 @@ def crossover(frame, fit):
             + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
 
 
+CONTEXT_PATHS = {"prefill (cold)": "#d95f02", "pool (cross)": "#1b9e77", "own cache (local)": "#7570b3"}
+
+
+def contexts(table, fits):
+    """Cold, shared-pool and local-hit TTFT against the document's length, one panel per shared cell:
+    the measured medians (points; hollow where the unit is invalid) and the fitted prefill and reload
+    models (lines, kvpool.contexts), log axes."""
+    import numpy as np
+    from plotnine import scale_shape_manual, scale_x_log10, scale_y_log10
+
+    data = table.assign(setting=table["backend"] + " / chunk " + table["chunk"].astype(str) + " / " + table["tier"])
+    points = pd.concat([data.assign(path=path, ttft_s=data[column]) for path, column in
+                        zip(CONTEXT_PATHS, ("prefill_s", "reload_s", "local_s"), strict=True)])
+    points["validity"] = points["valid"].map({True: "valid", False: "INVALID"})
+    lines = []
+    for name, fit in fits.items():
+        if isinstance(fit, str):
+            continue
+        cell = data[data["cell"] == name]
+        grid = np.geomspace(cell["context"].min() / 1.5, cell["context"].max() * 1.5, 60)
+        setting = cell["setting"].iloc[0]
+        prompt = grid + (cell["prompt_tokens"] - cell["context"]).median()  # the fits' axis: document and question
+        lines += [pd.DataFrame({"context": grid, "ttft_s": fit.prefill_s(prompt), "path": "prefill (cold)",
+                                "setting": setting}),
+                  pd.DataFrame({"context": grid, "ttft_s": fit.reload_s(prompt), "path": "pool (cross)",
+                                "setting": setting})]
+    plot = (ggplot(points, aes("context", "ttft_s", colour="path"))
+            + geom_point(aes(shape="validity"), size=2.5)
+            + scale_x_log10() + scale_y_log10() + scale_colour_manual(values=CONTEXT_PATHS)
+            + scale_shape_manual(values={"valid": "o", "INVALID": "x"}) + facet_wrap("~setting")
+            + labs(title="TTFT against document length: prefill, the pool and the replica's own cache",
+                   x="document (tokens)", y="TTFT (s)", colour="", shape="")
+            + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
+    if lines:
+        fitted = pd.concat(lines)
+        plot += geom_line(data=fitted[fitted["ttft_s"] > 0])
+    return plot
+
+
 ROUTER_PHASES = ["follow-up", "hot", "after-loss"]
 SOURCE_COLOURS = {"own cache": "#7570b3", "pool": "#1b9e77", "computed": "#d95f02"}
 

@@ -489,6 +489,40 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
     return rows, meta
 
 
+def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Path, disks: list[str]):
+    """A context unit (kvpool.contexts): one fleet on a fresh pool, each document's locality chain one
+    request at a time (each with its serving replica's /metrics deltas), the pool dropped from the page
+    cache and checked right before every cross-replica step, so each reload is a device read."""
+    from kvpool.contexts import BLOCK
+    from kvpool.studyb import COLUMNS, run_block
+
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    drops = []
+    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            by_index = {r.index: r for r in replicas}
+
+            def before(step: str) -> None:
+                if step == "cross":
+                    drops.append(drop_pool(plan, cfg["drop_caches"]))
+
+            async def requests():
+                async with new_session() as session:
+                    async def send(replica: int, prompt: list[int]):
+                        return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
+                                                      token_ids=True)
+                    return await run_block(send, BLOCK, workload, study, len(replicas), before)
+
+            with _sampler(plan, "contexts", disks, cfg, replicas) as sampler:
+                started = time.time()
+                rows = asyncio.run(requests())
+                finished = time.time()
+    meta = {"drops_before_cross": drops, "wall_s": finished - started, "started_at": started, "finished_at": finished}
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return pd.DataFrame(rows, columns=COLUMNS), meta, sampler
+
+
 def _routed_row(router: str, phase: str, seq: int, doc_id: int, first: int | None, serve: Replica, seen: bool,
                 result: RequestResult, counts: dict[str, int] | None) -> dict:
     counts = counts or {}

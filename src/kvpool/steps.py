@@ -17,7 +17,7 @@ import pandas as pd
 import yaml
 
 from kvpool import external, kvbytes, logs, mp, phases, pool, prompts, provenance, redis_pool, summary, validity
-from kvpool.cells import Cell, is_memory_pool, pool_root
+from kvpool.cells import Cell, is_memory_pool, pool_root, run_pools
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
 from kvpool.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
@@ -337,7 +337,8 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
 
 
 def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
-         studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None) -> None:
+         studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
+         contexts_csv: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
@@ -359,6 +360,11 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
         units = pd.read_csv(routers_csv).drop_duplicates(["cell", "router"])
         bad = units[~units["valid"].astype(bool)]
         lines += [f"  {row.cell} router~{row.router}: its run.json names the failed checks" for row in bad.itertuples()]
+        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
+    if contexts_csv is not None:  # a length's unit whose chain missed the pool, read warm, or answered apart
+        units = pd.read_csv(contexts_csv)
+        bad = units[~units["valid"].astype(bool)]
+        lines += [f"  {row.cell} doc~{row.context}: its unit.json names the failed checks" for row in bad.itertuples()]
         invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
@@ -480,7 +486,7 @@ def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs:
 def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, tier_table: str | None,
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
                  load: str | None = None, studyb: dict | None = None, peer: str | None = None,
-                 routers: str | None = None) -> None:
+                 routers: str | None = None, contexts: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records under ``root``."""
@@ -545,6 +551,7 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
         "peer_html": _peer_html(peer) if peer else "",
         "routers": _routers_section(routers) if routers else None,
+        "contexts": _contexts_section(contexts) if contexts else None,
         "load_figures": [drawn[s] for s, _ in under_load],
         "studyb": _studyb_section(studyb) if studyb else None,
     })
@@ -604,6 +611,15 @@ def _routers_section(routers_csv: str) -> dict:
     folder = Path(routers_csv).with_suffix("")  # run_router_table's figures folder
     return {"html": _html(shown, flag=True), "figures": [{"png": str(folder / f"{stem}.png"), "title": title}
                                                          for stem, (_, title) in ROUTER_FIGURES.items()]}
+
+
+def _contexts_section(contexts_csv: str) -> dict:
+    """The report's document-length section: results/contexts.csv and its figure beside it."""
+    table = pd.read_csv(contexts_csv)
+    shown = table[["cell", "context", "prompt_tokens", "valid", "prefill_s", "local_s", "reload_s", "speedup",
+                   "kv_bytes", "break_even_read_gbps", "fit_read_gbps", "fit_overhead_s", "crossover_tokens"]]
+    folder = Path(contexts_csv).with_suffix("")  # run_contexts_table's figures folder
+    return {"html": _html(shown, flag=True), "figure": str(folder / "contexts.png")}
 
 
 def _peer_html(peer_csv: str) -> str:
@@ -792,7 +808,6 @@ def run_studyb_workload(config: dict, model: str, out: str) -> None:
 
 def studyb_pool_root(config: dict, study: dict) -> Path:
     """The folder of the ON blocks' pool in the study's tier (each block starts it empty)."""
-    from kvpool.cells import run_pools
     from kvpool.studyb import ON, block_cell
 
     return run_pools(config, study["tier"]) / "studyb" / block_cell(study, ON).name
@@ -891,10 +906,64 @@ def run_crossover(config: dict, *, locality_csv: str, csv_out: str, md_out: str,
         log.warning("no crossover fit: %s", fit)
 
 
+def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_out: str, manifest_out: str,
+                     csv_out: str, json_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                     provenance_config: dict) -> None:
+    """One context unit (kvpool.contexts): its own plan on a fresh pool of the cell's kind, one fleet,
+    each document's locality chain with the pool dropped before the cross step; the rows, the unit's
+    gate and its telemetry summary."""
+    from kvpool import contexts, studyb
+
+    study = contexts.chain_study(config, cell, tokens)
+    root = run_pools(config, cell.tier) / "contexts" / cell.name / f"doc~{tokens}"
+    plan = checked_ports(_new_plan(config, cell, model, Path(csv_out).parent, pool_root=root))
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens))
+    _fresh_pool(root, plan)
+    workload = studyb.make_workload(vocabulary(model), study, config["replicas"])
+    try:
+        frame, meta = _run_sampled_phase(
+            plan, lambda disks: phases.context_unit(plan, workload, study, config, Path(log_dir), disks),
+            drive_csv, power_csv, log_dir)
+    finally:
+        if not config["keep_pools"]:
+            shutil.rmtree(root, ignore_errors=True)
+    _archive(frame, Path(csv_out), f"doc-{tokens}")
+    frame.to_csv(csv_out, index=False)
+    checks = contexts.unit_checks(frame, meta["drops_before_cross"], study, config["min_hit_fraction"],
+                                  config["max_resident_fraction"])
+    meta.update(doc_tokens=tokens, checks=checks, valid=all(c["ok"] for c in checks.values()))
+    _write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
+
+
+def run_contexts_table(config: dict, units: list[tuple[Cell, int]], *, csvs: list[str], metas: list[str],
+                       csv_out: str, md_out: str, figures_dir: str) -> None:
+    """results/contexts.csv and .md and their figure: per shared cell, its lengths' cold, own-cache and
+    pool TTFT medians with the prefill and reload models fitted (kvpool.contexts)."""
+    from kvpool import contexts, figures
+    from kvpool.model import engine_kv_bytes_per_token
+
+    per_token = engine_kv_bytes_per_token(config)
+    if per_token is None:
+        raise ValueError(f"the length sweep needs the model's KV bytes per token, and {config['engine']['model']} "
+                         "has no config.json here to read them from")
+    rows = []
+    for (cell, tokens), csv, meta_path in zip(units, csvs, metas, strict=True):
+        meta = read_json(meta_path)
+        rows.append(contexts.unit_row(cell, tokens, read_records(csv), meta["valid"],
+                                      meta["summary"]["drive"].get("read_active_gb_per_s")))
+    table, fits = contexts.table(rows, per_token)
+    table.to_csv(csv_out, index=False)
+    drawn = figures.save(figures.contexts(table, fits), Path(figures_dir), "contexts")
+    page = contexts.markdown(table, fits)
+    Path(md_out).write_text(f"{page}\n![contexts]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
+    for name, fit in fits.items():
+        if isinstance(fit, str):
+            log.warning("%s: no fit over its lengths: %s", name, fit)
+
+
 def router_pool_root(config: dict, cell: Cell, router: str) -> Path:
     """A router unit's own pool folder in the cell's tier (each unit starts it empty)."""
-    from kvpool.cells import run_pools
-
     return run_pools(config, cell.tier) / "routers" / cell.name / f"router~{router}"
 
 

@@ -2,7 +2,7 @@ import re
 from pathlib import Path
 
 from kvpool import config as kvpool_config
-from kvpool import external, mp, redis_pool, runlock, studyb
+from kvpool import contexts, external, mp, redis_pool, runlock, studyb
 from kvpool.cells import CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.model import RANDOM_MODEL_DIR
@@ -44,6 +44,7 @@ wildcard_constraints:
     level=LEVEL_PATTERN,
     block=r"\d+-(on|off)",
     router="cross|round-robin|random|prefix-affinity",
+    doc=r"\d+",
     tier="[A-Za-z0-9_-]+",
 
 
@@ -153,6 +154,17 @@ ROUTER_UNITS = [
 ]
 ROUTER_TARGETS = {"csv": "results/routers.csv", "md": "results/routers.md"} if ROUTER_UNITS else {}
 ROUTER_SETTINGS = ("routers", "min_hit_fraction", "max_resident_fraction")
+
+
+# Document length (kvpool.contexts): per shared cell and length in contexts.doc_tokens, one unit on a
+# fresh pool of its own, independent of the cell's records, so a new length builds only its units.
+CONTEXT_UNITS = [
+    (cell, tokens)
+    for cell, tokens in contexts.units(config)
+    if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/doc~{tokens}/unit.json").exists()
+]
+CONTEXT_TARGETS = {"csv": "results/contexts.csv", "md": "results/contexts.md"} if CONTEXT_UNITS else {}
+CONTEXT_SETTINGS = ("contexts", "min_hit_fraction", "max_resident_fraction")
 
 
 # the cells whose pool files were hashed (runs before the byte-level check did not hash them)

@@ -18,6 +18,8 @@ rule report:
         peer=PEER_TARGETS.get("csv", []),
         # the routers compared, when the run has router units (the figures beside the table)
         routers=ROUTER_TARGETS.get("csv", []),
+        # document length as a dimension, when the run has length units (the figure beside the table)
+        contexts=CONTEXT_TARGETS.get("csv", []),
         # Study B's section, when the run has one
         studyb=list(STUDYB_REPORT.values()),
     output:

@@ -86,6 +86,27 @@ rule router_table:
         "../scripts/router_table.py"
 
 
+rule contexts_table:
+    """results/contexts.csv: per shared cell, cold, own-cache and pool TTFT against the document's
+    length, with the prefill and reload models fitted (kvpool.contexts)."""
+    input:
+        csvs=[f"results/cells/{cell.name}/doc~{tokens}/requests.csv" for cell, tokens in CONTEXT_UNITS],
+        metas=[f"results/cells/{cell.name}/doc~{tokens}/unit.json" for cell, tokens in CONTEXT_UNITS],
+    output:
+        csv="results/contexts.csv",
+        md="results/contexts.md",
+        figures=directory("results/contexts"),
+    log:
+        "logs/summary/contexts.log",
+    conda:
+        CONDA_ENV
+    params:
+        units=[[cell.name, tokens] for cell, tokens in CONTEXT_UNITS],
+        settings=settings("engine", "random_model"),
+    script:
+        "../scripts/contexts_table.py"
+
+
 rule peer_table:
     """results/peer.csv: kvpool's TTFT beside vllm bench serve's replay of the same follow-ups, per cell."""
     input:

@@ -58,6 +58,7 @@ rule gate:
         studyb=STUDYB_TARGETS.get("validity", []),
         peer=PEER_TARGETS.get("csv", []),
         routers=ROUTER_TARGETS.get("csv", []),
+        contexts=CONTEXT_TARGETS.get("csv", []),
     output:
         "results/gate.ok",
     log:

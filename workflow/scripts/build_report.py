@@ -8,4 +8,4 @@ steps.build_report(snakemake.params.config, cells, ".", cell_table=snakemake.inp
                    out_html=snakemake.output.html, figures_dir=snakemake.output.figures,
                    tables_dir=snakemake.output.tables, load=snakemake.input.load,
                    studyb=snakemake.params.studyb or None, peer=snakemake.input.get("peer") or None,
-                   routers=snakemake.input.get("routers") or None)
+                   routers=snakemake.input.get("routers") or None, contexts=snakemake.input.get("contexts") or None)

@@ -1,0 +1,159 @@
+"""Document length as a dimension of the matrix: per shared cell (its backend, chunk and tier) and per
+length in ``contexts.doc_tokens``, one unit ``results/cells/<cell>/doc~<tokens>/``. A unit is one fleet on
+a fresh pool of the cell's kind sending, per document, Study B's locality chain (kvpool.studyb.CHAIN):
+cold on replica A (the prefill), local on A twice (its own cache), then the pool dropped from the page
+cache and checked, cross-replica on B (a reload from the tier's device) and local on B.
+
+Per cell, the lengths' medians make ``results/contexts.csv``: cold, shared-pool and local-hit TTFT
+against the document's length, with kvpool.crossover's prefill and reload models fitted to them, so each
+tier states the length from which its reload beats the prefill and, per length, the read rate below
+which it would stop paying. Both models are fitted over the prompt's tokens (the document and its
+question: what the cold step computes and, in whole chunks, what the cross step loads), and a length's
+KV bytes are the tokens its cross steps measurably loaded. A new length builds only its units.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from kvpool import crossover, studyb
+from kvpool.cells import Cell
+from kvpool.cells import cells as matrix_cells
+from kvpool.validity import check, cold_reads
+
+BLOCK = "contexts-on"  # the rows' block name: kvpool.studyb's ON arm, the only one a unit runs
+LOCAL_STEPS = ("local-1", "local-2")
+# a local or external source that cannot deliver a cross-replica hit (no pool shared between replicas)
+NOT_SHARING = ("lmcache-local-disk",)
+COLUMNS = ["cell", "backend", "chunk", "tier", "context", "prompt_tokens", "valid", "chains", "prefill_s", "local_s",
+           "reload_s", "speedup", "loaded_tokens", "kv_bytes", "prefill_fit_s", "reload_fit_s",
+           "break_even_read_gbps", "fit_read_gbps", "fit_overhead_s", "crossover_tokens", "drive_read_gb_per_s"]
+
+
+def lengths(config: dict) -> list[int]:
+    return list(config["contexts"]["doc_tokens"])
+
+
+def cells(config: dict) -> list[Cell]:
+    """The matrix's shared-pool cells a length sweep runs on: one per backend that shares, chunk and tier."""
+    return [cell for cell in matrix_cells(config) if cell.arm == "shared" and cell.backend not in NOT_SHARING]
+
+
+def units(config: dict) -> list[tuple[Cell, int]]:
+    return [(cell, tokens) for cell in cells(config) for tokens in lengths(config)]
+
+
+def problems(config: dict) -> list[str]:
+    """What keeps the configured lengths from running, each naming the setting."""
+    tokens = lengths(config)
+    if not tokens:
+        return []
+    found = []
+    if "shared" not in config["arms"] or not cells(config):
+        found.append("contexts.doc_tokens needs a shared-pool cell: add shared to arms and a backend that shares "
+                     "(lmcache-fs, lmcache-mp, lmcache-redis)")
+    partial = sorted({t for t in tokens for chunk in config["chunk_sizes"] if t % chunk})
+    if partial:
+        found.append(f"contexts.doc_tokens {partial} are not whole chunks of chunk_sizes {config['chunk_sizes']}: "
+                     "a cross-replica hit could not cover the document")
+    longest = max(tokens) + config["workload"]["followup_tokens"] + config["workload"]["output_tokens"]
+    if longest > config["engine"]["max_model_len"]:
+        found.append(f"contexts.doc_tokens {max(tokens)} with its {config['workload']['followup_tokens']} follow-up "
+                     f"and {config['workload']['output_tokens']} answer tokens needs {longest}, more than "
+                     f"engine.max_model_len {config['engine']['max_model_len']}")
+    if config["replicas"] < 2:
+        found.append("contexts.doc_tokens needs two replicas or more (a cross-replica step)")
+    return found
+
+
+def chain_study(config: dict, cell: Cell, tokens: int) -> dict:
+    """The study kvpool.studyb's workload, block and checks read for one unit: ``contexts.chains``
+    documents of ``tokens``, each followed by a question of ``workload.followup_tokens``, chains only."""
+    return {"contexts": [tokens], "chains": config["contexts"]["chains"], "seed": config["contexts"]["seed"] + tokens,
+            "question_tokens": config["workload"]["followup_tokens"], "chunk": cell.chunk, "placements": [],
+            "sessions": 0, "turns": 0, "turn_tokens": 0, "session_tokens": 0, "windows": [], "window_turns": 0,
+            "warmups": 0}
+
+
+def unit_checks(rows: pd.DataFrame, drops: list[dict], study: dict, min_hit_fraction: float,
+                max_resident_fraction: float) -> dict:
+    """Study B's chain checks (no errors, cold finds nothing, cross nothing locally and the whole
+    document in the pool, every step's greedy answer the same) and a cold device read before every
+    cross-replica step."""
+    checks = studyb.block_checks(rows, studyb.ON, study, min_hit_fraction)
+    checks.pop("every_turn_answered")  # a unit sends no sessions
+    reads = [cold_reads(drop, max_resident_fraction) for drop in drops]
+    chains = int((rows["step"] == "cross").sum())
+    checks["cold_reads"] = check(len(reads) == chains and all(r["ok"] for r in reads),
+                                 [r["value"] for r in reads], max_resident_fraction)
+    return checks
+
+
+def unit_row(cell: Cell, tokens: int, rows: pd.DataFrame, valid: bool, drive_read_gb_per_s: float | None) -> dict:
+    """One unit's medians: the prefill (cold), its own cache (local on A) and the pool (cross)."""
+    chains = rows[rows["kind"] == "chain"]
+
+    def median(steps) -> float:
+        return float(chains[chains["step"].isin(steps)]["ttft_s"].median())
+
+    cross = chains[chains["step"] == "cross"]
+    return {"cell": cell.name, "backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "context": tokens,
+            "prompt_tokens": int(chains["prompt_tokens"].median()), "valid": valid,
+            "chains": int((chains["step"] == "cold").sum()), "prefill_s": median(["cold"]),
+            "local_s": median(LOCAL_STEPS), "reload_s": median(["cross"]),
+            "loaded_tokens": float(cross["external_hit_tokens"].median()), "drive_read_gb_per_s": drive_read_gb_per_s}
+
+
+def table(rows: list[dict], bytes_per_token: int) -> tuple[pd.DataFrame, dict[str, crossover.Fit | str]]:
+    """Per cell, its lengths' medians with the prefill and reload models fitted (kvpool.crossover) over
+    its valid units: the length from which a reload pays and the break-even read rate per length. An
+    invalid unit keeps its row, outside the fit. The fit's axis is the prompt's tokens (its crossover
+    and break-even rates are in prompt tokens). Returns the table and each cell's fit or why none."""
+    frame = pd.DataFrame(rows)
+    parts, fits = [], {}
+    for name, measured in frame.groupby("cell", sort=False):
+        valid = measured[measured["valid"]].set_index("prompt_tokens")
+        fitted, fits[name] = crossover.fitted(valid, bytes_per_token, measured["tier"].iloc[0])
+        fitted = fitted.rename(columns={"context": "prompt_tokens"}).drop(
+            columns=["tier", "prefill_s", "reload_s", "speedup", "kv_bytes"])
+        parts.append(measured.merge(fitted, on="prompt_tokens", how="left"))
+    table = pd.concat(parts, ignore_index=True)
+    table["speedup"] = table["prefill_s"] / table["reload_s"]
+    table["kv_bytes"] = table["loaded_tokens"] * bytes_per_token
+    return table.reindex(columns=COLUMNS), fits
+
+
+def _gbps(value) -> str:
+    return "n/a" if value is None or pd.isna(value) else f"{value:.2f} GB/s"
+
+
+def markdown(frame: pd.DataFrame, fits: dict[str, crossover.Fit | str]) -> str:
+    lines = ["# Document length: where each tier's pool starts paying", "",
+             "Per shared cell and length, each document's locality chain (kvpool.contexts): cold on replica A, "
+             "local on A, the pool dropped from the page cache, then cross-replica on B. Prefill fitted as "
+             "c + a*n + b*n^2, reload as overhead + bytes / read rate, over the valid units.", ""]
+    for name, cell in frame.groupby("cell", sort=False):
+        fit = fits[name]
+        lines.append(f"## {cell['backend'].iloc[0]} / chunk {cell['chunk'].iloc[0]} / {cell['tier'].iloc[0]}")
+        lines.append("")
+        if isinstance(fit, str):
+            lines.append(f"No fit: {fit}.")
+        else:
+            at = fit.crossover_tokens()
+            where = ("at every length (the fit's crossover is 0 tokens)" if at == 0 else "at no length"
+                     if np.isnan(at) else f"from a prompt of about {at:,.0f} tokens")
+            lines.append(f"Reload fitted as {fit.overhead_s:.3f} s + bytes / {fit.read_rate / 1e9:.2f} GB/s: it beats "
+                         f"the prefill {where}.")
+        lines += ["", "| document tokens | prompt tokens | gate | prefill (cold) | own cache (local) | pool (cross) "
+                  "| prefill / pool | KV loaded | drive read while reading | read rate below which the pool stops "
+                  "paying |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in cell.itertuples():
+            rate = ("n/a" if pd.isna(row.fit_read_gbps) else "none pays" if pd.isna(row.break_even_read_gbps)
+                    else f"{row.break_even_read_gbps:.2f} GB/s")
+            lines.append(f"| {row.context:,} | {row.prompt_tokens:,} | {'valid' if row.valid else 'INVALID'} "
+                         f"| {row.prefill_s:.3g} s "
+                         f"| {row.local_s:.3g} s | {row.reload_s:.3g} s | {row.speedup:.2f}x "
+                         f"| {row.kv_bytes / 1e9:.3g} GB | {_gbps(row.drive_read_gb_per_s)} | {rate} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+# Document length (kvpool.contexts): per shared cell and length in contexts.doc_tokens, one fleet on a
+# fresh pool of the cell's kind sends each document's locality chain, the pool dropped from the page
+# cache before every cross-replica step. A new length builds only its units; --forcerun on a unit's
+# unit.json re-measures it.
+
+
+rule context_unit:
+    """One shared cell at one document length: its own plan and pool, one fleet, the chains, the unit's gate."""
+    input:
+        model_input,
+    output:
+        plan=cell_path("doc~{doc}/plan.yaml"),
+        manifest=cell_path("doc~{doc}/manifest.json"),
+        csv=cell_path("doc~{doc}/requests.csv"),
+        meta=cell_path("doc~{doc}/unit.json"),
+        drive=cell_path("doc~{doc}/drive-samples.csv"),
+        power=cell_path("doc~{doc}/power-samples.csv"),
+    log:
+        f"logs/contexts/{CELL_PATTERN}/doc~{{doc}}.log",
+    benchmark:
+        cell_path("benchmarks/doc~{doc}.tsv")
+    conda:
+        CONDA_ENV
+    resources:
+        fleet=1,
+    params:
+        model=model_path(),
+        # a unit reads its own length from the path, not contexts.doc_tokens: a new length leaves the
+        # measured units as they are
+        settings={
+            **settings(*PHASE_SETTINGS, *CONTEXT_SETTINGS, "hash_keys", "lmcache", "random_model"),
+            "contexts": {key: config["contexts"][key] for key in ("chains", "seed")},
+        },
+        log_dir=lambda wc: f"logs/contexts/{Cell.from_wildcards(wc).name}/doc~{wc.doc}",
+    script:
+        "../scripts/run_context_unit.py"

@@ -1,0 +1,8 @@
+from kvpool import logs, steps
+from kvpool.cells import Cell
+
+logs.to_log(snakemake.log[0])
+units = [(Cell.from_name(name), int(tokens)) for name, tokens in snakemake.params.units]
+steps.run_contexts_table(snakemake.params.settings, units, csvs=snakemake.input.csvs, metas=snakemake.input.metas,
+                         csv_out=snakemake.output.csv, md_out=snakemake.output.md,
+                         figures_dir=snakemake.output.figures)
