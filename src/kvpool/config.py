@@ -220,20 +220,25 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     # A router unit's own pool (kvpool.routers) stores each document once and, where a request lands
     # on a replica that never held it without a shared pool, again: at most twice an isolated cell's.
     routers = [2 * size for size in sizes for _ in config["routers"]["names"]]
-    # a length unit's pool (kvpool.contexts) holds its chains' documents and questions once
+    # A length unit's pool (kvpool.contexts) holds its chains' documents and questions once, one per
+    # shared cell of the tier and length.
+    from kvpool import contexts
+
     per_token = engine_kv_bytes_per_token(config)
-    routers += [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token
-                for tokens in config["contexts"]["doc_tokens"] if any(cell.arm == "shared" for cell in on_tier)]
+    lengths = [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token
+               for tokens in config["contexts"]["doc_tokens"] for cell in contexts.cells(config) if cell in on_tier]
+    units = routers + lengths
     # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest, and at
-    # most one router unit's beside it
-    pools = sum(sizes + routers) if config["keep_pools"] else max(sizes) + max(routers, default=0)
+    # most one unit's (a router's or a length's) beside it
+    pools = sum(sizes + units) if config["keep_pools"] else max(sizes) + max(units, default=0)
     needed = pools + config["drive_ceiling_bytes"]
     # Pools already in the tier are replaced cell by cell, so their space counts as available.
     available = shutil.disk_usage(existing).free + _tree_bytes(run_pools(config, tier, workdir))
     if needed <= available:
         return []
-    held = (f"{len(sizes) + len(routers)} pools" if config["keep_pools"]
-            else "the largest pool" + (" and a router unit's" if routers else ""))
+    held = (f"{len(sizes) + len(units)} pools" if config["keep_pools"]
+            else "the largest pool"
+            + (" and a router unit's" if routers else " and a length unit's" if lengths else ""))
     return [f"tiers.{tier}: {root} has {available / 1e9:.2f} GB available but needs {needed / 1e9:.2f} GB "
             f"({held}, {pools / 1e9:.2f} GB, plus the {config['drive_ceiling_bytes'] / 1e9:.2f} GB "
             f"ceiling file); free space, lower workload.documents"

@@ -50,7 +50,7 @@ def problems(config: dict) -> list[str]:
     if not tokens:
         return []
     found = []
-    if "shared" not in config["arms"] or not cells(config):
+    if not cells(config):
         found.append("contexts.doc_tokens needs a shared-pool cell: add shared to arms and a backend that shares "
                      "(lmcache-fs, lmcache-mp, lmcache-redis)")
     partial = sorted({t for t in tokens for chunk in config["chunk_sizes"] if t % chunk})

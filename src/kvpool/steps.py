@@ -735,7 +735,7 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
 
 def _write_unit(meta: dict, requests: int, drive_csv: str, power_csv: str, plan: dict, json_out: str,
                 name: str) -> None:
-    """A measured unit's record (a load level's, a router unit's), its telemetry window summarized
+    """A measured unit's record (a load level's, a router unit's, a length unit's), its telemetry window summarized
     beside its gate, and each failed check logged under ``name``."""
     _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
                                  requests, plan_gpus(plan))
