@@ -2,6 +2,7 @@
 ON/OFF pairing and the tables, driven by a stand-in replica fleet that keeps a prefix cache and a pool."""
 
 import asyncio
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -163,6 +164,15 @@ def test_the_tables_show_the_cross_step_and_alternating_sessions_gain_only_with_
     # decode is (N_out - 1) / (last token - first token): 3 tokens in 0.09 s, unchanged by the pool
     assert rows.loc[rows["kind"] == "session", "decode_tokens_per_s"].round(6).eq(round(3 / 0.09, 6)).all()
     assert abs(sessions.loc["alternating", "decode_change_pct"]) < 1e-6
+
+
+def test_the_locality_figure_draws_one_context_or_several(study, tmp_path):
+    from kvpool import figures
+
+    rows = run_blocks(study)
+    for name, frame in (("both", rows), ("one", rows[rows["context"] != 256])):
+        drawn = figures.save(figures.locality(frame), tmp_path, name)
+        assert Path(drawn["png"]).stat().st_size > 10_000
 
 
 def test_three_block_pairs_or_more_get_a_bootstrap_interval():

@@ -243,18 +243,21 @@ STUDYB_COLOURS = {"off": "#7570b3", "on": "#1b9e77"}
 def locality(rows: pd.DataFrame):
     """Study B's Figure 3: TTFT against context per chain step, OFF and ON, every observation and the
     medians (log axes)."""
-    from plotnine import scale_x_log10, scale_y_log10
+    from plotnine import scale_x_continuous, scale_x_log10, scale_y_log10
 
     from kvpool.studyb import CHAIN
 
     chains = rows[(rows["kind"] == "chain") & rows["ttft_s"].notna()].copy()
     chains["step"] = pd.Categorical(chains["step"], [step for step, _ in CHAIN])
     medians = chains.groupby(["arm", "step", "context"], observed=True)["ttft_s"].median().reset_index()
+    contexts = sorted(chains["context"].unique())
+    # a log axis over one context has no decade to draw minor breaks in (mizani fails)
+    x_axis = scale_x_log10(breaks=contexts) if len(contexts) > 1 else scale_x_continuous(breaks=contexts)
     return (ggplot(chains, aes("context", "ttft_s", colour="arm"))
             + geom_point(alpha=0.5, size=1.5)
             + geom_line(aes(group="arm"), data=medians)
             + facet_wrap("~step", nrow=1)
-            + scale_x_log10(breaks=sorted(chains["context"].unique())) + scale_y_log10()
+            + x_axis + scale_y_log10()
             + scale_colour_manual(values=STUDYB_COLOURS)
             + labs(title="Study B's locality chain: TTFT per step (points: observations, lines: medians)",
                    x="context (tokens)", y="TTFT (s)", colour="")
