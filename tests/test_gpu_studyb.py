@@ -1,6 +1,7 @@
-"""The committed H200 run of Study B's design (docs/results/h200-mp-studyb: both replicas packed on one
-H200, LMCache's MP server as the ON pool), re-read by the pipeline's own code: the tables and the
-verdict again from the blocks' records, what every ON block loaded, and where ON and OFF disagree."""
+"""The committed H200 runs of Study B's design (both replicas packed on one H200, LMCache's MP server as
+the ON pool), re-read by the pipeline's own code: the tables and the verdict again from the blocks'
+records, what every ON block loaded, and where ON and OFF disagree. docs/results/h200-mp-studyb ran
+vLLM's default kernels; docs/results/h200-mp-studyb-invariant its batch-invariant ones at 8K."""
 
 from pathlib import Path
 
@@ -13,37 +14,56 @@ from kvpool.files import read_json, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "docs" / "results" / "h200-mp-studyb"
-BLOCKS = RUN / "results" / "studyb" / "backend~lmcache-mp" / "chunk~256" / "tier~ram"
+INVARIANT = REPO / "docs" / "results" / "h200-mp-studyb-invariant"
 NAMES = ["1-off", "2-on", "3-on", "4-off"]
-COMMIT = "f15fc09980291c1310c4400e4f6247622050e05d"
+# run: (commit, contexts, batch-invariant kernels)
+RUNS = {RUN: ("f15fc09980291c1310c4400e4f6247622050e05d", [8192, 32768, 65536, 131072], False),
+        INVARIANT: ("00c1ee1b6c178842b75ee3499281abd7ec38d899", [8192], True)}
+
+
+def blocks_of(run: Path) -> Path:
+    return run / "results" / "studyb" / "backend~lmcache-mp" / "chunk~256" / "tier~ram"
+
+
+BLOCKS = blocks_of(RUN)
+
+
+def records(run: Path) -> pd.DataFrame:
+    return pd.concat([read_records(blocks_of(run) / f"block~{name}" / "requests.csv") for name in NAMES],
+                     ignore_index=True)
 
 
 @pytest.fixture(scope="module")
 def rows() -> pd.DataFrame:
-    return pd.concat([read_records(BLOCKS / f"block~{name}" / "requests.csv") for name in NAMES], ignore_index=True)
+    return records(RUN)
 
 
-def test_every_block_ran_one_commit_and_config_on_the_gpu():
-    manifests = [read_json(BLOCKS / f"block~{name}" / "manifest.json") for name in NAMES]
-    assert {m["git"]["commit"] for m in manifests} == {COMMIT}
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
+def test_every_block_ran_one_commit_and_config_on_the_gpu(run):
+    commit, contexts, invariant = RUNS[run]
+    manifests = [read_json(blocks_of(run) / f"block~{name}" / "manifest.json") for name in NAMES]
+    assert {m["git"]["commit"] for m in manifests} == {commit}
     assert {m["versions"]["vllm"] for m in manifests} == {"0.26.0"}
     configs = [m["config"] for m in manifests]
     assert all(config == configs[0] for config in configs)
     validate(configs[0], str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
-    assert configs[0]["study_b"]["contexts"] == [8192, 32768, 65536, 131072]
+    assert configs[0]["study_b"]["contexts"] == contexts
+    assert (configs[0]["engine"]["env"].get("VLLM_BATCH_INVARIANT") == "1") == invariant
 
 
-def test_the_tables_and_the_verdict_come_again_from_the_records(tmp_path):
-    config = read_json(BLOCKS / "block~1-off" / "manifest.json")["config"]
-    blocks = {name: {"csv": str(BLOCKS / f"block~{name}" / "requests.csv"),
-                     "meta": str(BLOCKS / f"block~{name}" / "block.json")} for name in NAMES}
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
+def test_the_tables_and_the_verdict_come_again_from_the_records(run, tmp_path):
+    blocks_dir = blocks_of(run)
+    config = read_json(blocks_dir / "block~1-off" / "manifest.json")["config"]
+    blocks = {name: {"csv": str(blocks_dir / f"block~{name}" / "requests.csv"),
+                     "meta": str(blocks_dir / f"block~{name}" / "block.json")} for name in NAMES}
     out = {name: str(tmp_path / name) for name in ("locality.csv", "sessions.csv", "summary.csv", "validity.json",
                                                    "studyb.md")}
     steps.run_studyb_tables(config, blocks, locality_csv=out["locality.csv"], sessions_csv=out["sessions.csv"],
                             summary_csv=out["summary.csv"], validity_out=out["validity.json"], md_out=out["studyb.md"],
                             figures_dir=str(tmp_path / "studyb" / "figures"))
-    assert read_json(out["validity.json"]) == read_json(RUN / "results" / "studyb" / "validity.json")
-    assert Path(out["studyb.md"]).read_text() == (RUN / "results" / "studyb.md").read_text()
+    assert read_json(out["validity.json"]) == read_json(run / "results" / "studyb" / "validity.json")
+    assert Path(out["studyb.md"]).read_text() == (run / "results" / "studyb.md").read_text()
 
 
 def test_each_on_cross_step_loaded_the_whole_document_and_beat_off(rows):
@@ -70,6 +90,22 @@ def test_on_and_off_disagree_only_where_on_reused_kv_the_other_replica_computed(
     assert (flipped["external_hit_tokens"] > 0).all() and (flipped["local_hit_tokens"] > 0).all()
     chains = rows[rows["kind"] == "chain"]
     assert not chains["payload_sha256"].isin(differ).any()  # whole documents reloaded: identical answers
+
+
+def test_batch_invariant_kernels_make_every_on_answer_equal_its_off_twin():
+    """With VLLM_BATCH_INVARIANT=1 a token's KV no longer depends on how its prefill was split: every
+    measured ON request has an OFF twin with the same greedy answer, so the study is VALID where the
+    default kernels' run was not; the pool still cuts alternating sessions and leaves fixed ones."""
+    rows = records(INVARIANT)
+    measured = rows[rows["kind"] != "warmup"]
+    on, off = measured[measured["arm"] == "on"], measured[measured["arm"] == "off"]
+    twins = on.merge(off, on=["payload_sha256", "replica"], suffixes=("_on", "_off"))
+    assert set(twins["payload_sha256"]) == set(on["payload_sha256"])
+    assert (twins["output_text_on"] == twins["output_text_off"]).all()
+    assert read_json(INVARIANT / "results" / "studyb" / "validity.json")["valid"]
+    summary = read_records(INVARIANT / "results" / "studyb" / "sessions_summary.csv").set_index("placement")
+    assert summary.loc["alternating", "mean_paired_change_pct"] < -25
+    assert abs(summary.loc["fixed", "mean_paired_change_pct"]) < 2
 
 
 def test_measured_only_all_on_a_study_b_run_builds_its_page_alone(tmp_path):
