@@ -94,6 +94,23 @@ def test_the_gate_asks_for_the_whole_document_from_the_pool_after_a_cold_drop():
     assert ram["cold_reads"]["ok"]
 
 
+def test_the_pool_answer_must_equal_the_own_cache_answer_and_a_cold_one_that_differs_is_counted():
+    """A damaged pool changes the cross step's answer against the replica's own cache: invalid. A cold
+    answer that differs from every reuse step's (vLLM's own cache included: a kernel's split, as on
+    the H200) is counted, not held against the pool."""
+    study = contexts.chain_study(config(), DISK, 1024)
+    good = chain_rows(1024, 1.0, 0.2, 0.1)
+    assert contexts.cold_answer_agreement(good) == {"chains": 2, "agree": 2}
+    damaged = good.copy()
+    damaged.loc[(damaged["chain"] == 1) & (damaged["step"] == "cross"), "output_text"] = "w1 w2"
+    checks = contexts.unit_checks(damaged, [cold_drop()] * 2, study, 0.9, 0.05)
+    assert checks["pool_answer_matches_own_cache"] == {"ok": False, "value": 1, "threshold": 2}
+    split = good.copy()
+    split.loc[(split["chain"] == 0) & (split["step"] == "cold"), "output_text"] = "w1 w2"
+    assert all(c["ok"] for c in contexts.unit_checks(split, [cold_drop()] * 2, study, 0.9, 0.05).values())
+    assert contexts.cold_answer_agreement(split) == {"chains": 2, "agree": 1}
+
+
 def test_the_table_fits_each_tier_states_where_it_pays_and_keeps_an_invalid_unit_out_of_the_fit():
     lengths = [512, 1024, 2048, 4096]
     # both models over the prompt's tokens: the document and its question

@@ -29,20 +29,26 @@ def test_every_unit_is_valid_again_from_its_records(cell, tokens):
     rows = read_records(str(unit_dir(cell, tokens) / "requests.csv"))
     again = contexts.unit_checks(rows, meta["drops_before_cross"], contexts.chain_study(config, cell, tokens),
                                  config["min_hit_fraction"], config["max_resident_fraction"])
-    assert meta["valid"] and again == meta["checks"]
+    # the run's gate asked every chain's five answers to agree; today's asks the four reuse steps to
+    # (the pool's answer equal to the replica's own cache's), which that implies
+    recorded = dict(meta["checks"])
+    assert recorded.pop("chain_answers_agree")["ok"] and again.pop("pool_answer_matches_own_cache")["ok"]
+    assert meta["valid"] and again == recorded
     assert len(rows) == 3 * 5 and (rows["context"] == tokens).all()
     # the disk tier's pool was read from the device: out of the page cache before every cross step
     if cell.tier == "disk":
         assert [drop["resident_fraction"] for drop in meta["drops_before_cross"]] == [0.0] * 3
 
 
-def test_the_table_rebuilds_byte_for_byte_and_says_what_the_readme_says(tmp_path):
+def test_the_table_rebuilds_and_says_what_the_readme_says(tmp_path):
     config = read_json(unit_dir(*UNITS[0]) / "manifest.json")["config"]
     steps.run_contexts_table(config, UNITS, csvs=[str(unit_dir(c, n) / "requests.csv") for c, n in UNITS],
                              metas=[str(unit_dir(c, n) / "unit.json") for c, n in UNITS],
                              csv_out=str(tmp_path / "contexts.csv"), md_out=str(tmp_path / "contexts.md"),
                              figures_dir=str(tmp_path / "contexts"))
-    assert (tmp_path / "contexts.csv").read_text() == (RUN / "results" / "contexts.csv").read_text()
+    # the fits' last bits depend on the CPU's LAPACK kernels (polyfit's lstsq): equal to 1e-9, not byte for byte
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "contexts.csv"), pd.read_csv(RUN / "results" / "contexts.csv"),
+                                  rtol=1e-9)
     assert (tmp_path / "contexts.md").read_text() == (RUN / "results" / "contexts.md").read_text()
     table = pd.read_csv(RUN / "results" / "contexts.csv").set_index(["tier", "context"])
     assert table["valid"].all()

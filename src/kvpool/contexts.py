@@ -79,15 +79,33 @@ def chain_study(config: dict, cell: Cell, tokens: int) -> dict:
 def unit_checks(rows: pd.DataFrame, drops: list[dict], study: dict, min_hit_fraction: float,
                 max_resident_fraction: float) -> dict:
     """Study B's chain checks (no errors, cold finds nothing, cross nothing locally and the whole
-    document in the pool, every step's greedy answer the same) and a cold device read before every
-    cross-replica step."""
+    document in the pool), the pool's answer the same as the replica's own cache gives, and a cold
+    device read before every cross-replica step.
+
+    The reuse steps (local-1, local-2, cross, local-B) each compute only the prompt's last tokens over
+    reused KV, so their greedy answers must be equal. The cold step computes the whole prompt in one
+    split; with vLLM's default kernels on a GPU, a random model's near-tied tokens can then differ
+    from every reuse step's, vLLM's own cache included (docs/results/h200-mp-contexts), so the cold
+    answer is compared and reported (``cold_answer_agreement``) but does not gate the pool."""
     checks = studyb.block_checks(rows, studyb.ON, study, min_hit_fraction)
     checks.pop("every_turn_answered")  # a unit sends no sessions
+    checks.pop("chain_answers_agree")
+    reuse = rows[(rows["kind"] == "chain") & (rows["step"] != "cold")]
+    answers = reuse.groupby(["context", "chain"])["output_text"].nunique(dropna=False)
+    checks["pool_answer_matches_own_cache"] = check(bool((answers == 1).all()) and len(answers) > 0,
+                                                     int((answers == 1).sum()), len(answers))
     reads = [cold_reads(drop, max_resident_fraction) for drop in drops]
     chains = int((rows["step"] == "cross").sum())
     checks["cold_reads"] = check(len(reads) == chains and all(r["ok"] for r in reads),
                                  [r["value"] for r in reads], max_resident_fraction)
     return checks
+
+
+def cold_answer_agreement(rows: pd.DataFrame) -> dict:
+    """How many chains' cold answer equals their reuse steps' (an observation, not a gate: see unit_checks)."""
+    chains = rows[rows["kind"] == "chain"]
+    agree = [chain["output_text"].nunique(dropna=False) == 1 for _, chain in chains.groupby(["context", "chain"])]
+    return {"chains": len(agree), "agree": int(sum(agree))}
 
 
 def unit_row(cell: Cell, tokens: int, rows: pd.DataFrame, valid: bool, drive_read_gb_per_s: float | None) -> dict:

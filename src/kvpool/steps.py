@@ -932,7 +932,13 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     frame.to_csv(csv_out, index=False)
     checks = contexts.unit_checks(frame, meta["drops_before_cross"], study, config["min_hit_fraction"],
                                   config["max_resident_fraction"])
-    meta.update(doc_tokens=tokens, checks=checks, valid=all(c["ok"] for c in checks.values()))
+    agreement = contexts.cold_answer_agreement(frame)
+    if agreement["agree"] < agreement["chains"]:
+        log.warning("%s doc~%d: the cold answer differs from the reuse steps' in %d of %d chains (split-dependent "
+                    "kernels; the gate compares the pool's answer with the replica's own cache's)", cell.name, tokens,
+                    agreement["chains"] - agreement["agree"], agreement["chains"])
+    meta.update(doc_tokens=tokens, checks=checks, cold_answer_agreement=agreement,
+                valid=all(c["ok"] for c in checks.values()))
     _write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
 
 
