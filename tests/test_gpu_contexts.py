@@ -80,3 +80,22 @@ def test_with_todays_gate_the_fit_puts_the_break_even_read_rate_near_1_2_gbps_at
     assert table.loc[131072, "speedup"] > 20
     assert table.loc[65536, "break_even_read_gbps"] == pytest.approx(1.20, abs=0.01)
     assert table.loc[131072, "break_even_read_gbps"] == pytest.approx(0.77, abs=0.01)
+
+
+def test_measured_only_rebuilds_the_page_of_a_run_with_length_units_alone(tmp_path):
+    """A working directory with length units and no Study A cell or Study B block: measured_only
+    builds the length page from them (it used to refuse such a directory)."""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = RUN.parents[2]
+    work = tmp_path / "run"
+    shutil.copytree(RUN, work)
+    (work / "results" / "contexts.md").unlink()
+    out = subprocess.run([sys.executable, "-m", "snakemake", "results/contexts.md", "--cores", "1", "-s",
+                          str(repo / "Snakefile"), "--directory", str(work), "--configfile",
+                          str(repo / "config" / "h200-mp-contexts.yaml"), "--config", "measured_only=True"],
+                         cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (work / "results" / "contexts.md").read_text() == (RUN / "results" / "contexts.md").read_text()
