@@ -435,29 +435,15 @@ def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: d
     return frame, meta, sampler
 
 
-def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
-    """One of Study B's blocks (kvpool.studyb): its pool servers if any and a fresh fleet, the block's
-    requests one at a time (each with its serving replica's /metrics deltas), everything stopped.
-    Returns the rows and the block's meta data (wall time, the servers' counters)."""
-    from kvpool.pool import corrupt, pool_files
-    from kvpool.studyb import run_block
-
+def _chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None):
+    """Study B's request path, shared by its blocks and the length units: the plan's pool servers if
+    any and a fresh fleet, then ``await body(send, send_together, plan, replicas)``, timed, everything
+    stopped after. ``send`` sends one request at a time with its serving replica's /metrics deltas,
+    ``send_together`` one among concurrent ones (its hits from the response's cached tokens); ``plan``
+    is the plan as the pool servers resolved it; ``sampled`` (a sampler's name and disks) samples the
+    drives and power around the requests. Returns the body's rows, the meta data (wall time, the
+    servers' counters) and the sampler (None unless sampled)."""
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-    injected, before = [], set()
-
-    def corrupt_first_chunk(step: str) -> None:
-        """Fault injection: the first chunk file the chain's cold step stored, before the cross step."""
-        files = pool_files(plan_pool_dirs(plan))
-        if step == "cold":
-            before.clear()
-            before.update(files)
-        elif step == "cross":
-            stored = [f for f in files if f not in before]
-            if stored:
-                injected.append(corrupt(min(stored, key=lambda f: f.stat().st_mtime_ns)))
-                log.warning("fault injection: corrupted %s", injected[-1]["file"])
-
-    fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
     with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
         with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
             by_index = {r.index: r for r in replicas}
@@ -467,60 +453,76 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
                     async def send(replica: int, prompt: list[int]):
                         return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
                                                       token_ids=True)
+
                     async def send_together(replica: int, prompt: list[int]):
-                        """A request among concurrent ones: its hits from the response's cached tokens."""
                         result = await complete(session, by_index[replica].url, prompt, output_tokens, timeout_s,
                                                 token_ids=True)
                         if result.error:
                             result.error = _replica_error(by_index[replica], "the request", result.error)
                         return result, {}
 
-                    return await run_block(send, block, workload, study, len(replicas),
-                                           corrupt_first_chunk if fault else None, send_together)
+                    return await body(send, send_together, plan, replicas)
 
-            started = time.time()
-            rows = asyncio.run(requests())
-            finished = time.time()
-    meta = {"block": block, "started_at": started, "finished_at": finished, "wall_s": finished - started}
-    if fault:
-        meta["fault_injection"] = injected
+            with (_sampler(plan, sampled[0], sampled[1], cfg, replicas) if sampled else nullcontext()) as sampler:
+                started = time.time()
+                rows = asyncio.run(requests())
+                finished = time.time()
+    meta = {"started_at": started, "finished_at": finished, "wall_s": finished - started}
     if pool_record:
         meta["pool_server"] = pool_record
+    return rows, meta, sampler
+
+
+def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
+    """One of Study B's blocks (kvpool.studyb) on a fresh fleet and pool (_chain_fleet). Returns the
+    rows and the block's meta data (wall time, the servers' counters, what fault injection corrupted)."""
+    from kvpool.pool import corrupt, pool_files
+    from kvpool.studyb import run_block
+
+    injected, before = [], set()
+    fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
+
+    async def body(send, send_together, plan, replicas):
+        def corrupt_first_chunk(step: str) -> None:
+            """Fault injection: the first chunk file the chain's cold step stored, before the cross step."""
+            files = pool_files(plan_pool_dirs(plan))
+            if step == "cold":
+                before.clear()
+                before.update(files)
+            elif step == "cross":
+                stored = [f for f in files if f not in before]
+                if stored:
+                    injected.append(corrupt(min(stored, key=lambda f: f.stat().st_mtime_ns)))
+                    log.warning("fault injection: corrupted %s", injected[-1]["file"])
+
+        return await run_block(send, block, workload, study, len(replicas), corrupt_first_chunk if fault else None,
+                               send_together)
+
+    rows, meta, _ = _chain_fleet(plan, cfg, log_dir, body)
+    meta = {"block": block, **meta}
+    if fault:
+        meta["fault_injection"] = injected
     return rows, meta
 
 
 def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Path, disks: list[str]):
-    """A context unit (kvpool.contexts): one fleet on a fresh pool, each document's locality chain one
-    request at a time (each with its serving replica's /metrics deltas), the pool dropped from the page
-    cache and checked right before every cross-replica step, so each reload is a device read."""
+    """A context unit (kvpool.contexts): each document's locality chain one request at a time on a fresh
+    fleet and pool (_chain_fleet), the pool dropped from the page cache and checked right before every
+    cross-replica step, so each reload is a device read."""
     from kvpool.contexts import BLOCK
     from kvpool.studyb import COLUMNS, run_block
 
-    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     drops = []
-    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
-        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-            by_index = {r.index: r for r in replicas}
 
-            def before(step: str) -> None:
-                if step == "cross":
-                    drops.append(drop_pool(plan, cfg["drop_caches"]))
+    async def body(send, _send_together, plan, replicas):
+        def before(step: str) -> None:
+            if step == "cross":
+                drops.append(drop_pool(plan, cfg["drop_caches"]))
 
-            async def requests():
-                async with new_session() as session:
-                    async def send(replica: int, prompt: list[int]):
-                        return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
-                                                      token_ids=True)
-                    return await run_block(send, BLOCK, workload, study, len(replicas), before)
+        return await run_block(send, BLOCK, workload, study, len(replicas), before)
 
-            with _sampler(plan, "contexts", disks, cfg, replicas) as sampler:
-                started = time.time()
-                rows = asyncio.run(requests())
-                finished = time.time()
-    meta = {"drops_before_cross": drops, "wall_s": finished - started, "started_at": started, "finished_at": finished}
-    if pool_record:
-        meta["pool_server"] = pool_record
-    return pd.DataFrame(rows, columns=COLUMNS), meta, sampler
+    rows, meta, sampler = _chain_fleet(plan, cfg, log_dir, body, sampled=("contexts", disks))
+    return pd.DataFrame(rows, columns=COLUMNS), {"drops_before_cross": drops, **meta}, sampler
 
 
 def _routed_row(router: str, phase: str, seq: int, doc_id: int, first: int | None, serve: Replica, seen: bool,
