@@ -25,6 +25,14 @@ def unit(tokens: int) -> tuple[dict, dict, pd.DataFrame]:
             read_records(str(folder / "requests.csv")))
 
 
+def todays_checks(tokens: int) -> dict:
+    """The unit's gate as today's code gives it from the unit's records."""
+    meta, manifest, rows = unit(tokens)
+    config = manifest["config"]
+    return contexts.unit_checks(rows, meta["drops_before_cross"], contexts.chain_study(config, CELL, tokens),
+                                config["min_hit_fraction"], config["max_resident_fraction"])
+
+
 def test_every_unit_ran_one_commit_on_the_gpu_and_loaded_the_whole_prompt():
     for tokens in LENGTHS:
         meta, manifest, rows = unit(tokens)
@@ -39,12 +47,10 @@ def test_the_run_failed_only_on_the_cold_answer_and_todays_gate_passes_every_uni
     (local-1, no pool) among them: the run's gate (all five answers equal) failed those units on that
     alone. Today's gate compares the pool with the replica's own cache, and passes them all."""
     for tokens in LENGTHS:
-        meta, manifest, rows = unit(tokens)
-        config = manifest["config"]
+        meta, _, rows = unit(tokens)
         failed = [name for name, check in meta["checks"].items() if not check["ok"]]
         assert failed == ([] if tokens == 32768 else ["chain_answers_agree"])
-        again = contexts.unit_checks(rows, meta["drops_before_cross"], contexts.chain_study(config, CELL, tokens),
-                                     config["min_hit_fraction"], config["max_resident_fraction"])
+        again = todays_checks(tokens)
         assert all(check["ok"] for check in again.values()), again
         agreement = contexts.cold_answer_agreement(rows)
         assert agreement == {"chains": 3, "agree": 3 if tokens == 32768 else 2}
@@ -67,11 +73,8 @@ def test_with_todays_gate_the_fit_puts_the_break_even_read_rate_near_1_2_gbps_at
     21x at 128K, and a drive reading below 1.20 GB/s would not pay at 64K (0.77 GB/s at 128K)."""
     rows = []
     for tokens in LENGTHS:
-        meta, manifest, records = unit(tokens)
-        config = manifest["config"]
-        checks = contexts.unit_checks(records, meta["drops_before_cross"], contexts.chain_study(config, CELL, tokens),
-                                      config["min_hit_fraction"], config["max_resident_fraction"])
-        rows.append(contexts.unit_row(CELL, tokens, records, all(c["ok"] for c in checks.values()), None))
+        valid = all(check["ok"] for check in todays_checks(tokens).values())
+        rows.append(contexts.unit_row(CELL, tokens, unit(tokens)[2], valid, None))
     table, fits = contexts.table(rows, BYTES_PER_TOKEN)
     table = table.set_index("context")
     fit = fits[CELL.name]

@@ -90,10 +90,9 @@ def unit_checks(rows: pd.DataFrame, drops: list[dict], study: dict, min_hit_frac
     checks = studyb.block_checks(rows, studyb.ON, study, min_hit_fraction)
     checks.pop("every_turn_answered")  # a unit sends no sessions
     checks.pop("chain_answers_agree")
-    reuse = rows[(rows["kind"] == "chain") & (rows["step"] != "cold")]
-    answers = reuse.groupby(["context", "chain"])["output_text"].nunique(dropna=False)
-    checks["pool_answer_matches_own_cache"] = check(bool((answers == 1).all()) and len(answers) > 0,
-                                                     int((answers == 1).sum()), len(answers))
+    agree = studyb.chains_agree(rows[(rows["kind"] == "chain") & (rows["step"] != "cold")])
+    checks["pool_answer_matches_own_cache"] = check(bool(agree.all()) and len(agree) > 0, int(agree.sum()),
+                                                     len(agree))
     reads = [cold_reads(drop, max_resident_fraction) for drop in drops]
     chains = int((rows["step"] == "cross").sum())
     checks["cold_reads"] = check(len(reads) == chains and all(r["ok"] for r in reads),
@@ -103,9 +102,8 @@ def unit_checks(rows: pd.DataFrame, drops: list[dict], study: dict, min_hit_frac
 
 def cold_answer_agreement(rows: pd.DataFrame) -> dict:
     """How many chains' cold answer equals their reuse steps' (an observation, not a gate: see unit_checks)."""
-    chains = rows[rows["kind"] == "chain"]
-    agree = [chain["output_text"].nunique(dropna=False) == 1 for _, chain in chains.groupby(["context", "chain"])]
-    return {"chains": len(agree), "agree": int(sum(agree))}
+    agree = studyb.chains_agree(rows[rows["kind"] == "chain"])
+    return {"chains": len(agree), "agree": int(agree.sum())}
 
 
 def unit_row(cell: Cell, tokens: int, rows: pd.DataFrame, valid: bool, drive_read_gb_per_s: float | None) -> dict:

@@ -262,6 +262,11 @@ async def _window_session(send: Send, block: str, item: dict, study: dict, repli
     return rows
 
 
+def chains_agree(chains: pd.DataFrame) -> pd.Series:
+    """Per chain (context, chain), whether all of ``chains``' steps gave the same greedy answer."""
+    return chains.groupby(["context", "chain"])["output_text"].nunique(dropna=False) == 1
+
+
 def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: float) -> dict:
     """Study B's assertions on one block, each failing the block with its reason: no errors; every
     cold step found nothing, locally or in a pool; every cross-replica step found nothing locally, and
@@ -285,9 +290,8 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     else:
         checks["cross_loads_nothing"] = check(bool((external == 0).all()), int(external.sum()), 0)
     # a chain sends one payload five times: greedy answers from cache, pool or compute must all agree
-    answers = chains.groupby(["context", "chain"])["output_text"].nunique(dropna=False)
-    checks["chain_answers_agree"] = check(bool((answers == 1).all()) and len(answers) > 0,
-                                           int((answers == 1).sum()), len(answers))
+    agree = chains_agree(chains)
+    checks["chain_answers_agree"] = check(bool(agree.all()) and len(agree) > 0, int(agree.sum()), len(agree))
     planted = chains["planted_recalled"].dropna()
     if len(planted):  # a real model: every chain answer names the three planted codes
         checks["planted_values_recalled"] = check(bool(planted.astype(bool).all()), int(planted.astype(bool).sum()),
