@@ -104,13 +104,22 @@ def rows(result: dict, doc_ids: list[int], prefill: dict[int, int], serve: int) 
         out.append({
             "doc_id": doc_id, "prefill_replica": prefill[doc_id], "serve_replica": serve,
             "ttft_s": float(result["ttfts"][i]) if ok else np.nan,
-            "e2e_s": float(result["latencies"][i]) if ok else np.nan,
+            "e2e_s": _latency(result, i) if ok else np.nan,
             "prompt_tokens": int(result["input_lens"][i]), "cached_tokens": np.nan,
             "external_hit_tokens": np.nan, "local_compute_tokens": np.nan, "error": error,
             "started_at": np.nan,  # vLLM's start times are its process's perf_counter, not wall-clock time
             "output_text": result["generated_texts"][i] if result.get("generated_texts") else "",
         })
     return out
+
+
+def _latency(result: dict, i: int) -> float:
+    """Request ``i``'s end-to-end latency: vLLM's own (``latencies``, saved from vLLM 0.27 on), else
+    its first token's time plus every later token's gap, which older versions save and which sum to
+    the same span (vLLM 0.26 on the GPU)."""
+    if "latencies" in result:
+        return float(result["latencies"][i])
+    return float(result["ttfts"][i]) + float(sum(result["itls"][i]))
 
 
 def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], window_external: int | None,
