@@ -242,8 +242,13 @@ def test_vllm_bench_serve_replays_each_cell_right_after_its_reuse_phase(run):
         assert (rows["prompt_tokens"] == 2048 + 256).all()
         assert all(command.startswith("vllm bench serve --backend openai") for command in meta["commands"])
         assert len(list((cell / "load~peer").glob("vllm-bench-replica-*.json"))) == 2
-    peer = pd.read_csv(run / "results" / "peer.csv").set_index("arm")
+    table = pd.read_csv(run / "results" / "peer.csv", dtype={"replica": str})
+    peer = table[table["replica"] == "all"].set_index("arm")
     assert set(peer.index) == {"shared", "isolated"} and peer["valid"].all()
+    # and one row per serving replica, its follow-ups adding up to the cell's
+    per_replica = table[table["replica"] != "all"]
+    assert sorted(per_replica["replica"].unique()) == ["0", "1"]
+    assert (per_replica.groupby("arm")["requests"].sum() == peer["requests"]).all()
     assert (peer[["kvpool_ttft_p50_s", "vllm_ttft_p50_s"]] > 0).all().all()
     # both clients see what the pool is for: the shared arm's reloads beat the isolated arm's recompute
     assert peer.loc["shared", "vllm_ttft_p50_s"] < peer.loc["isolated", "vllm_ttft_p50_s"]

@@ -177,3 +177,21 @@ def test_a_result_without_latencies_takes_ttft_plus_the_token_gaps():
     assert rows["e2e_s"].mean() * 1000 == pytest.approx(result["mean_e2el_ms"], rel=1e-3)
     newer = dict(result, latencies=[t + g for t, g in zip(result["ttfts"], gaps)])
     assert peer.rows(newer, [0], {0: 0}, 1)[0]["e2e_s"] == pytest.approx(rows["e2e_s"][0])
+
+
+def test_the_peer_table_splits_each_cell_by_serving_replica():
+    """The replay runs one replica's follow-ups after the other's: a slow run on one replica shows in its
+    own row, while the cell's row pools both."""
+    ours = pd.DataFrame({"doc_id": [0, 1, 2, 3], "serve_replica": [1, 0, 1, 0], "ttft_s": [0.10, 0.10, 0.10, 0.10],
+                         "error": [""] * 4})
+    theirs = pd.DataFrame({"doc_id": [1, 3, 0, 2], "serve_replica": [0, 0, 1, 1], "ttft_s": [0.15, 0.15, 0.10, 0.10],
+                           "error": [""] * 4})
+    rows = pd.DataFrame(peer.peer_rows(SHARED, ours, theirs, True, True)).set_index("replica")
+    assert rows.index.tolist() == ["all", "0", "1"] and rows["requests"].tolist() == [4, 2, 2]
+    assert rows.loc["0", "p50_difference_pct"] == pytest.approx(50.0)
+    assert rows.loc["1", "p50_difference_pct"] == pytest.approx(0.0)
+    assert rows.loc["all", "paired_median_change_pct"] == pytest.approx(25.0)  # the median of 0, 0, 50, 50
+    text = peer.peer_markdown(rows.reset_index())
+    head, per_replica = text.split("## Per serving replica")
+    assert head.count("lmcache-fs / shared") == 1 and per_replica.count("lmcache-fs / shared") == 2
+    assert "+50.0%" in per_replica and "+50.0%" not in head

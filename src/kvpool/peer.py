@@ -147,13 +147,25 @@ def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], windo
     return {"valid": all(c["ok"] for c in found.values()), "checks": found}
 
 
-def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool, vllm_valid: bool) -> dict:
-    """One cell: kvpool's TTFT p50/p99 (its reuse phase) and vLLM's (the replay) over the same
-    follow-ups to the same replicas, their ratio and the p50's difference in percent."""
+def peer_rows(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool, vllm_valid: bool) -> list[dict]:
+    """The cell's row (``replica`` "all"), then one per serving replica: the replay sends each replica's
+    follow-ups in a run of their own, so a difference confined to one replica's run shows there."""
+    rows = [peer_row(cell, kvpool, vllm, kvpool_valid, vllm_valid)]
+    for replica in sorted(vllm["serve_replica"].unique()):
+        rows.append(peer_row(cell, kvpool[kvpool["serve_replica"] == replica], vllm[vllm["serve_replica"] == replica],
+                             kvpool_valid, vllm_valid, replica=str(int(replica))))
+    return rows
+
+
+def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool, vllm_valid: bool,
+             replica: str = "all") -> dict:
+    """One cell (or one serving replica of it): kvpool's TTFT p50/p99 (its reuse phase) and vLLM's
+    (the replay) over the same follow-ups to the same replicas, their ratio and the p50's difference
+    in percent."""
     ours = kvpool.loc[kvpool["error"].fillna("") == "", "ttft_s"].astype(float)
     theirs = vllm.loc[vllm["error"].fillna("") == "", "ttft_s"].astype(float)
     row = {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
-           "requests": len(vllm), "valid": bool(kvpool_valid and vllm_valid)}
+           "replica": replica, "requests": len(vllm), "valid": bool(kvpool_valid and vllm_valid)}
     for q in (50, 99):
         row[f"kvpool_ttft_p{q}_s"] = float(np.percentile(ours, q)) if len(ours) else np.nan
         row[f"vllm_ttft_p{q}_s"] = float(np.percentile(theirs, q)) if len(theirs) else np.nan
@@ -172,9 +184,11 @@ def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool,
 
 
 def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """The replay table as a person reads it: one row per cell, each value with its unit."""
+    """The replay table as a person reads it: one row per cell (and per serving replica, where the
+    table has them), each value with its unit."""
     return pd.DataFrame([{
         "cell": f"{r['backend']} / {r['arm']} / chunk {r['chunk']} / {r['tier']}",
+        **({"replica": str(r["replica"])} if "replica" in table else {}),
         "gate": "valid" if r["valid"] else "INVALID", "follow-ups": int(r["requests"]),
         "kvpool TTFT p50": f"{r['kvpool_ttft_p50_s']:.4g} s", "vllm bench TTFT p50": f"{r['vllm_ttft_p50_s']:.4g} s",
         "p50 difference": f"{r['p50_difference_pct']:+.1f}%",
@@ -188,9 +202,16 @@ def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
 def peer_markdown(table: pd.DataFrame) -> str:
     if table.empty:
         return "No cell was replayed through vllm bench serve.\n"
-    return ("# kvpool's client against vLLM's (`vllm bench serve`), the same follow-ups to the same replicas\n\n"
-            + peer_for_reading(table).to_markdown(index=False) + "\n\nkvpool's numbers are the cell's reuse phase; "
-            "vLLM's are the replay on the pool restored to what populate left and a fresh fleet (`load~peer/`).\n")
+    cells = table[table["replica"].astype(str) == "all"] if "replica" in table else table
+    replicas = table[table["replica"].astype(str) != "all"] if "replica" in table else table.iloc[:0]
+    text = ("# kvpool's client against vLLM's (`vllm bench serve`), the same follow-ups to the same replicas\n\n"
+            + peer_for_reading(cells.drop(columns="replica", errors="ignore")).to_markdown(index=False)
+            + "\n\nkvpool's numbers are the cell's reuse phase; vLLM's are the replay on the pool restored to what "
+            "populate left and a fresh fleet (`load~peer/`).\n")
+    if len(replicas):
+        text += ("\n## Per serving replica\n\nThe replay sends one replica's follow-ups after the other's; kvpool's "
+                 "reuse phase alternates them.\n\n" + peer_for_reading(replicas).to_markdown(index=False) + "\n")
+    return text
 
 
 def main(argv: list[str]) -> None:

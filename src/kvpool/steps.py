@@ -352,7 +352,8 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
                   for row in bad_levels.itertuples()]
         invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
     if peer_csv is not None:  # vLLM's replay of a cell: an invalid one measured something else
-        replays = pd.read_csv(peer_csv)
+        replays = pd.read_csv(peer_csv, dtype={"replica": str})
+        replays = replays[replays["replica"] == "all"] if "replica" in replays else replays
         bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
         lines += [f"  {row.cell} load~peer: the cell or vllm bench serve's replay of it is invalid (its level.json "
                   f"names the failed checks)" for row in bad.itertuples()]
@@ -625,7 +626,7 @@ def _contexts_section(contexts_csv: str) -> dict:
 def _peer_html(peer_csv: str) -> str:
     from kvpool.peer import peer_for_reading
 
-    table = pd.read_csv(peer_csv)
+    table = pd.read_csv(peer_csv, dtype={"replica": str})
     return _html(peer_for_reading(table)) if len(table) else ""
 
 
@@ -752,15 +753,16 @@ def run_peer_table(cells_run: list[Cell], *, reuse: dict, replays: dict, csv_out
     reuse.csv and validity.json, ``replays`` to its replay's requests.csv and level.json."""
     from kvpool import peer
 
-    rows = [peer.peer_row(cell, read_records(reuse[cell]["csv"]), read_records(replays[cell]["csv"]),
-                          read_json(reuse[cell]["validity"])["valid"], read_json(replays[cell]["meta"])["valid"])
-            for cell in cells_run]
+    rows = [row for cell in cells_run
+            for row in peer.peer_rows(cell, read_records(reuse[cell]["csv"]), read_records(replays[cell]["csv"]),
+                                      read_json(reuse[cell]["validity"])["valid"],
+                                      read_json(replays[cell]["meta"])["valid"])]
     table = pd.DataFrame(rows)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(peer.peer_markdown(table))
     for row in rows:
-        log.info("%s: TTFT p50 kvpool %.4g s, vllm bench serve %.4g s (%+.1f%%)", row["cell"],
-                 row["kvpool_ttft_p50_s"], row["vllm_ttft_p50_s"], row["p50_difference_pct"])
+        log.info("%s replica %s: TTFT p50 kvpool %.4g s, vllm bench serve %.4g s (%+.1f%%)", row["cell"],
+                 row["replica"], row["kvpool_ttft_p50_s"], row["vllm_ttft_p50_s"], row["p50_difference_pct"])
 
 
 def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: dict, csv_out: str,
