@@ -148,7 +148,7 @@ def last_output(cell):
 ROUTER_NAMES = list(config["routers"]["names"])
 ROUTER_UNITS = [
     (cell, router)
-    for cell in CELLS
+    for cell in cells(config)
     for router in ROUTER_NAMES
     if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/router~{router}/run.json").exists()
 ]
@@ -197,10 +197,11 @@ STUDYB_BLOCKS = [
     for block in (studyb.blocks(STUDYB) if STUDYB else [])
     if not MEASURED_ONLY or Path(f"{STUDYB_DIR}/block~{block}/block.json").exists()
 ]
-if not CELLS and not STUDYB_BLOCKS and not CONTEXT_UNITS:
+if not CELLS and not STUDYB_BLOCKS and not CONTEXT_UNITS and not ROUTER_UNITS:
     raise ValueError(
         f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells, "
-        f"no length unit its chains there, and no block of Study B under {Path.cwd()}/results/studyb"
+        f"no length unit its chains or router unit its phases there, and no block of Study B under "
+        f"{Path.cwd()}/results/studyb"
     )
 # In all and the gate when enabled (and, with measured_only, when a block finished)
 STUDYB_TARGETS = (
