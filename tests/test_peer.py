@@ -162,20 +162,20 @@ def test_the_peer_replay_is_the_last_unit_of_a_cells_chain(config):
 
 
 def test_a_result_without_latencies_takes_ttft_plus_the_token_gaps():
-    """vLLM 0.26 (the H200's) saves no per-request ``latencies``; vLLM 0.27 on saves both. The H200
-    replay's own saved result: each request's end-to-end time is its TTFT plus its inter-token gaps,
-    and where both are saved the two agree."""
+    """vLLM 0.26 (the H200's) saves no per-request ``latencies``; vLLM 0.32 (the CPU default's) saves
+    both. The H200 replay's own saved result: each request's end-to-end time is its TTFT plus its
+    inter-token gaps, and where both are saved the two agree."""
     run = (Path(__file__).resolve().parents[1] / "docs" / "results" / "h200-mp-peer" / "results" / "cells"
            / "backend~lmcache-mp" / "arm~shared" / "chunk~256" / "tier~ram" / "load~peer")
     result = peer.read_result(run / "vllm-bench-replica-1.json", 32)
     assert "latencies" not in result
     rows = pd.DataFrame(peer.rows(result, list(range(32)), dict.fromkeys(range(32), 0), serve=1))
     gaps = [sum(itl) for itl in result["itls"]]
-    assert rows["e2e_s"].tolist() == pytest.approx([t + g for t, g in zip(result["ttfts"], gaps)])
+    assert rows["e2e_s"].tolist() == pytest.approx([t + g for t, g in zip(result["ttfts"], gaps, strict=True)])
     assert (rows["e2e_s"] > rows["ttft_s"]).all()
     # the mean end-to-end time vLLM itself reported for the run is the mean of these
     assert rows["e2e_s"].mean() * 1000 == pytest.approx(result["mean_e2el_ms"], rel=1e-3)
-    newer = dict(result, latencies=[t + g for t, g in zip(result["ttfts"], gaps)])
+    newer = dict(result, latencies=[t + g for t, g in zip(result["ttfts"], gaps, strict=True)])
     assert peer.rows(newer, [0], {0: 0}, 1)[0]["e2e_s"] == pytest.approx(rows["e2e_s"][0])
 
 

@@ -114,9 +114,9 @@ def rows(result: dict, doc_ids: list[int], prefill: dict[int, int], serve: int) 
 
 
 def _latency(result: dict, i: int) -> float:
-    """Request ``i``'s end-to-end latency: vLLM's own (``latencies``, saved from vLLM 0.27 on), else
-    its first token's time plus every later token's gap, which older versions save and which sum to
-    the same span (vLLM 0.26 on the GPU)."""
+    """Request ``i``'s end-to-end latency: vLLM's own (``latencies``, which vLLM 0.32 saves), else its
+    first token's time plus every later token's gap, the same span, which vLLM 0.26 (the GPU runs')
+    saves without ``latencies``."""
     if "latencies" in result:
         return float(result["latencies"][i])
     return float(result["ttfts"][i]) + float(sum(result["itls"][i]))
