@@ -3,6 +3,7 @@ resumes, a stored chunk changed between populate and reuse, a tier that fills up
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,40 @@ def wait_for_healthy_fleet(proc, log, phase, line="fleet of 2 healthy"):
         time.sleep(0.2)
 
 
+# What every Study A test here builds before its cell, the same for all of them: the random model, the
+# prompts and the recompute reference (a fleet of its own).
+PREREQUISITES = ("resources", "results/workload", "results/reference")
+
+
+@pytest.fixture(scope="module")
+def prerequisites(tmp_path_factory):
+    """The model, prompts and reference built once for the module; each test copies them in (times
+    kept, so Snakemake sees them up to date) and measures its own cell from its plan on."""
+    workdir = tmp_path_factory.mktemp("prerequisites")
+    built = subprocess.run(snakemake_argv(workdir, "results/reference/outputs.csv", CONFIGS / "e2e.yaml"),
+                           capture_output=True, text=True, timeout=1800)
+    assert built.returncode == 0, built.stderr[-4000:]
+    return workdir
+
+
+@pytest.fixture
+def with_prerequisites(tmp_path, prerequisites):
+    for part in PREREQUISITES:
+        shutil.copytree(prerequisites / part, tmp_path / part)
+
+
+@pytest.mark.usefixtures("with_prerequisites")
+def test_the_copied_prerequisites_are_not_built_again(tmp_path):
+    """What the fixture hands on must read as up to date: a dry run of a cell plans its own jobs only."""
+    out = subprocess.run(snakemake_argv(tmp_path, f"{CELL.format(backend='lmcache-fs', arm='shared')}/validity.json",
+                                        CONFIGS / "e2e.yaml") + ["-n"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rule in ("model", "prompts", "reference"):
+        assert f"rule {rule}:" not in out.stdout, out.stdout[-3000:]
+    assert "rule populate:" in out.stdout
+
+
+@pytest.mark.usefixtures("with_prerequisites")
 def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     """kill -9 of one replica in reuse: the phase ends, every row is kept (and archived), the cell is
     invalid with the replica's exit as the reason, and nothing of the fleet is left running."""
@@ -97,6 +132,7 @@ def _interrupt_at(workdir, target, configs, phase, send, line="fleet of 2 health
     return proc.returncode, output
 
 
+@pytest.mark.usefixtures("with_prerequisites")
 @pytest.mark.parametrize("in_populate, in_reuse", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM)],
                          ids=["term-populate-int-reuse", "int-populate-term-reuse"])
 def test_interrupted_phases_resume_on_the_pool_populate_left_and_an_injected_fault_fails_the_cell(
@@ -169,6 +205,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.usefixtures("with_prerequisites")
 def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_gate(tmp_path, small_tmpfs):
     """Another writer fills the tier once populate's preflight has passed (the free-space check at start
     cannot see it coming): the stores that fail are logged as errors when populate ends, before reuse starts,
