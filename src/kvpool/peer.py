@@ -183,12 +183,16 @@ def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool,
     return row
 
 
+def cell_rows(table: pd.DataFrame) -> pd.Series:
+    """Which rows of the replay table are whole cells (``replica`` "all"), not one serving replica."""
+    return table["replica"].astype(str) == "all"
+
+
 def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """The replay table as a person reads it: one row per cell (and per serving replica, where the
-    table has them), each value with its unit."""
+    """The replay table as a person reads it: one row per cell or serving replica, each value with its
+    unit."""
     return pd.DataFrame([{
-        "cell": f"{r['backend']} / {r['arm']} / chunk {r['chunk']} / {r['tier']}",
-        **({"replica": str(r["replica"])} if "replica" in table else {}),
+        "cell": f"{r['backend']} / {r['arm']} / chunk {r['chunk']} / {r['tier']}", "replica": r["replica"],
         "gate": "valid" if r["valid"] else "INVALID", "follow-ups": int(r["requests"]),
         "kvpool TTFT p50": f"{r['kvpool_ttft_p50_s']:.4g} s", "vllm bench TTFT p50": f"{r['vllm_ttft_p50_s']:.4g} s",
         "p50 difference": f"{r['p50_difference_pct']:+.1f}%",
@@ -202,10 +206,10 @@ def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
 def peer_markdown(table: pd.DataFrame) -> str:
     if table.empty:
         return "No cell was replayed through vllm bench serve.\n"
-    cells = table[table["replica"].astype(str) == "all"] if "replica" in table else table
-    replicas = table[table["replica"].astype(str) != "all"] if "replica" in table else table.iloc[:0]
+    whole = cell_rows(table)
+    replicas = table[~whole]
     text = ("# kvpool's client against vLLM's (`vllm bench serve`), the same follow-ups to the same replicas\n\n"
-            + peer_for_reading(cells.drop(columns="replica", errors="ignore")).to_markdown(index=False)
+            + peer_for_reading(table[whole]).drop(columns="replica").to_markdown(index=False)
             + "\n\nkvpool's numbers are the cell's reuse phase; vLLM's are the replay on the pool restored to what "
             "populate left and a fresh fleet (`load~peer/`).\n")
     if len(replicas):

@@ -352,8 +352,10 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
                   for row in bad_levels.itertuples()]
         invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
     if peer_csv is not None:  # vLLM's replay of a cell: an invalid one measured something else
+        from kvpool.peer import cell_rows
+
         replays = pd.read_csv(peer_csv, dtype={"replica": str})
-        replays = replays[replays["replica"] == "all"] if "replica" in replays else replays
+        replays = replays[cell_rows(replays)] if len(replays) else replays
         bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
         lines += [f"  {row.cell} load~peer: the cell or vllm bench serve's replay of it is invalid (its level.json "
                   f"names the failed checks)" for row in bad.itertuples()]
