@@ -6,37 +6,26 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from committed_runs import rebuild_router_table, router_checks_again
 
-from kvpool import routers, steps
+from kvpool import routers
 from kvpool.cells import Cell
-from kvpool.files import read_json, read_records
 
 RUN = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-routers"
 CELLS = [Cell("lmcache-fs", arm, 256, "disk") for arm in ("shared", "isolated")]
 UNITS = [(cell, router) for cell in CELLS for router in routers.ROUTERS]
 
 
-def unit_dir(cell: Cell, router: str) -> Path:
-    return RUN / "results" / "cells" / cell.name / f"router~{router}"
-
-
 @pytest.mark.parametrize(("cell", "router"), UNITS, ids=[f"{c.arm}-{r}" for c, r in UNITS])
 def test_every_unit_is_valid_again_from_its_records(cell, router):
-    meta = read_json(unit_dir(cell, router) / "run.json")
-    config = read_json(unit_dir(cell, router) / "manifest.json")["config"]
-    rows = read_records(str(unit_dir(cell, router) / "requests.csv"))
-    again = routers.checks(cell.arm, rows, meta["windows"], meta["drop_before_followups"], meta["loss"],
-                           config["workload"]["doc_tokens"], config["min_hit_fraction"],
-                           config["max_resident_fraction"])
+    meta, manifest, again = router_checks_again(RUN, cell, router)
+    config = manifest["config"]
     assert again["valid"] and again["checks"] == meta["checks"]
     assert config["replicas"] == 3 and meta["loss"]["replica"] == 2
 
 
 def test_the_table_rebuilds_byte_for_byte_and_says_what_the_readme_says(tmp_path):
-    steps.run_router_table(UNITS, csvs=[str(unit_dir(c, r) / "requests.csv") for c, r in UNITS],
-                           metas=[str(unit_dir(c, r) / "run.json") for c, r in UNITS],
-                           csv_out=str(tmp_path / "routers.csv"), md_out=str(tmp_path / "routers.md"),
-                           figures_dir=str(tmp_path / "routers"))
+    rebuild_router_table(RUN, UNITS, tmp_path)
     assert (tmp_path / "routers.csv").read_text() == (RUN / "results" / "routers.csv").read_text()
     assert (tmp_path / "routers.md").read_text() == (RUN / "results" / "routers.md").read_text()
     table = pd.read_csv(RUN / "results" / "routers.csv").set_index(["arm", "router", "phase"])

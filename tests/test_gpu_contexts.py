@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from committed_runs import measured_only_rebuild
 
 from kvpool import contexts, steps
 from kvpool.cells import Cell
@@ -88,17 +89,6 @@ def test_with_todays_gate_the_fit_puts_the_break_even_read_rate_near_1_2_gbps_at
 def test_measured_only_rebuilds_the_page_of_a_run_with_length_units_alone(tmp_path):
     """A working directory with length units and no Study A cell or Study B block: measured_only
     builds the length page from them (it used to refuse such a directory)."""
-    import shutil
-    import subprocess
-    import sys
-
-    repo = RUN.parents[2]
-    work = tmp_path / "run"
-    shutil.copytree(RUN, work)
-    (work / "results" / "contexts.md").unlink()
-    out = subprocess.run([sys.executable, "-m", "snakemake", "results/contexts.md", "--cores", "1", "-s",
-                          str(repo / "Snakefile"), "--directory", str(work), "--configfile",
-                          str(repo / "config" / "h200-mp-contexts.yaml"), "--config", "measured_only=True"],
-                         cwd=repo, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    work = measured_only_rebuild(RUN, "h200-mp-contexts.yaml", "results/contexts.md", "results/contexts.md",
+                                 tmp_path)
     assert (work / "results" / "contexts.md").read_text() == (RUN / "results" / "contexts.md").read_text()

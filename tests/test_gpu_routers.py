@@ -3,17 +3,13 @@
 prefix-affinity and round-robin), re-read by the pipeline's own code: every unit's gate again, the table
 again from the records, and the findings its README states."""
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from committed_runs import measured_only_rebuild, rebuild_router_table, router_checks_again
 
-from kvpool import routers, steps
 from kvpool.cells import Cell
-from kvpool.files import read_json, read_records
 
 RUN = Path(__file__).resolve().parents[1] / "docs" / "results" / "h200-mp-routers"
 CELLS = [Cell("lmcache-mp", arm, 256, "ram") for arm in ("shared", "isolated")]
@@ -21,44 +17,20 @@ MEASURED = ("prefix-affinity", "round-robin")
 UNITS = [(cell, router) for cell in CELLS for router in MEASURED]
 
 
-def unit_dir(cell: Cell, router: str) -> Path:
-    return RUN / "results" / "cells" / cell.name / f"router~{router}"
-
-
 @pytest.mark.parametrize(("cell", "router"), UNITS, ids=[f"{c.arm}-{r}" for c, r in UNITS])
 def test_every_unit_ran_on_the_gpu_and_is_valid_again_from_its_records(cell, router):
-    meta = read_json(unit_dir(cell, router) / "run.json")
-    manifest = read_json(unit_dir(cell, router) / "manifest.json")
+    meta, manifest, again = router_checks_again(RUN, cell, router)
     config = manifest["config"]
     assert manifest["git"]["commit"] == "fe7964e6e09f0a364b29399d530ba695282f9253"
     assert manifest["versions"]["vllm"] == "0.26.0" and manifest["hardware"]["gpu"]["devices"] == ["NVIDIA H200"]
     assert config["replicas"] == 3 and config["engine"]["replicas_per_gpu"] == 3 and meta["loss"]["replica"] == 2
-    rows = read_records(str(unit_dir(cell, router) / "requests.csv"))
-    again = routers.checks(
-        cell.arm,
-        rows,
-        meta["windows"],
-        meta["drop_before_followups"],
-        meta["loss"],
-        config["workload"]["doc_tokens"],
-        config["min_hit_fraction"],
-        config["max_resident_fraction"],
-    )
     assert again["valid"] and again["checks"] == meta["checks"]
 
 
 def test_the_table_rebuilds_from_the_records(tmp_path):
-    steps.run_router_table(
-        UNITS,
-        csvs=[str(unit_dir(c, r) / "requests.csv") for c, r in UNITS],
-        metas=[str(unit_dir(c, r) / "run.json") for c, r in UNITS],
-        csv_out=str(tmp_path / "routers.csv"),
-        md_out=str(tmp_path / "routers.md"),
-        figures_dir=str(tmp_path / "routers"),
-    )
-    pd.testing.assert_frame_equal(
-        pd.read_csv(tmp_path / "routers.csv"), pd.read_csv(RUN / "results" / "routers.csv"), rtol=1e-9
-    )
+    rebuild_router_table(RUN, UNITS, tmp_path)
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "routers.csv"), pd.read_csv(RUN / "results" / "routers.csv"),
+                                  rtol=1e-9)
     assert (tmp_path / "routers.md").read_text() == (RUN / "results" / "routers.md").read_text()
     assert (tmp_path / "routers" / "ttft.png").stat().st_size > 0
 
@@ -68,22 +40,18 @@ def test_the_findings_the_readme_states():
     follow = table.xs("follow-up", level="phase")
     # every replica up: affinity's own cache answers with or without the pool
     assert follow.loc[("isolated", "prefix-affinity"), "local_cache_fraction"] > 0.95
-    assert (
-        follow.loc[("isolated", "prefix-affinity"), "ttft_p50_s"] <= follow.loc[("shared", "round-robin"), "ttft_p50_s"]
-    )
+    assert follow.loc[("isolated", "prefix-affinity"), "ttft_p50_s"] <= follow.loc[("shared", "round-robin"),
+                                                                                    "ttft_p50_s"]
     # without affinity only the shared pool helps: half of round-robin's follow-ups are recomputed
     assert follow.loc[("isolated", "round-robin"), "computed_fraction"] > 0.45
-    assert (
-        follow.loc[("isolated", "round-robin"), "ttft_p50_s"] > 3 * follow.loc[("shared", "round-robin"), "ttft_p50_s"]
-    )
+    assert follow.loc[("isolated", "round-robin"), "ttft_p50_s"] > 3 * follow.loc[("shared", "round-robin"),
+                                                                                  "ttft_p50_s"]
     # a lost replica moves a third of affinity's documents: recomputed without the pool, reloaded with it
     lost = table.xs("after-loss", level="phase")
     assert lost.loc[("isolated", "prefix-affinity"), "computed_fraction"] > 0.3
     assert lost.loc[("shared", "prefix-affinity"), "pool_fraction"] > 0.3
-    assert (
-        lost.loc[("isolated", "prefix-affinity"), "ttft_p99_s"]
-        > 4 * lost.loc[("shared", "prefix-affinity"), "ttft_p99_s"]
-    )
+    assert lost.loc[("isolated", "prefix-affinity"), "ttft_p99_s"] > 4 * lost.loc[("shared", "prefix-affinity"),
+                                                                                 "ttft_p99_s"]
     # hot documents: affinity puts most on one replica, and queues there behind round-robin with the pool
     hot = table.xs("hot", level="phase")
     assert hot.loc[("shared", "prefix-affinity"), "max_replica_share"] > 0.75
@@ -94,31 +62,5 @@ def test_the_findings_the_readme_states():
 def test_measured_only_rebuilds_the_page_of_a_run_with_router_units_alone(tmp_path):
     """A working directory with router units and no Study A cell: measured_only builds routers.md from
     them, for the routers the run measured (it used to refuse such a directory)."""
-    repo = RUN.parents[2]
-    work = tmp_path / "run"
-    shutil.copytree(RUN, work)
-    (work / "results" / "routers.md").unlink()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "results/routers.md",
-            "--cores",
-            "1",
-            "-s",
-            str(repo / "Snakefile"),
-            "--directory",
-            str(work),
-            "--configfile",
-            str(repo / "config" / "h200-mp-routers.yaml"),
-            "--config",
-            "measured_only=True",
-        ],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    work = measured_only_rebuild(RUN, "h200-mp-routers.yaml", "results/routers.md", "results/routers.md", tmp_path)
     assert (work / "results" / "routers.md").read_text() == (RUN / "results" / "routers.md").read_text()

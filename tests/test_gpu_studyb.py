@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from committed_runs import measured_only_rebuild
 from snakemake.utils import validate
 
 from kvpool import steps
@@ -111,16 +112,6 @@ def test_batch_invariant_kernels_make_every_on_answer_equal_its_off_twin():
 def test_measured_only_all_on_a_study_b_run_builds_its_page_alone(tmp_path):
     """A working directory with Study B's blocks and no Study A cell: `all` builds Study B's page and
     verdict, not Study A's tables from no cells."""
-    import shutil
-    import subprocess
-    import sys
-
-    work = tmp_path / "run"
-    shutil.copytree(RUN, work)
-    (work / "results" / "studyb.md").unlink()
-    out = subprocess.run([sys.executable, "-m", "snakemake", "all", "--cores", "1", "-s", str(REPO / "Snakefile"),
-                          "--directory", str(work), "--configfile", str(REPO / "config" / "h200-mp-studyb.yaml"),
-                          "--config", "measured_only=True"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    work = measured_only_rebuild(RUN, "h200-mp-studyb.yaml", "all", "results/studyb.md", tmp_path)
     assert (work / "results" / "studyb.md").read_text() == (RUN / "results" / "studyb.md").read_text()
     assert not (work / "results" / "table1.csv").exists()

@@ -1,0 +1,50 @@
+"""What the tests that re-read a committed run (docs/results/<run>) do alike: a router unit's gate again
+from its records, the routers table rebuilt from the units, and the pipeline's measured_only rebuild
+of a page in a copy of the run."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+from kvpool import routers, steps
+from kvpool.cells import Cell
+from kvpool.files import read_json, read_records
+
+
+def router_unit_dir(run: Path, cell: Cell, router: str) -> Path:
+    return run / "results" / "cells" / cell.name / f"router~{router}"
+
+
+def router_checks_again(run: Path, cell: Cell, router: str) -> tuple[dict, dict, dict]:
+    """The unit's run.json, its manifest and its gate as today's code gives it from its records."""
+    folder = router_unit_dir(run, cell, router)
+    meta, manifest = read_json(folder / "run.json"), read_json(folder / "manifest.json")
+    config = manifest["config"]
+    again = routers.checks(cell.arm, read_records(str(folder / "requests.csv")), meta["windows"],
+                           meta["drop_before_followups"], meta["loss"], config["workload"]["doc_tokens"],
+                           config["min_hit_fraction"], config["max_resident_fraction"])
+    return meta, manifest, again
+
+
+def rebuild_router_table(run: Path, units: list[tuple[Cell, str]], out: Path) -> None:
+    """routers.csv, routers.md and the figures from the units' records, into ``out``."""
+    steps.run_router_table(units, csvs=[str(router_unit_dir(run, c, r) / "requests.csv") for c, r in units],
+                           metas=[str(router_unit_dir(run, c, r) / "run.json") for c, r in units],
+                           csv_out=str(out / "routers.csv"), md_out=str(out / "routers.md"),
+                           figures_dir=str(out / "routers"))
+
+
+def measured_only_rebuild(run: Path, config: str, target: str, page: str, tmp_path: Path) -> Path:
+    """A copy of the run without ``page``, rebuilt by ``snakemake TARGET --config measured_only=True``
+    with ``config/CONFIG``; returns the copy, after asserting the rebuild succeeded."""
+    work = tmp_path / "run"
+    shutil.copytree(run, work)
+    (work / page).unlink()
+    out = subprocess.run([sys.executable, "-m", "snakemake", target, "--cores", "1", "-s", str(REPO / "Snakefile"),
+                          "--directory", str(work), "--configfile", str(REPO / "config" / config), "--config",
+                          "measured_only=True"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return work
