@@ -11,7 +11,31 @@ from conftest import REPO
 
 from kvpool import routers, steps
 from kvpool.cells import Cell
+from kvpool.checks import NOT_APPLICABLE, status
 from kvpool.files import read_json, read_records
+
+
+def comparable(check: dict):
+    """The part of a check that a gate recorded before statuses and today's gate share: the verdict and the
+    measured value (thresholds are the checks' own words); a check that could not fail (a cold read on a
+    memory tier, recorded then as passed) is "not applicable" in both."""
+    values = check.get("value") if isinstance(check.get("value"), list) else [check.get("value")]
+    if status(check) == NOT_APPLICABLE or (values and all(str(v).startswith("memory-backed tier") for v in values)):
+        return NOT_APPLICABLE
+    if isinstance(check.get("value"), dict) and check["value"].get("files") == 0 and check["ok"]:
+        return NOT_APPLICABLE  # a pool in a server's memory: no file was hashed, so nothing could change
+    return check["ok"], check["value"]
+
+
+def assert_same_gate(recorded: dict, again: dict, new: set[str] = frozenset(), gone: set[str] = frozenset(),
+                     apart: set[str] = frozenset()) -> None:
+    """``again`` (today's gate from the records) says what ``recorded`` (the run's) said on every check they
+    share; ``new`` names the checks only today's gate makes, ``gone`` those it no longer makes, ``apart``
+    those whose value changed form (the caller compares them)."""
+    assert set(again) - set(recorded) == set(new), set(again) ^ set(recorded)
+    assert set(recorded) - set(again) == set(gone), set(again) ^ set(recorded)
+    for name in set(recorded) & set(again) - set(apart):
+        assert comparable(recorded[name]) == comparable(again[name]), name
 
 
 def router_unit_dir(run: Path, cell: Cell, router: str) -> Path:
@@ -19,13 +43,17 @@ def router_unit_dir(run: Path, cell: Cell, router: str) -> Path:
 
 
 def router_checks_again(run: Path, cell: Cell, router: str) -> tuple[dict, dict, dict]:
-    """The unit's run.json, its manifest and its gate as today's code gives it from its records."""
+    """The unit's run.json, its manifest and its gate as today's code gives it from its records (with the
+    run's reference outputs where it kept them)."""
     folder = router_unit_dir(run, cell, router)
     meta, manifest = read_json(folder / "run.json"), read_json(folder / "manifest.json")
     config = manifest["config"]
+    reference = run / "results" / "reference" / "outputs.csv"
     again = routers.checks(cell.arm, read_records(str(folder / "requests.csv")), meta["windows"],
                            meta["drop_before_followups"], meta["loss"], config["workload"]["doc_tokens"],
-                           config["min_hit_fraction"], config["max_resident_fraction"])
+                           config["min_hit_fraction"], config["max_resident_fraction"],
+                           read_records(str(reference)) if reference.exists() else None, False,
+                           config["routers"]["hot"]["concurrency"])
     return meta, manifest, again
 
 

@@ -14,6 +14,7 @@ from snakemake.utils import validate
 
 from kvpool import contexts, studyb
 from kvpool.cells import Cell
+from kvpool.checks import verdict
 
 BYTES_PER_TOKEN = 4096
 DISK, RAM = Cell("lmcache-fs", "shared", 256, "disk"), Cell("lmcache-fs", "shared", 256, "ram")
@@ -42,9 +43,21 @@ def chain_rows(tokens: int, prefill_s: float, reload_s: float, local_s: float, c
             external = (prompt if cross_external is None else cross_external) if step == "cross" else 0
             rows.append({"block": contexts.BLOCK, "arm": "on", "kind": "chain", "context": tokens, "chain": chain,
                          "step": step, "prompt_tokens": prompt, "replica": 0 if role == "A" else 1,
+                         "payload_sha256": f"prompt-{tokens}-{chain}", "cached_tokens": local + external,
                          "local_hit_tokens": local, "external_hit_tokens": external, "computed_tokens": 64,
                          "ttft_s": ttft[step], "output_text": f"answer {chain}", "error": None})
     return pd.DataFrame(rows).reindex(columns=studyb.COLUMNS)
+
+
+def split_reference(rows: pd.DataFrame, answer=lambda key, split: None) -> pd.DataFrame:
+    """A pool-less recompute of every (prompt, split) the rows measured, answering each chain's answer
+    (or ``answer(key, split)`` where it gives one)."""
+    found = rows.drop_duplicates(["payload_sha256", "cached_tokens"])
+    return pd.DataFrame({"key": found["payload_sha256"], "path": "split", "requested_split": found["cached_tokens"],
+                         "achieved_split": found["cached_tokens"], "error": "",
+                         "output_text": [answer(k, s) or f"answer {c}" for k, s, c in
+                                         zip(found["payload_sha256"], found["cached_tokens"], found["chain"],
+                                             strict=True)]})
 
 
 def cold_drop(resident=0.0):
@@ -81,34 +94,41 @@ def test_a_unit_sends_one_chain_per_document_each_of_its_length_with_a_seeded_qu
 def test_the_gate_asks_for_the_whole_document_from_the_pool_after_a_cold_drop():
     study = contexts.chain_study(config(), DISK, 1024)
     good = chain_rows(1024, 1.0, 0.2, 0.1)
-    checks = contexts.unit_checks(good, [cold_drop(), cold_drop()], study, 0.9, 0.05)
-    assert all(c["ok"] for c in checks.values()) and "every_turn_answered" not in checks
-    missed = contexts.unit_checks(chain_rows(1024, 1.0, 0.2, 0.1, cross_external=512), [cold_drop()] * 2, study,
-                                  0.9, 0.05)
-    assert not missed["cross_loads_the_document"]["ok"]
-    warm = contexts.unit_checks(good, [cold_drop(), cold_drop(0.8)], study, 0.9, 0.05)
-    assert not warm["cold_reads"]["ok"] and warm["cold_reads"]["value"] == [0.0, 0.8]
-    undropped = contexts.unit_checks(good, [cold_drop()], study, 0.9, 0.05)
-    assert not undropped["cold_reads"]["ok"]
-    ram = contexts.unit_checks(good, [{"memory_backed": True}] * 2, study, 0.9, 0.05)
-    assert ram["cold_reads"]["ok"]
+    reference = split_reference(good)
+    checks = contexts.unit_checks(good, [cold_drop(), cold_drop()], study, 0.9, 0.05, reference)
+    assert verdict(checks) and "every_turn_answered" not in checks
+    assert checks["output_matches_recompute"]["value"]["exact"] == 10
+    missed = chain_rows(1024, 1.0, 0.2, 0.1, cross_external=512)
+    assert contexts.unit_checks(missed, [cold_drop()] * 2, study, 0.9, 0.05, reference)[
+        "cross_loads_the_document"]["ok"] is False
+    warm = contexts.unit_checks(good, [cold_drop(), cold_drop(0.8)], study, 0.9, 0.05, reference)
+    assert warm["cold_reads"]["ok"] is False and warm["cold_reads"]["value"] == [0.0, 0.8]
+    undropped = contexts.unit_checks(good, [cold_drop()], study, 0.9, 0.05, reference)
+    assert undropped["cold_reads"]["ok"] is False
+    ram = contexts.unit_checks(good, [{"memory_backed": True}] * 2, study, 0.9, 0.05, reference)
+    assert ram["cold_reads"]["status"] == "not_applicable" and verdict(ram)
 
 
-def test_the_pool_answer_must_equal_the_own_cache_answer_and_a_cold_one_that_differs_is_counted():
-    """A damaged pool changes the cross step's answer against the replica's own cache: invalid. A cold
-    answer that differs from every reuse step's (vLLM's own cache included: a kernel's split, as on
-    the H200) is counted, not held against the pool."""
+def test_each_step_is_held_to_a_recompute_in_its_own_split_and_the_agreement_between_steps_is_counted():
+    """A damaged pool changes the cross step's answer against a recompute in the cross step's split:
+    invalid. A cold answer that differs from the reuse steps' (a kernel's split, as on the H200) but equals
+    a recompute in its own split is counted, not held against the pool."""
     study = contexts.chain_study(config(), DISK, 1024)
     good = chain_rows(1024, 1.0, 0.2, 0.1)
-    assert contexts.cold_answer_agreement(good) == {"chains": 2, "agree": 2}
+    assert contexts.answer_agreement(good) == {"chains": 2, "cold_agrees": 2, "pool_agrees_with_own_cache": 2}
     damaged = good.copy()
     damaged.loc[(damaged["chain"] == 1) & (damaged["step"] == "cross"), "output_text"] = "w1 w2"
-    checks = contexts.unit_checks(damaged, [cold_drop()] * 2, study, 0.9, 0.05)
-    assert checks["pool_answer_matches_own_cache"] == {"ok": False, "value": 1, "threshold": 2}
+    checks = contexts.unit_checks(damaged, [cold_drop()] * 2, study, 0.9, 0.05, split_reference(good))
+    assert checks["output_matches_recompute"]["ok"] is False
+    assert checks["output_matches_recompute"]["value"]["equal"] == 9
     split = good.copy()
     split.loc[(split["chain"] == 0) & (split["step"] == "cold"), "output_text"] = "w1 w2"
-    assert all(c["ok"] for c in contexts.unit_checks(split, [cold_drop()] * 2, study, 0.9, 0.05).values())
-    assert contexts.cold_answer_agreement(split) == {"chains": 2, "agree": 1}
+    cold_answer = split_reference(split, lambda key, at: "w1 w2" if key.endswith("-0") and at == 0 else None)
+    assert verdict(contexts.unit_checks(split, [cold_drop()] * 2, study, 0.9, 0.05, cold_answer))
+    assert contexts.answer_agreement(split)["cold_agrees"] == 1
+    # without a reference row for their prompts the answers are not verified, never passed
+    unseen = contexts.unit_checks(good, [cold_drop()] * 2, study, 0.9, 0.05, None)
+    assert unseen["output_matches_recompute"]["status"] == "not_verified"
 
 
 def test_the_table_fits_each_tier_states_where_it_pays_and_keeps_an_invalid_unit_out_of_the_fit():

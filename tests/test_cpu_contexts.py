@@ -8,8 +8,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from committed_runs import assert_same_gate
+
 from kvpool import contexts, steps
 from kvpool.cells import Cell
+from kvpool.checks import verdict
 from kvpool.files import read_json, read_records
 
 RUN = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-contexts"
@@ -29,11 +32,13 @@ def test_every_unit_is_valid_again_from_its_records(cell, tokens):
     rows = read_records(str(unit_dir(cell, tokens) / "requests.csv"))
     again = contexts.unit_checks(rows, meta["drops_before_cross"], contexts.chain_study(config, cell, tokens),
                                  config["min_hit_fraction"], config["max_resident_fraction"])
-    # the run's gate asked every chain's five answers to agree; today's asks the four reuse steps to
-    # (the pool's answer equal to the replica's own cache's), which that implies
-    recorded = dict(meta["checks"])
-    assert recorded.pop("chain_answers_agree")["ok"] and again.pop("pool_answer_matches_own_cache")["ok"]
-    assert meta["valid"] and again == recorded
+    # the run's gate asked every chain's five answers to agree (they did); today's holds each answer to a
+    # recompute in its own split, which this run, measured before that reference existed, did not compute:
+    # its answers are not verified, never passed, and the unit is valid on the rest
+    assert meta["checks"]["chain_answers_agree"]["ok"]
+    assert_same_gate(meta["checks"], again, new={"output_matches_recompute"}, gone={"chain_answers_agree"})
+    assert again["output_matches_recompute"]["status"] == "not_verified"
+    assert meta["valid"] and verdict(again)
     assert len(rows) == 3 * 5 and (rows["context"] == tokens).all()
     # the disk tier's pool was read from the device: out of the page cache before every cross step
     if cell.tier == "disk":

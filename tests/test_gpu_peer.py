@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpool import peer, steps
+from kvpool import load, peer, steps
 from kvpool.cells import Cell
 from kvpool.files import read_json, read_records
 
@@ -40,6 +40,15 @@ def test_the_cell_and_its_replay_are_valid_and_the_replay_loaded_what_reuse_load
     # the reference the gate compared with is the load run's: the same model seed and prompts
     reference = RUN.parent / "h200-mp-load-arms" / "results" / "reference" / "outputs.csv"
     assert (RUN / "results" / "reference" / "outputs.csv").read_bytes() == reference.read_bytes()
+
+
+def test_vllms_client_got_the_split_matched_recomputes_answers():
+    """Today's replay gate holds vLLM's client's answers (its saved generated texts) to the reference in each
+    follow-up's split, taken from kvpool's reuse of the same follow-up on the same pool: 64 of 64 equal."""
+    reused, replayed = records()
+    reference = read_records(str(RUN / "results" / "reference" / "outputs.csv"))
+    outputs = load.outputs_check(peer.with_reuse_splits(replayed, reused), reference, 1, batch_invariant=False)
+    assert outputs["status"] == "passed" and outputs["value"]["exact"] == outputs["value"]["equal"] == 64
 
 
 def test_the_table_rebuilds_from_the_records(tmp_path):

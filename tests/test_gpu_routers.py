@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from committed_runs import measured_only_rebuild, rebuild_router_table, router_checks_again
+from committed_runs import assert_same_gate, measured_only_rebuild, rebuild_router_table, router_checks_again
 
 from kvpool.cells import Cell
 
@@ -24,7 +24,12 @@ def test_every_unit_ran_on_the_gpu_and_is_valid_again_from_its_records(cell, rou
     assert manifest["git"]["commit"] == "fe7964e6e09f0a364b29399d530ba695282f9253"
     assert manifest["versions"]["vllm"] == "0.26.0" and manifest["hardware"]["gpu"]["devices"] == ["NVIDIA H200"]
     assert config["replicas"] == 3 and config["engine"]["replicas_per_gpu"] == 3 and meta["loss"]["replica"] == 2
-    assert again["valid"] and again["checks"] == meta["checks"]
+    # today's gate also holds the answers to a split-matched recompute; this run computed none (no
+    # results/reference), so they are not verified, and the hot phase's three in flight are not either
+    assert_same_gate(meta["checks"], again["checks"], new={"output_matches_recompute", "hot_outputs_match_recompute"})
+    assert again["checks"]["output_matches_recompute"]["value"]["unmatched"] == 24
+    assert {c["status"] for name, c in again["checks"].items() if "outputs" in name} == {"not_verified"}
+    assert again["valid"] and meta["valid"]
 
 
 def test_the_table_rebuilds_from_the_records(tmp_path):
@@ -36,8 +41,14 @@ def test_the_table_rebuilds_from_the_records(tmp_path):
 
 
 def test_the_findings_the_readme_states():
-    table = pd.read_csv(RUN / "results" / "routers.csv").set_index(["arm", "router", "phase"])
+    rows = pd.read_csv(RUN / "results" / "routers.csv")
+    table = rows[rows["group"] == "all"].set_index(["arm", "router", "phase"])
     follow = table.xs("follow-up", level="phase")
+    # round-robin's isolated follow-ups: own-cache hits (stayed) and recomputes (moved), two populations; the
+    # p50 of all 12 lies between them, where no request was
+    split = rows[(rows["arm"] == "isolated") & (rows["router"] == "round-robin") & (rows["phase"] == "follow-up")]
+    by_group = split.set_index("group")["ttft_p50_s"]
+    assert by_group["stayed"] < 0.15 < by_group["all"] < 0.45 < by_group["moved"]
     # every replica up: affinity's own cache answers with or without the pool
     assert follow.loc[("isolated", "prefix-affinity"), "local_cache_fraction"] > 0.95
     assert follow.loc[("isolated", "prefix-affinity"), "ttft_p50_s"] <= follow.loc[("shared", "round-robin"),

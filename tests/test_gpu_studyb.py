@@ -67,6 +67,19 @@ def test_the_tables_and_the_verdict_come_again_from_the_records(run, tmp_path):
     assert Path(out["studyb.md"]).read_text() == (run / "results" / "studyb.md").read_text()
 
 
+def test_todays_gate_holds_the_pairing_and_counts_the_twins_answers():
+    """As run, the default kernels' study was INVALID: 86 of 88 ON requests paired and 82 answered as their
+    OFF twin. Today the twins' answers are an observation (a twin computes in another split) and the two
+    unpaired turns follow a turn whose twins answered apart (their prompts hold that answer): VALID, its ON
+    answers not verified against a split-matched recompute, which this run predates."""
+    gate = read_json(RUN / "results" / "studyb" / "validity.json")
+    assert gate["valid"] and gate["checks"]["every_on_request_paired"]["value"] == {"paired": 86,
+                                                                                    "after_an_answer_apart": 2}
+    assert gate["information"]["outputs_equal_across_pairs"] == {"equal": 82, "of": 88}
+    for name in ("2-on", "3-on"):  # their records hold the gate as run: before the output check existed
+        assert "output_matches_recompute" not in read_json(BLOCKS / f"block~{name}" / "block.json")["checks"]
+
+
 def test_each_on_cross_step_loaded_the_whole_document_and_beat_off(rows):
     """The cross-replica step: the whole context from the pool in ON, none in OFF; ON at least 9x
     faster from 32K (9.3x there, 26x at 128K), as the page says."""

@@ -112,6 +112,35 @@ def test_the_gate_fails_on_errors_unattributed_tokens_a_window_that_disagrees_an
     assert not served["ok"] and served["value"]["served_after"] == 1
 
 
+def test_a_unit_holds_its_followups_answers_to_the_split_matched_recompute():
+    """Follow-ups one at a time are compared with the reference in their split; a document's first request
+    reads no cache and is not; the hot phase's answers, sent two at a time, are not verified unless the
+    kernels are batch-invariant."""
+    reference = pd.DataFrame({"key": "doc0/followup0", "requested_split": [0, 1024], "achieved_split": [0, 1024],
+                              "path": ["cold", "pool_chunks"], "output_text": ["cold answer", "x"], "error": ""})
+    hot = rows(1024, phases=("hot", "hot")).assign(cached_tokens=1024)
+    frame = pd.concat([rows(1024), hot], ignore_index=True)
+    windows = {"hot": {"local_cache_hit": 0, "external_kv_transfer": 2048, "local_compute": 0}}
+    found = routers.checks("shared", frame, windows, COLD, None, 1024, 0.9, 0.05, reference, False, 2)
+    assert found["valid"] and found["checks"]["output_matches_recompute"]["value"]["compared"] == 1
+    assert found["checks"]["hot_outputs_match_recompute"]["status"] == "not_verified"
+    invariant = routers.checks("shared", frame, windows, COLD, None, 1024, 0.9, 0.05, reference, True, 2)
+    assert "hot_outputs_match_recompute" not in invariant["checks"]
+    assert invariant["checks"]["output_matches_recompute"]["value"]["compared"] == 3  # a follow-up, two hot
+    damaged = rows(1024).assign(output_text="damaged")
+    assert not routers.checks("shared", damaged, {}, COLD, None, 1024, 0.9, 0.05, reference)["valid"]
+
+
+def test_a_phase_of_two_populations_is_also_given_as_each(tmp_path):
+    """Follow-ups that landed on a replica new to their document and those back on one that served it are
+    two populations; the table gives each beside the phase's whole."""
+    frame = pd.concat([rows(1024, seen=(True, False)), rows(0, seen=(True, True))], ignore_index=True)
+    follow = frame[frame["phase"] == "follow-up"]
+    assert [name for name, _ in routers.groups(follow, "follow-up")] == ["all", "moved", "stayed"]
+    assert [name for name, _ in routers.groups(follow, "hot")] == ["all"]  # the hot phase's sources are a window's
+    assert [name for name, _ in routers.groups(follow.iloc[:1], "follow-up")] == ["all"]
+
+
 def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica():
     frame = rows(1024, phases=("follow-up", "follow-up"))
     sources = routers.phase_sources(frame, None)
@@ -119,8 +148,9 @@ def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica()
     row = routers.phase_row(Cell("lmcache-fs", "shared", 256, "disk"), "cross", "follow-up", frame, sources, True)
     assert row["pool_fraction"] == 0.5 and row["computed_fraction"] == 0.5 and row["max_replica_share"] == 0.5
     assert row["moved_fraction"] == 1.0 and row["requests"] == 2 and row["ttft_p50_s"] == pytest.approx(0.3)
-    assert "| lmcache-fs / shared / chunk 256 / disk | cross | follow-up | valid | 2 |" in routers.markdown(
-        pd.DataFrame([row]))
+    assert row["group"] == "all" and row["ttft_p99_basis"] == "max of 2"
+    assert ("| lmcache-fs / shared / chunk 256 / disk | cross | follow-up | all | valid | 2 | 0.3 s [0.1, 0.5] | "
+            "max of 2: 0.5 s |") in routers.markdown(pd.DataFrame([row]))
 
 
 def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
@@ -147,7 +177,7 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
     assert {"ttft.png", "ttft.svg", "sources.png", "sources.svg"} <= {p.name for p in (out / "routers").iterdir()}
     section = steps._routers_section(str(out / "routers.csv"))
     assert section["html"].count("INVALID") == 3 and all(Path(f["png"]).exists() for f in section["figures"])
-    assert "| prefix-affinity | hot | **INVALID** |" in (out / "routers.md").read_text()
+    assert "| prefix-affinity | hot | all | **INVALID** |" in (out / "routers.md").read_text()
     validity, kv_bytes = passing_gate_inputs(tmp_path, cell.name)
     with pytest.raises(SystemExit, match="router~prefix-affinity: its run.json names the failed checks"):
         steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), routers_csv=str(out / "routers.csv"))

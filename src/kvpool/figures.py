@@ -66,8 +66,14 @@ def ttft_p50(table: pd.DataFrame):
 
 
 def ttft_p99(table: pd.DataFrame):
-    return _bars(table, "ttft_p99_s", "Figure 2. Cross-replica TTFT, p99 (bars: bootstrap 95% CI)", "seconds",
-                 "ttft_p99_ci_low_s", "ttft_p99_ci_high_s")
+    """TTFT p99 per arm; where a cell has under 100 follow-ups the bar is its largest TTFT, labelled so."""
+    plot = _bars(table, "ttft_p99_s", "Figure 2. Cross-replica TTFT, p99 (bars: bootstrap 95% CI; "
+                 "\"max of n\": too few follow-ups for a p99)", "seconds", "ttft_p99_ci_low_s", "ttft_p99_ci_high_s")
+    if "ttft_p99_basis" in table:
+        basis = table["ttft_p99_basis"].fillna("p99")
+        plot.data["bar_label"] = [label if b == "p99" else f"{b}: {label}"
+                                  for label, b in zip(plot.data["bar_label"], basis, strict=True)]
+    return plot
 
 
 def wall_clock(table: pd.DataFrame):
@@ -77,7 +83,8 @@ def wall_clock(table: pd.DataFrame):
 def power(table: pd.DataFrame):
     """Mean GPU power during reuse where measured; otherwise what was measured instead, labelled as such."""
     if table["mean_power_w"].notna().any():
-        return _bars(table, "mean_power_w", "Figure 4. Mean GPU board power during reuse", "watts")
+        return _bars(table, "mean_power_w", "Figure 4. Mean GPU power during reuse (energy counter over the phase)",
+                     "watts")
     return _bars(table, "replica_cpu_s_per_followup",
                  "Figure 4. No GPU here: replica CPU seconds per follow-up during reuse (not watts)",
                  "CPU seconds per follow-up")
@@ -344,8 +351,17 @@ ROUTER_PHASES = ["follow-up", "hot", "after-loss"]
 SOURCE_COLOURS = {"own cache": "#7570b3", "pool": "#1b9e77", "computed": "#d95f02"}
 
 
-def _router_frame(table: pd.DataFrame) -> pd.DataFrame:
+def _router_frame(table: pd.DataFrame, split: bool = False) -> pd.DataFrame:
+    """The routers table's phases drawn; with ``split``, a phase whose requests moved and stayed is drawn
+    as its two groups (two populations), each router labelled with its group."""
     data = table[table["phase"].isin(ROUTER_PHASES)].copy()
+    if "group" in data:
+        keys = ["cell", "router", "phase"]
+        parts = data[data["group"] != "all"]
+        has_parts = data.set_index(keys).index.isin(parts.set_index(keys).index)
+        data = (pd.concat([data[(data["group"] == "all") & ~has_parts], parts]) if split
+                else data[data["group"] == "all"]).copy()
+        data["router"] = data["router"] + data["group"].map(lambda g: "" if g == "all" else f" ({g})")
     data["setting"] = data["backend"] + " / chunk " + data["chunk"].astype(str) + " / " + data["tier"]
     data["phase"] = pd.Categorical(data["phase"], ROUTER_PHASES)
     data["validity"] = data["valid"].map({True: "valid", False: "INVALID"})
@@ -354,8 +370,9 @@ def _router_frame(table: pd.DataFrame) -> pd.DataFrame:
 
 def router_ttft(table: pd.DataFrame):
     """TTFT p50 (bars, with its interval) and p99 (points) per router and arm, one panel per phase: where
-    a router alone keeps requests on the replica that holds their document, and where only the pool helps."""
-    data = _router_frame(table)
+    a router alone keeps requests on the replica that holds their document, and where only the pool helps;
+    requests that moved to a replica new to their document and those that stayed are drawn apart."""
+    data = _router_frame(table, split=True)
     return (ggplot(data, aes("router", "ttft_p50_s", fill="arm", alpha="validity"))
             + geom_col(position="dodge", width=0.7)
             + geom_errorbar(aes(ymin="ttft_p50_ci_low_s", ymax="ttft_p50_ci_high_s"), position="dodge", width=0.7)

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kvpool import validity
+from kvpool.checks import check, not_verified, verdict
 from kvpool.client import RequestResult, complete
 from kvpool.pool import pool_files
 
@@ -126,8 +127,7 @@ def restore_pool(dirs: list[Path], populate_digests: pd.DataFrame) -> dict:
 
 def files_restored(unchanged: dict) -> dict:
     """The ``pool_restored`` check of a pool of files: populate's files unchanged (kvbytes.unchanged)."""
-    return {"ok": unchanged["changed"] == 0 and unchanged["missing"] == 0, "value": unchanged,
-            "threshold": "populate's files unchanged"}
+    return check(unchanged["changed"] == 0 and unchanged["missing"] == 0, unchanged, "populate's files unchanged")
 
 
 def repopulated(cell_rows: pd.DataFrame, cell_meta: dict, rows: pd.DataFrame, meta: dict) -> dict:
@@ -145,33 +145,48 @@ def memory_restored(restored: dict) -> dict:
     """The ``pool_restored`` check of a memory pool populated again for its level (``repopulated``)."""
     ok = (restored["same_placement"] and restored["errors"] == 0 and restored["preflight_ok"]
           and restored["bytes"] == restored["cell_bytes"])
-    return {"ok": ok, "value": restored,
-            "threshold": "populated again without errors, in the same placement, to the cell's pool bytes"}
+    return check(ok, restored, "populated again without errors, in the same placement, to the cell's pool bytes")
 
 
 def request_checks(rows: pd.DataFrame) -> dict:
     """What every unit of the load chain asks of its requests: no errors, every follow-up cross-replica."""
     errors = int((rows["error"].fillna("") != "").sum())
     cross = rows["prefill_replica"] != rows["serve_replica"]
-    return {"zero_errors": {"ok": errors == 0, "value": errors, "threshold": 0},
-            "cross_replica": {"ok": bool(len(rows)) and bool(cross.all()),
-                              "value": float(cross.mean()) if len(rows) else 0.0, "threshold": 1.0}}
+    return {"zero_errors": check(errors == 0, errors, 0),
+            "cross_replica": check(bool(len(rows)) and bool(cross.all()), float(cross.mean()) if len(rows) else 0.0,
+                                   1.0)}
+
+
+def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, in_flight: int, batch_invariant: bool) -> dict:
+    """A level's answers against the split-matched reference (kvpool.reference). With more than one
+    request in flight the batch a request shares changes the kernels' numerics, so its answer is only
+    comparable under vLLM's batch-invariant kernels; without them the check is not verified, and says why."""
+    if in_flight > 1 and not batch_invariant:
+        answered = int((rows["error"].fillna("") == "").sum())
+        return not_verified(f"{answered} answers sent up to {in_flight} at a time: the batch each shared changes "
+                            "the numerics, so they are not comparable with a recompute sent alone; "
+                            "engine.batch_invariant: true (vLLM's batch-invariant kernels) makes them so",
+                            {"answers": answered, "in_flight": in_flight})
+    return validity.outputs_check(rows, reference)
 
 
 def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_restored: dict, doc_tokens: int,
-                 min_hit_fraction: float, max_resident_fraction: float) -> dict:
-    """A level's gate: what the cell's gate asks of its reuse, on this level's requests."""
+                 min_hit_fraction: float, max_resident_fraction: float, outputs: dict | None = None) -> dict:
+    """A level's gate: what the cell's gate asks of its reuse, on this level's requests, with its
+    answers against the recompute (``outputs``: :func:`outputs_check`)."""
     fractions = rows["cached_tokens"].fillna(0).astype(float) / doc_tokens
     checks = {
         **request_checks(rows),
         "pool_restored": pool_restored,
-        "hit_attribution": {"ok": hits["agree"], "value": hits, "threshold": "the two sums equal"},
+        "hit_attribution": check(hits["agree"], hits, "the two sums equal"),
     }
     checks["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)  # as the cell's gate
     if arm == "shared":
         worst = float(fractions.min()) if len(fractions) else 0.0
-        checks["pool_hits"] = {"ok": worst >= min_hit_fraction, "value": worst, "threshold": min_hit_fraction}
+        checks["pool_hits"] = check(worst >= min_hit_fraction, worst, min_hit_fraction)
     else:
-        checks["isolation"] = {"ok": int(rows["cached_tokens"].fillna(0).sum()) == 0,
-                               "value": int(rows["cached_tokens"].fillna(0).sum()), "threshold": 0}
-    return {"valid": all(c["ok"] for c in checks.values()), "checks": checks}
+        loaded = int(rows["cached_tokens"].fillna(0).sum())
+        checks["isolation"] = check(loaded == 0, loaded, 0)
+    if outputs is not None:
+        checks["output_matches_recompute"] = outputs
+    return {"valid": verdict(checks), "checks": checks}

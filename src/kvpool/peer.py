@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvpool.summary import percentile_ci
+from kvpool.checks import check, verdict
+from kvpool.summary import percentile_ci, reported_percentile
 
 PEER_LEVEL = "peer"
 
@@ -122,8 +123,17 @@ def _latency(result: dict, i: int) -> float:
     return float(result["ttfts"][i]) + float(sum(result["itls"][i]))
 
 
+def with_reuse_splits(frame: pd.DataFrame, reuse: pd.DataFrame) -> pd.DataFrame:
+    """The replay's records with each follow-up's split taken from kvpool's reuse phase of the same
+    follow-up on the same pool (vLLM's client reports none per request; the window's hits, checked
+    against reuse's, say the replay loaded the same)."""
+    first = reuse[reuse["followup"].fillna(0) == 0] if "followup" in reuse else reuse
+    splits = first.set_index("doc_id")["cached_tokens"]
+    return frame.assign(cached_tokens=frame["doc_id"].map(splits))
+
+
 def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], window_external: int | None,
-           expected_external: int, pool_restored: dict, cold_reads: dict) -> dict:
+           expected_external: int, pool_restored: dict, cold_reads: dict, outputs: dict | None = None) -> dict:
     """The replay's gate: what a load level's asks, with the hits from the serving replicas' /metrics
     over the window (vLLM's client reports none per request) against what kvpool's reuse phase loaded
     (shared arm) or nothing (isolated arm), and the server's prompt token counts equal to the
@@ -134,17 +144,18 @@ def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], windo
     wanted = [followup_tokens[d] for d in frame["doc_id"]]
     found = {
         **request_checks(frame),
-        "same_prompts": {"ok": sent == wanted, "value": int(sum(a != b for a, b in zip(sent, wanted, strict=True))),
-                         "threshold": "every prompt's token count as the server counted it equals the follow-up's"},
+        "same_prompts": check(sent == wanted, int(sum(a != b for a, b in zip(sent, wanted, strict=True))),
+                              "every prompt's token count as the server counted it equals the follow-up's"),
         "pool_restored": pool_restored,
         "cold_reads": cold_reads,
     }
     name = "pool_hits" if arm == "shared" else "isolation"
-    found[name] = {"ok": window_external == expected_external, "value": window_external,
-                   "threshold": expected_external,
-                   "used": "the serving replicas' /metrics external-transfer deltas over the replay's window, "
-                           "against the tokens kvpool's reuse phase loaded (shared) or none (isolated)"}
-    return {"valid": all(c["ok"] for c in found.values()), "checks": found}
+    found[name] = check(window_external == expected_external, window_external, expected_external,
+                        used="the serving replicas' /metrics external-transfer deltas over the replay's window, "
+                             "against the tokens kvpool's reuse phase loaded (shared) or none (isolated)")
+    if outputs is not None:
+        found["output_matches_recompute"] = outputs
+    return {"valid": verdict(found), "checks": found}
 
 
 def peer_rows(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool, vllm_valid: bool) -> list[dict]:
@@ -167,9 +178,10 @@ def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool,
     row = {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
            "replica": replica, "requests": len(vllm), "valid": bool(kvpool_valid and vllm_valid)}
     for q in (50, 99):
-        row[f"kvpool_ttft_p{q}_s"] = float(np.percentile(ours, q)) if len(ours) else np.nan
-        row[f"vllm_ttft_p{q}_s"] = float(np.percentile(theirs, q)) if len(theirs) else np.nan
+        mine, vllm_found = reported_percentile(ours, q), reported_percentile(theirs, q)
+        row[f"kvpool_ttft_p{q}_s"], row[f"vllm_ttft_p{q}_s"] = mine["value"], vllm_found["value"]
         row[f"ratio_p{q}"] = row[f"vllm_ttft_p{q}_s"] / row[f"kvpool_ttft_p{q}_s"]
+        row[f"ttft_p{q}_basis"] = mine["basis"]
     row["p50_difference_pct"] = 100.0 * (row["ratio_p50"] - 1.0)
     # the same follow-up measured by both clients: the median of the per-request changes, with its
     # bootstrap interval, says whether the p50s differ by more than the requests' own spread
@@ -199,6 +211,7 @@ def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
         "paired change, median [95% CI]": f"{r['paired_median_change_pct']:+.1f}% "
                                           f"[{r['paired_median_change_ci_low_pct']:+.1f}, "
                                           f"{r['paired_median_change_ci_high_pct']:+.1f}]",
+        "TTFT p99 basis": r.get("ttft_p99_basis", "p99"),
         "kvpool TTFT p99": f"{r['kvpool_ttft_p99_s']:.4g} s", "vllm bench TTFT p99": f"{r['vllm_ttft_p99_s']:.4g} s",
     } for _, r in table.iterrows()])
 

@@ -1,4 +1,4 @@
-"""The timed phases: populate the pool, reuse it cross-replica, and a plain recompute for reference.
+"""The timed phases: populate the pool, reuse it cross-replica, and a pool-less recompute for reference.
 
 Each phase starts its own fleet and stops it before returning, on success or failure.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import subprocess
 import time
@@ -18,17 +19,20 @@ import pandas as pd
 from tqdm import tqdm
 
 from kvpool import external, metrics, mp
+from kvpool import reference as split_reference
 from kvpool.client import RequestResult, complete, new_session
 from kvpool.fleet import FleetError, PoolServer, Replica, running_fleet, running_servers
 from kvpool.plan import plan_gpus, plan_pool_dirs
 from kvpool.pool import drop_from_page_cache
+from kvpool.reference import followups
 from kvpool.routing import followup_route, populate_route
 from kvpool.telemetry import Sampler
 
 log = logging.getLogger(__name__)
 
 RECORD_COLUMNS = ["doc_id", "prefill_replica", "serve_replica", "ttft_s", "e2e_s", "prompt_tokens",
-                  "cached_tokens", "external_hit_tokens", "local_compute_tokens", "error", "started_at", "output_text"]
+                  "cached_tokens", "external_hit_tokens", "local_compute_tokens", "error", "started_at", "output_text",
+                  "followup", "local_cache_hit_tokens"]
 
 
 class PreflightFailed(RuntimeError):
@@ -83,7 +87,7 @@ def _record(doc_id: int, prefill: int | None, serve: int, result: RequestResult,
     row = dataclasses.asdict(result)
     row.update(doc_id=doc_id, prefill_replica=prefill, serve_replica=serve,
                external_hit_tokens=counts.get("external_kv_transfer"),
-               local_compute_tokens=counts.get("local_compute"))
+               local_compute_tokens=counts.get("local_compute"), local_cache_hit_tokens=counts.get("local_cache_hit"))
     return {column: row.get(column) for column in RECORD_COLUMNS}
 
 
@@ -235,16 +239,45 @@ def populate(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int]
     return frame, meta, sampler
 
 
-async def _reuse(replicas, workload, route, prefill, cfg) -> tuple[list[dict], float, float]:
+async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica) -> str:
+    """Empty ``replica``'s own prefix cache through vLLM's /reset_prefix_cache (open with
+    VLLM_SERVER_DEV_MODE); an error message, or "" when vLLM reports success. The next request's
+    local-cache-hit counter delta proves it."""
+    try:
+        async with session.post(f"{replica.url}/reset_prefix_cache",
+                                timeout=aiohttp.ClientTimeout(total=60)) as response:
+            body = await response.text()
+            if response.status != 200:
+                return f"replica {replica.index}: /reset_prefix_cache answered HTTP {response.status}: {body[:200]}"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return _replica_error(replica, "/reset_prefix_cache", exc)
+    # vLLM answers {"success": false} while blocks are still held; older versions answer with no body
+    if body.strip().startswith("{") and not json.loads(body).get("success", True):
+        return f"replica {replica.index}: /reset_prefix_cache reported no success (blocks still held)"
+    return ""
+
+
+async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) -> tuple[list[dict], float, float]:
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     by_index = {r.index: r for r in replicas}
     rows = []
     async with new_session() as session:
         started = time.time()
-        for item in tqdm(workload, desc="reuse", unit="follow-up"):
-            serve = by_index[route[item["doc_id"]]]
-            result, counts = await measured_request(session, serve, item["followup"], output_tokens, timeout_s)
-            rows.append(_record(item["doc_id"], prefill[item["doc_id"]], serve.index, result, counts))
+        with tqdm(total=sum(len(followups(item)) for item in workload), desc="reuse", unit="follow-up") as bar:
+            for item in workload:
+                serve = by_index[route[item["doc_id"]]]
+                for number, prompt in enumerate(followups(item)):
+                    reset = ""
+                    if number:  # a reload again: nothing of the document left in the serving replica or warm
+                        reset = await reset_prefix_cache(session, serve)
+                        if between_reloads is not None:
+                            await asyncio.to_thread(between_reloads)
+                    result, counts = await measured_request(session, serve, prompt, output_tokens, timeout_s)
+                    if reset and not result.error:
+                        result.error = f"the prefix cache reset before this follow-up failed: {reset}"
+                    row = _record(item["doc_id"], prefill[item["doc_id"]], serve.index, result, counts)
+                    rows.append({**row, "followup": number})
+                    bar.update()
         finished = time.time()
     return rows, started, finished
 
@@ -260,17 +293,20 @@ def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
 
 
 def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str],
-          servers: list[PoolServer] | None = None):
+          servers: list[PoolServer] | None = None, between_reloads=None):
     """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty),
     drop the pool from the page cache again, send every follow-up to a replica that did not prefill
-    its document, one at a time, and stop the fleet."""
+    its document, one at a time, and stop the fleet. Before each of a document's later follow-ups the
+    serving replica's prefix cache is emptied and ``between_reloads`` runs (a pool of files restored
+    and dropped again)."""
     route = followup_route(prefill, len(plan["replicas"]))
     with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
         with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
             # Starting the fleet may have touched the pool; the drop must hold right before the reads.
             drop = drop_pool(plan, cfg["drop_caches"])
             with _sampler(plan, "reuse", disks, cfg, replicas) as sampler:
-                rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg))
+                rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg,
+                                                             between_reloads))
     frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
     meta = {"drop_before_reuse": drop, "wall_s": finished - started, "started_at": started, "finished_at": finished}
     if pool_record:
@@ -278,32 +314,19 @@ def reuse(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, 
     return frame, meta, sampler
 
 
-async def _reference(replica: Replica, workload, cfg) -> list[dict]:
+def reference(plan: dict, requests: list, cfg: dict, log_dir: Path) -> pd.DataFrame:
+    """Greedy answers of ``requests`` (kvpool.reference.Request: a prompt and the split to compute it in)
+    from one replica with no pool, started for them and stopped after: the split-matched reference."""
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-    rows = []
-    async with new_session() as session:
-        for item in tqdm(workload, desc="reference (cold)", unit="follow-up"):
-            # A salt of its own: no cached block is reused, and none is left for the second path.
-            result, counts = await measured_request(session, replica, item["followup"], output_tokens, timeout_s,
-                                             cache_salt=f"kvpool-cold-{item['doc_id']}")
-            rows.append({**_record(item["doc_id"], None, 0, result, counts), "path": "cold"})
-        for item in tqdm(workload, desc="reference (after document)", unit="follow-up"):
-            stored = await complete(session, replica.url, item["document"], output_tokens, timeout_s)
-            result, counts = await measured_request(session, replica, item["followup"], output_tokens, timeout_s)
-            if stored.error and not result.error:
-                result.error = f"document request failed: {stored.error}"
-            rows.append({**_record(item["doc_id"], 0, 0, result, counts), "path": "after_document"})
-    return rows
 
+    async def run(url: str) -> list[dict]:
+        async with new_session() as session:
+            with tqdm(total=len(requests), desc="reference", unit="request") as bar:
+                return await split_reference.compute(session, url, requests, output_tokens, timeout_s, bar)
 
-def reference(plan: dict, workload: list[dict], cfg: dict, log_dir: Path) -> pd.DataFrame:
-    """Greedy outputs of every follow-up from a replica with no pool, computed two ways (``path``):
-    ``cold``, the whole prompt from nothing, as an isolated-arm replica computes it; and
-    ``after_document``, the document alone first (as populate sends it), then the follow-up on the
-    document's cached KV: what a shared-pool hit replays, with the KV never leaving the replica."""
     with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-        rows = asyncio.run(_reference(replicas[0], workload, cfg))
-    return pd.DataFrame(rows, columns=[*RECORD_COLUMNS, "path"])
+        rows = asyncio.run(run(replicas[0].url))
+    return pd.DataFrame(rows, columns=split_reference.COLUMNS)
 
 
 LOAD_COLUMNS = [*RECORD_COLUMNS, "level", "due_s"]
@@ -479,10 +502,12 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
     from kvpool.pool import corrupt, pool_files
     from kvpool.studyb import run_block
 
-    injected, before = [], set()
+    injected, before, prompts = [], set(), {}
     fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
 
     async def body(send, send_together, plan, replicas):
+        send, send_together = _recording(send, prompts), _recording(send_together, prompts)
+
         def corrupt_first_chunk(step: str) -> None:
             """Fault injection: the first chunk file the chain's cold step stored, before the cross step."""
             files = pool_files(plan_pool_dirs(plan))
@@ -502,7 +527,16 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
     meta = {"block": block, **meta}
     if fault:
         meta["fault_injection"] = injected
-    return rows, meta
+    return rows, meta, prompts
+
+
+def _recording(send, prompts: dict[str, list[int]]):
+    """``send`` that also keeps each prompt by its payload's SHA-256, for the reference to compute."""
+    async def recorded(replica: int, prompt: list[int]):
+        prompts[split_reference.payload_sha256(prompt)] = prompt
+        return await send(replica, prompt)
+
+    return recorded
 
 
 def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Path, disks: list[str]):
@@ -512,9 +546,11 @@ def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Pa
     from kvpool.contexts import BLOCK
     from kvpool.studyb import COLUMNS, run_block
 
-    drops = []
+    drops, prompts = [], {}
 
     async def body(send, _send_together, plan, replicas):
+        send = _recording(send, prompts)
+
         def before(step: str) -> None:
             if step == "cross":
                 drops.append(drop_pool(plan, cfg["drop_caches"]))
@@ -522,7 +558,7 @@ def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Pa
         return await run_block(send, BLOCK, workload, study, len(replicas), before)
 
     rows, meta, sampler = _chain_fleet(plan, cfg, log_dir, body, sampled=("contexts", disks))
-    return pd.DataFrame(rows, columns=COLUMNS), {"drops_before_cross": drops, **meta}, sampler
+    return pd.DataFrame(rows, columns=COLUMNS), {"drops_before_cross": drops, "prompts": prompts, **meta}, sampler
 
 
 def _routed_row(router: str, phase: str, seq: int, doc_id: int, first: int | None, serve: Replica, seen: bool,

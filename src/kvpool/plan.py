@@ -109,8 +109,21 @@ def placements(engine: dict, replicas: int, available_cores: list[int] | None = 
     return [{"core": None, "gpu": gpus[i // per_gpu], "sequential_start": sequential} for i in range(replicas)]
 
 
-def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Path | None) -> dict:
+def batch_invariant(engine: dict) -> bool:
+    """Whether the replicas run vLLM's batch-invariant kernels (``engine.batch_invariant``, or set through
+    ``engine.env`` as runs before the key did)."""
+    return bool(engine.get("batch_invariant")) or str(engine["env"].get("VLLM_BATCH_INVARIANT", "0")) == "1"
+
+
+def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Path | None,
+                dev_mode: bool = False) -> dict:
+    """A replica's environment; ``dev_mode`` opens vLLM's /reset_prefix_cache (VLLM_SERVER_DEV_MODE), which
+    a reuse phase of several follow-ups per document needs."""
     env = dict(BASE_ENV)
+    if batch_invariant(engine):
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     if hash_keys == "pythonhashseed":
         env["PYTHONHASHSEED"] = "0"
     if lmcache_file is not None:
@@ -135,6 +148,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     engine = config["engine"]
     replicas = config["replicas"]
     places = placements(engine, replicas, available_cores)
+    dev_mode = config["workload"].get("followups_per_document", 1) > 1
     util = _gpu_memory_share(engine)
     off = cell.arm == OFF_ARM
     dirs = [None] * replicas if off else pool_dirs(config, cell, root=pool_root)
@@ -146,12 +160,12 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
         if off:
             transfer = None
             entry.update(lmcache_config_file=None, lmcache_config=None,
-                         env=replica_env(engine, place, config["hash_keys"], None))
+                         env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         elif cell.backend == mp.BACKEND:
             server = servers[0] if cell.arm == "shared" else servers[index]
             transfer = mp.kv_transfer_config(server["host"], server["port"])
             entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
-                         env=replica_env(engine, place, config["hash_keys"], None))
+                         env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         else:
             lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
             transfer = kv_transfer_config(engine["kind"])
@@ -162,7 +176,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
                 entry["server"] = server["index"]
             entry.update(lmcache_config_file=str(lmcache_file),
                          lmcache_config=lmcache_config(config, cell, pool_dir, server_url),
-                         env=replica_env(engine, place, config["hash_keys"], lmcache_file))
+                         env=replica_env(engine, place, config["hash_keys"], lmcache_file, dev_mode))
         entry["kv_transfer"] = transfer
         entry["argv"] = engine_argv(engine, model, port, kv_transfer=transfer, prefix_caching=True,
                                     gpu_memory_utilization=util)

@@ -8,12 +8,15 @@ from pathlib import Path
 import numpy as np
 
 
-def make_workload(token_ids: list[int], documents: int, doc_tokens: int, followup_tokens: int, seed: int) -> list[dict]:
+def make_workload(token_ids: list[int], documents: int, doc_tokens: int, followup_tokens: int, seed: int,
+                  followups_per_document: int = 1) -> list[dict]:
     """Documents and follow-ups as token-id lists drawn from ``token_ids``; the same seed gives the same prompts.
 
     A follow-up is its whole document plus ``followup_tokens`` new tokens, so only the document can
     come from a cache. The first token of each document is unique to it, so no two documents share a
-    cacheable prefix.
+    cacheable prefix. With ``followups_per_document`` > 1 each item also lists its follow-ups
+    (``followups``, the first being ``followup``): the later ones draw their new tokens from a stream of
+    their own, so the documents and first follow-ups stay those of one follow-up per document.
     """
     if documents > len(token_ids):
         raise ValueError(f"{documents} documents need {documents} distinct first tokens; "
@@ -27,6 +30,10 @@ def make_workload(token_ids: list[int], documents: int, doc_tokens: int, followu
         document = [int(firsts[doc_id])] + body
         followup = document + rng.choice(pool, size=followup_tokens).tolist()
         workload.append({"doc_id": doc_id, "document": document, "followup": followup})
+    for item in workload if followups_per_document > 1 else []:
+        more = [np.random.default_rng([seed, item["doc_id"], number]).choice(pool, size=followup_tokens).tolist()
+                for number in range(1, followups_per_document)]
+        item["followups"] = [item["followup"], *(item["document"] + tokens for tokens in more)]
     return workload
 
 

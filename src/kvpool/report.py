@@ -18,6 +18,7 @@ from kvpool.cells import Cell
 from kvpool.files import read_frame_or_empty, read_json, read_records
 from kvpool.plan import SERVER_BACKENDS
 from kvpool.summary import fmt_interval, fmt_value
+from kvpool.telemetry import energy_mean_power
 from kvpool.validity import failures
 
 
@@ -58,7 +59,7 @@ def collect(root: Path, cells: list[Cell], config: dict) -> Results:
             frame = read_frame_or_empty(folder / "telemetry" / name)
             if len(frame.columns):  # no file rows at all: the phase sampled no drive
                 frames.append(frame.assign(**keys, since_start_s=frame["t_s"] - origin))
-        power = summary["reuse"]["power"]
+        power = energy_mean_power(summary["reuse"]["power"], summary["reuse"].get("duration_s"))
         followups = max(1, len(records))
         rows.append({
             **keys,
@@ -149,7 +150,7 @@ def render_page(template: Path, out: Path, context: dict) -> None:
 
 def _with_interval(row: pd.Series, column: str, unit: str, low: str, high: str) -> str:
     shown = fmt_value(row[column], unit)
-    return shown if shown == "n/a" else shown + fmt_interval(row.get(low), row.get(high))
+    return shown if shown == "n/a" else shown + fmt_interval(row.get(low), row.get(high), unit)
 
 
 def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
@@ -160,10 +161,16 @@ def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
         shown = {"cell": f"{row['backend']} / chunk {row['chunk']} / {row['tier']} / {row['arm']}",
                  "gate": "valid" if row["valid"] else "INVALID"}
         for q in (50, 95, 99):
-            shown[f"TTFT p{q}"] = _with_interval(row, f"ttft_p{q}_s", "s", f"ttft_p{q}_ci_low_s",
-                                                 f"ttft_p{q}_ci_high_s")
-        shown.update({"reload ≤ warm_s": fmt_value(row["reload_rate"], "fraction"),
-                      "SLO attainment": fmt_value(row["slo_attainment"], "fraction"),
+            basis = row.get(f"ttft_p{q}_basis")
+            shown[f"TTFT p{q}"] = (f"{basis}: {fmt_value(row[f'ttft_p{q}_s'], 's')}"
+                                   if isinstance(basis, str) and basis.startswith("max of")
+                                   else _with_interval(row, f"ttft_p{q}_s", "s", f"ttft_p{q}_ci_low_s",
+                                                       f"ttft_p{q}_ci_high_s"))
+        shown.update({"n": f"{row['ttft_n']:.0f}" if pd.notna(row.get("ttft_n")) else "n/a",
+                      "reload ≤ warm_s": _with_interval(row, "reload_rate", "fraction", "reload_rate_ci_low",
+                                                        "reload_rate_ci_high"),
+                      "SLO attainment": _with_interval(row, "slo_attainment", "fraction", "slo_attainment_ci_low",
+                                                       "slo_attainment_ci_high"),
                       "wall clock": fmt_value(row["wall_clock_s"], "s"),
                       "GPU power": fmt_value(row["mean_power_w"], "W"),
                       "energy / follow-up": fmt_value(row["energy_per_followup_j"], "J"),
@@ -174,11 +181,18 @@ def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
 
 
 def headline_for_reading(head: pd.DataFrame) -> pd.DataFrame:
-    """The isolated / shared ratios as a person reads them: one setting per row, two significant digits."""
+    """The isolated / shared ratios as a person reads them: one setting per row, two significant digits,
+    the p50's with its 95% interval and the follow-ups it rests on, the p99's with its basis."""
+    def interval(row) -> str:
+        low, high = row["ttft_p50_s_ratio_ci_low"], row["ttft_p50_s_ratio_ci_high"]
+        return f" [{low:.2g}, {high:.2g}]" if pd.notna(low) and pd.notna(high) else ""
+
     return pd.DataFrame([{"setting": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
-                          "TTFT p50": f"{row['ttft_p50_s_ratio']:.2g}x", "TTFT p99": f"{row['ttft_p99_s_ratio']:.2g}x",
+                          "TTFT p50": f"{row['ttft_p50_s_ratio']:.2g}x{interval(row)}",
+                          "follow-ups (isolated / shared)": f"{row['isolated_n']:.0f} / {row['shared_n']:.0f}",
+                          "TTFT p99": f"{row['ttft_p99_s_ratio']:.2g}x ({row['ttft_p99_basis']})",
                           "wall clock": f"{row['wall_clock_s_ratio']:.2g}x"} for _, row in head.iterrows()],
-                        columns=["setting", "TTFT p50", "TTFT p99", "wall clock"])
+                        columns=["setting", "TTFT p50", "follow-ups (isolated / shared)", "TTFT p99", "wall clock"])
 
 
 def kv_bytes_for_reading(table: pd.DataFrame) -> pd.DataFrame:

@@ -21,6 +21,7 @@ from kvpool.cells import Cell, is_memory_pool, pool_root, run_pools
 from kvpool.files import read_frame_or_empty, read_json, read_records, write_json
 from kvpool.fleet import free_ports, resolve_ports, resolve_server_ports, running_servers
 from kvpool.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
+from kvpool.telemetry import energy_mean_power
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +52,8 @@ def vocabulary(model: str) -> list[int]:
 
 def make_prompts(model: str, workload_cfg: dict, out: str) -> None:
     items = prompts.make_workload(vocabulary(model), workload_cfg["documents"], workload_cfg["doc_tokens"],
-                                  workload_cfg["followup_tokens"], workload_cfg["seed"])
+                                  workload_cfg["followup_tokens"], workload_cfg["seed"],
+                                  workload_cfg["followups_per_document"])
     prompts.write_workload(Path(out), items)
     log.info("wrote %d documents of %d tokens", len(items), workload_cfg["doc_tokens"])
 
@@ -213,9 +215,23 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
             f"the pool of {cell.name} holds {found} files, {found - len(stored)} "
             f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; "
             f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
+    drops = []
+
+    def between_reloads() -> None:
+        """A pool of files back to what populate stored (the last follow-up's stores removed) and out of
+        the page cache again, so the next follow-up reloads it from the device."""
+        from kvpool.load import restore_pool
+
+        restore_pool(dirs, stored)
+        drops.append(phases.drop_pool(plan, config["drop_caches"]))
+
+    files = not plan.get("memory_pool") and not plan.get("external")
     frame, meta = _run_sampled_phase(
-        plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks, servers),
+        plan, lambda disks: phases.reuse(plan, workload, prefill, config, Path(log_dir), disks, servers,
+                                         between_reloads if files else None),
         drive_csv, power_csv, log_dir)
+    if drops:
+        meta["drops_between_reloads"] = drops
     _archive(frame, Path(csv_out), "reuse")
     frame.to_csv(csv_out, index=False)
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
@@ -255,10 +271,30 @@ def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path:
 
 
 def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
-    ports, source = _ports(config, 1)
-    plan = reference_plan(config, model, ports[0], source)
-    frame = phases.reference(plan, prompts.read_workload(Path(prompts_path)), config, Path(log_dir))
+    """Study A's split-matched reference: every follow-up in each split the workload's arithmetic
+    predicts (kvpool.reference.predicted_requests), on one replica with no pool."""
+    from kvpool import reference
+
+    requests = reference.predicted_requests(prompts.read_workload(Path(prompts_path)), config["chunk_sizes"])
+    frame = phases.reference(reference_replica(config, model), requests, config, Path(log_dir))
     frame.to_csv(csv_out, index=False)
+    _refuse_failed_reference(frame)
+
+
+def _refuse_failed_reference(frame: pd.DataFrame) -> None:
+    """A reference that could not compute every request would leave answers unverified: stop, naming why."""
+    failed = frame[frame["error"].fillna("") != ""]
+    if len(failed):
+        for row in failed.head(5).itertuples():
+            log.error("reference request %s, split %s, failed: %s", row.key, row.requested_split, row.error)
+        raise RuntimeError(f"{len(failed)} of {len(frame)} reference requests failed, e.g. {failed['key'].iloc[0]} "
+                           f"split {failed['requested_split'].iloc[0]}: {failed['error'].iloc[0]}")
+
+
+def reference_replica(config: dict, model: str) -> dict:
+    """The plan of one replica with no pool, on a free (or the first configured) port."""
+    ports, source = _ports(config, 1)
+    return checked_ports(reference_plan(config, model, ports[0], source))
 
 
 def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
@@ -277,7 +313,8 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
                                populate_meta["preflight"], chunk=cell.chunk,
                                write_errors=populate_meta.get("pool_write_errors", [])
                                + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged,
-                               not_verified=external.not_verified(config, cell.arm))
+                               not_verified=external.not_verified(config, cell.arm),
+                               reload_drops=reuse_meta.get("drops_between_reloads", []))
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
@@ -288,16 +325,24 @@ def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_js
                 md_out: str) -> None:
     """The per-cell table (``cells_csv``: every figure of every cell, with its intervals) and Study A's
     Table 1 drawn from it."""
-    rows = [summary.cell_row(cell, read_records(reuse_csv), read_json(reuse_json)["wall_s"],
-                             read_json(telemetry_json)["reuse"]["power"], read_json(validity_json), config)
-            for cell, reuse_csv, reuse_json, validity_json, telemetry_json in zip(
-                cells, reuse_csvs, reuse_jsons, validity_jsons, telemetry_jsons, strict=True)]
+    records = {cell.name: read_records(path) for cell, path in zip(cells, reuse_csvs, strict=True)}
+    rows = [summary.cell_row(cell, records[cell.name], read_json(reuse_json)["wall_s"],
+                             _phase_power(read_json(telemetry_json)["reuse"]), read_json(validity_json), config)
+            for cell, reuse_json, validity_json, telemetry_json in zip(
+                cells, reuse_jsons, validity_jsons, telemetry_jsons, strict=True)]
     per_cell = pd.DataFrame(rows)
     per_cell.to_csv(cells_csv, index=False)
-    table = summary.table1(per_cell)
+    ttft = {name: frame.loc[frame["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
+            for name, frame in records.items()}
+    table = summary.table1(per_cell, ttft)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Table 1: cross-replica follow-ups, isolated pools against a shared pool\n\n"
                             + summary.table1_markdown(table))
+
+
+def _phase_power(phase: dict) -> dict:
+    """A phase summary's power, its mean from the energy counter over the phase (kvpool.telemetry)."""
+    return energy_mean_power(phase["power"], phase.get("duration_s"))
 
 
 def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], csv_out: str, md_out: str) -> None:
@@ -326,14 +371,26 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
 
 
 def run_validity_table(validity_jsons: list[str], out: str) -> None:
+    """results/validity.csv: each cell's verdict, the checks it rests on (passed, failed), the reasons of a
+    failure, and the checks that were not applicable or not verified, by name."""
+    from kvpool.checks import NOT_APPLICABLE, NOT_VERIFIED, status, tally
+
     rows = []
     for path in validity_jsons:
         record = read_json(path)
-        rows.append({"cell": record["cell"], "valid": record["valid"],
-                     "reasons": "; ".join(validity.failures(record)),
-                     # an external fleet's checks that could not be made: neither passed nor failed
-                     "not_verified": "; ".join(record.get("not_verified", {}))})
-    pd.DataFrame(rows, columns=["cell", "valid", "reasons", "not_verified"]).to_csv(out, index=False)
+
+        named = {wanted: [name for name, check in record["checks"].items() if status(check) == wanted]
+                 for wanted in (NOT_APPLICABLE, NOT_VERIFIED)}
+        counts = tally(record["checks"])
+        rows.append({"cell": record["cell"], "valid": record["valid"], "checks_passed": counts["passed"],
+                     "checks_failed": counts["failed"], "reasons": "; ".join(validity.failures(record)),
+                     # records from before statuses kept an external fleet's unverified checks apart
+                     "not_verified": "; ".join([*record.get("not_verified", {}), *named[NOT_VERIFIED]]),
+                     "not_applicable": "; ".join(named[NOT_APPLICABLE])})
+    pd.DataFrame(rows, columns=VALIDITY_COLUMNS).to_csv(out, index=False)
+
+
+VALIDITY_COLUMNS = ["cell", "valid", "checks_passed", "checks_failed", "reasons", "not_verified", "not_applicable"]
 
 
 def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
@@ -384,8 +441,23 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
             f"{'not run' if study is None else 'valid' if study['valid'] else 'INVALID'} "
             "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
             + "\n".join(lines))
-    Path(out).write_text(f"{len(table)} cells valid; no KV bytes differ where they must agree"
+    Path(out).write_text(f"{len(table)} cells valid ({_rests_on(table)}); no KV bytes differ where they must agree"
                          + ("; Study B's blocks valid" if study is not None else "") + "\n")
+
+
+def _rests_on(table: pd.DataFrame) -> str:
+    """What the cells' verdicts rest on, from results/validity.csv: passed checks per cell and the
+    checks that were not applicable or not verified, counted."""
+    if "checks_passed" not in table or table.empty:
+        return "checks not counted in this table"
+
+    def count(column: str) -> int:
+        return sum(len([name for name in str(value).split("; ") if name]) for value in table[column])
+
+    passed = table["checks_passed"].astype(int)
+    span = f"{passed.min()}" if passed.min() == passed.max() else f"{passed.min()}-{passed.max()}"
+    return (f"each on {span} passed checks; {count('not_applicable')} not applicable, "
+            f"{count('not_verified')} not verified")
 
 
 def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
@@ -486,7 +558,8 @@ def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs:
                             + summary.tier_compare_markdown(table))
 
 
-def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, tier_table: str | None,
+def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, table1_csv: str,
+                 tier_table: str | None,
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
                  load: str | None = None, studyb: dict | None = None, peer: str | None = None,
                  routers: str | None = None, contexts: str | None = None) -> None:
@@ -501,7 +574,7 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
     table1 = pd.read_csv(cell_table, keep_default_na=False, na_values=[""])
     table1["valid"] = table1["valid"].astype(bool)
     table2 = pd.read_csv(tier_table).merge(table1[["cell", "valid"]], on="cell") if tier_table else pd.DataFrame()
-    head = summary.headline(table1)
+    head = summary.headline(pd.read_csv(table1_csv))
     servers = report.pool_server_table(Path(root), cells)
     for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
         frame.to_csv(tables / f"{name}.csv", index=False)
@@ -643,7 +716,8 @@ def _html(frame: pd.DataFrame, flag: bool = False) -> str:
 
 def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str, prompts_path: str,
                    populate_csv: str, populate_digests: str, csv_out: str, json_out: str, drive_csv: str,
-                   power_csv: str, log_dir: str, remove_pool: bool) -> None:
+                   power_csv: str, log_dir: str, remove_pool: bool, reference_csv: str | None = None,
+                   manifest_out: str | None = None, provenance_config: dict | None = None) -> None:
     """One load level of a cell (kvpool.load): the pool restored to what populate left, a fresh fleet,
     the follow-ups at the level, the level's own gate and telemetry summary in ``json_out``.
 
@@ -655,11 +729,15 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
 
     level = load.Level.from_name(level_name)
     plan = checked_ports(yaml.safe_load(Path(plan_path).read_text()))
+    if manifest_out:
+        write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name,
+                                                     level=level.name))
     workload = prompts.read_workload(Path(prompts_path))
     prefill = _prefills(populate_csv, workload, cell)
+    reference = read_records(reference_csv) if reference_csv else None
     if plan.get("memory_pool"):
         _run_memory_pool_level(config, cell, level, plan, plan_path, prompts_path, prefill, workload,
-                               populate_csv, csv_out, json_out, drive_csv, power_csv, log_dir)
+                               populate_csv, csv_out, json_out, drive_csv, power_csv, log_dir, reference)
         return
     root = pool_root(config, cell)
     if not root.is_dir():
@@ -681,12 +759,13 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
     _finish_level(config, cell, level, frame, meta, restored, pool_ok, remove_pool, csv_out, json_out, drive_csv,
-                  power_csv, plan, workload)
+                  power_csv, plan, workload, reference)
 
 
 def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_path: str, prompts_path: str,
                            prefill: dict[int, int], workload: list[dict], populate_csv: str, csv_out: str,
-                           json_out: str, drive_csv: str, power_csv: str, log_dir: str) -> None:
+                           json_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                           reference: pd.DataFrame | None) -> None:
     """A memory pool's level: fresh servers, populated again (its own fleet), then the level's fleet."""
     from kvpool import load
 
@@ -708,30 +787,37 @@ def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_pat
     log.info("%s %s: memory pool populated again (%d bytes, the cell's populate held %d)", cell.name, level.name,
              restored["bytes"], restored["cell_bytes"])
     _finish_level(config, cell, level, frame, meta, restored, load.memory_restored(restored), False, csv_out,
-                  json_out, drive_csv, power_csv, plan, workload)
+                  json_out, drive_csv, power_csv, plan, workload, reference)
 
 
 def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: dict, restored: dict, pool_ok: dict,
                   pool_removed: bool, csv_out: str, json_out: str, drive_csv: str, power_csv: str,
-                  plan: dict, workload: list[dict]) -> None:
-    """A level's rows, its gate and its telemetry summary."""
+                  plan: dict, workload: list[dict], reference: pd.DataFrame | None = None) -> None:
+    """A level's rows, its gate (its answers against the split-matched ``reference``) and its telemetry
+    summary."""
     from kvpool import load, peer
+    from kvpool.plan import batch_invariant
 
     _archive(frame, Path(csv_out), f"load-{level.name}")
     frame.to_csv(csv_out, index=False)
+    in_flight = load.in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
     if level.kind == "peer":  # vLLM's client reports no hits per request: the window's, against reuse's
         reused = read_records(str(Path(csv_out).parents[1] / "reuse.csv"))
         expected = int(reused["external_hit_tokens"].fillna(0).sum()) if cell.arm == "shared" else 0
         followups = {item["doc_id"]: len(item["followup"]) for item in workload}
+        outputs = load.outputs_check(peer.with_reuse_splits(frame, reused), reference, in_flight,
+                                     batch_invariant(config["engine"]))
         meta.update(pool_restore=restored,
                     **peer.checks(cell.arm, frame, followups, meta["window_external_tokens"], expected, pool_ok,
-                                  validity.cold_reads(meta["drop_before_level"], config["max_resident_fraction"])))
+                                  validity.cold_reads(meta["drop_before_level"], config["max_resident_fraction"]),
+                                  outputs))
     else:
         hits = load.attribution(frame, meta["window_external_tokens"])
+        outputs = load.outputs_check(frame, reference, in_flight, batch_invariant(config["engine"]))
         meta.update(pool_restore=restored,
                     **load.level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok,
                                         config["workload"]["doc_tokens"], config["min_hit_fraction"],
-                                        config["max_resident_fraction"]))
+                                        config["max_resident_fraction"], outputs))
     meta["pool_removed"] = pool_removed
     _write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} {level.name}")
 
@@ -745,7 +831,7 @@ def _write_unit(meta: dict, requests: int, drive_csv: str, power_csv: str, plan:
     meta["summary"] = {"drive": window["drive"], "power": window["power"]}
     write_json(json_out, meta)
     for check_name, check in meta["checks"].items():
-        if not check["ok"]:
+        if check["ok"] is False:
             log.error("%s invalid: %s is %s (needs %s)", name, check_name, check["value"], check["threshold"])
 
 
@@ -778,15 +864,15 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
     for cell in cells_run:
         files = reuse[cell]
         summary_ = read_json(files["telemetry"])["reuse"]
-        rows.append(summary.load_row(cell, "c1", read_records(files["csv"]), read_json(files["meta"]),
-                                     summary_["drive"], summary_["power"], read_json(files["validity"])["valid"],
-                                     config, per_token))
+        cell_gate = read_json(files["validity"])
+        rows.append(summary.load_row(cell, "c1", read_records(files["csv"]), {**read_json(files["meta"]), **cell_gate},
+                                     summary_["drive"], _phase_power(summary_), cell_gate["valid"], config, per_token))
         for (level_cell, level), paths in levels.items():
             if level_cell == cell:
                 meta = read_json(paths["meta"])
+                power = energy_mean_power(meta["summary"]["power"], meta["telemetry"].get("duration_s"))
                 rows.append(summary.load_row(cell, level, read_records(paths["csv"]), meta,
-                                             meta["summary"]["drive"], meta["summary"]["power"], meta["valid"],
-                                             config, per_token))
+                                             meta["summary"]["drive"], power, meta["valid"], config, per_token))
     table = pd.DataFrame(rows)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))
@@ -818,10 +904,16 @@ def studyb_pool_root(config: dict, study: dict) -> Path:
 
 
 def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str, plan_out: str, manifest_out: str,
-                     csv_out: str, json_out: str, log_dir: str, provenance_config: dict | None = None) -> None:
+                     csv_out: str, json_out: str, reference_out: str, log_dir: str, known: list[str] = (),
+                     provenance_config: dict | None = None) -> None:
     """One of Study B's blocks: its plan (ON, the study's shared pool, empty at the start; OFF, no
-    connector), the requests, the block's checks in ``json_out``."""
-    from kvpool import studyb
+    connector), the requests, the block's checks in ``json_out``. An ON block's answers are compared
+    with pool-less recomputes in their splits (``reference_out``): the earlier blocks' (``known``: their
+    requests.csv, an OFF block's answers being pool-less, and reference.csv), and what none of them has,
+    computed after the block's fleet stops."""
+    from kvpool import reference, studyb
+    from kvpool.checks import status, verdict
+    from kvpool.plan import batch_invariant
 
     study = studyb.resolved(config)
     arm = studyb.block_arm(block)
@@ -833,20 +925,60 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
     workload = read_json(workload_path)
     try:
-        rows, meta = phases.studyb_block(plan, block, workload, study, config, Path(log_dir))
+        rows, meta, sent = phases.studyb_block(plan, block, workload, study, config, Path(log_dir))
     finally:
         if root.exists() and not config["keep_pools"]:
             shutil.rmtree(root)
     frame = pd.DataFrame(rows, columns=studyb.COLUMNS)
     _archive(frame, Path(csv_out), f"studyb-{block}")
     frame.to_csv(csv_out, index=False)
-    checks = studyb.block_checks(frame, arm, study, config["min_hit_fraction"])
-    meta.update(arm=arm, cell=cell.name, checks=checks, valid=all(c["ok"] for c in checks.values()))
+    invariant = batch_invariant(config["engine"])
+    compared = pd.DataFrame(columns=reference.COLUMNS)
+    if arm == studyb.ON:
+        compared = _split_reference(config, model, studyb.under_test(frame, invariant), sent,
+                                    _known_answers(known), Path(log_dir).parent / "reference")
+    compared.to_csv(reference_out, index=False)
+    checks = studyb.block_checks(frame, arm, study, config["min_hit_fraction"], compared, invariant)
+    meta.update(arm=arm, cell=cell.name, checks=checks, valid=verdict(checks),
+                information={"chain_answers_agree": studyb.answer_agreement(frame)})
     write_json(json_out, meta)
     for name, check in checks.items():
-        if not check["ok"]:
+        if status(check) == "failed":
             log.error("Study B block %s invalid: %s is %s (needs %s)", block, name, check["value"],
                       check["threshold"])
+
+
+def _known_answers(paths: list[str]) -> pd.DataFrame:
+    """Pool-less answers recorded by earlier units, as reference rows: an OFF block's requests (each in
+    its own split) and any reference.csv."""
+    from kvpool import reference
+
+    frames = []
+    for path in paths:
+        rows = read_records(path)
+        if "arm" in rows:  # a Study B block's requests: only an OFF block's ran without a pool
+            off = rows[(rows["arm"] == "off") & (rows["kind"] != "warmup")]
+            frames.append(reference.twin_rows(off.assign(key=off["payload_sha256"]), "off_block"))
+        else:
+            frames.append(reference.normalized(rows))
+    return pd.concat(frames, ignore_index=True) if frames else reference.normalized(None)
+
+
+def _split_reference(config: dict, model: str, measured: pd.DataFrame, prompts: dict[str, list[int]],
+                     known: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
+    """The reference rows for ``measured`` (requests keyed by payload): those of ``known`` for its
+    prompts, and every (prompt, split) none of them matches, computed now on one replica with no pool."""
+    from kvpool import reference
+
+    known = reference.normalized(known)
+    requests = reference.requests_for(reference.missing(measured, known), prompts)
+    used = known[known["key"].isin(set(measured["key"]))]
+    if not requests:
+        return used
+    log.info("reference: %d prompts in their measured splits on a replica with no pool", len(requests))
+    computed = phases.reference(reference_replica(config, model), requests, config, log_dir)
+    _refuse_failed_reference(computed)
+    return pd.concat([used, computed], ignore_index=True)
 
 
 def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions_csv: str, summary_csv: str,
@@ -856,6 +988,7 @@ def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions
     placement (``summary_csv``), the study's gate (each block's checks and the ON/OFF pairing) and a
     Markdown page with the tables and figures."""
     from kvpool import figures, studyb
+    from kvpool.checks import FAILED, status, tally, verdict
 
     study = studyb.resolved(config)
     names = list(blocks)
@@ -876,10 +1009,12 @@ def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions
     metas = {name: read_json(paths["meta"]) for name, paths in blocks.items()}
     checks = studyb.pairing_checks(rows, pairs)
     gate = {"blocks": {name: {"arm": meta["arm"], "valid": meta["valid"],
-                              "failed": [c for c, check in meta["checks"].items() if not check["ok"]]}
+                              "failed": [c for c, check in meta["checks"].items() if status(check) == FAILED],
+                              "checks": tally(meta["checks"])}
                        for name, meta in metas.items()},
-            "checks": checks, "backend": study["backend"], "tier": study["tier"], "chunk": study["chunk"]}
-    gate["valid"] = all(b["valid"] for b in gate["blocks"].values()) and all(c["ok"] for c in checks.values())
+            "checks": checks, "information": {"outputs_equal_across_pairs": studyb.pairing_agreement(rows, pairs)},
+            "backend": study["backend"], "tier": study["tier"], "chunk": study["chunk"]}
+    gate["valid"] = all(b["valid"] for b in gate["blocks"].values()) and verdict(checks)
     write_json(validity_out, gate)
     folder = Path(figures_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -911,12 +1046,13 @@ def run_crossover(config: dict, *, locality_csv: str, csv_out: str, md_out: str,
 
 
 def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_out: str, manifest_out: str,
-                     csv_out: str, json_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                     csv_out: str, json_out: str, reference_out: str, drive_csv: str, power_csv: str, log_dir: str,
                      provenance_config: dict) -> None:
     """One context unit (kvpool.contexts): its own plan on a fresh pool of the cell's kind, one fleet,
-    each document's locality chain with the pool dropped before the cross step; the rows, the unit's
-    gate and its telemetry summary."""
-    from kvpool import contexts, studyb
+    each document's locality chain with the pool dropped before the cross step; the rows, the answers'
+    split-matched reference (``reference_out``), the unit's gate and its telemetry summary."""
+    from kvpool import contexts, reference, studyb
+    from kvpool.checks import verdict
 
     study = contexts.chain_study(config, cell, tokens)
     root = run_pools(config, cell.tier) / "contexts" / cell.name / f"doc~{tokens}"
@@ -934,15 +1070,18 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
             shutil.rmtree(root, ignore_errors=True)
     _archive(frame, Path(csv_out), f"doc-{tokens}")
     frame.to_csv(csv_out, index=False)
+    # the chains' answers against pool-less recomputes in their splits, computed now that the fleet stopped
+    compared = _split_reference(config, model, studyb.under_test(frame), meta.pop("prompts"),
+                                reference.normalized(None), Path(log_dir) / "reference")
+    compared.to_csv(reference_out, index=False)
     checks = contexts.unit_checks(frame, meta["drops_before_cross"], study, config["min_hit_fraction"],
-                                  config["max_resident_fraction"])
-    agreement = contexts.cold_answer_agreement(frame)
-    if agreement["agree"] < agreement["chains"]:
-        log.warning("%s doc~%d: the cold answer differs from the reuse steps' in %d of %d chains (split-dependent "
-                    "kernels; the gate compares the pool's answer with the replica's own cache's)", cell.name, tokens,
-                    agreement["chains"] - agreement["agree"], agreement["chains"])
-    meta.update(doc_tokens=tokens, checks=checks, cold_answer_agreement=agreement,
-                valid=all(c["ok"] for c in checks.values()))
+                                  config["max_resident_fraction"], compared)
+    agreement = contexts.answer_agreement(frame)
+    if agreement["cold_agrees"] < agreement["chains"]:
+        log.info("%s doc~%d: the cold answer differs from the reuse steps' in %d of %d chains (another prefill "
+                 "split; the gate compares each step with a recompute in its own split)", cell.name, tokens,
+                 agreement["chains"] - agreement["cold_agrees"], agreement["chains"])
+    meta.update(doc_tokens=tokens, checks=checks, information={"answers_agree": agreement}, valid=verdict(checks))
     _write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
 
 
@@ -979,7 +1118,7 @@ def router_pool_root(config: dict, cell: Cell, router: str) -> Path:
 
 def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompts_path: str, plan_out: str,
                     manifest_out: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, log_dir: str,
-                    provenance_config: dict) -> None:
+                    provenance_config: dict, reference_csv: str | None = None) -> None:
     """One router unit (kvpool.routers): its own plan on a fresh pool of the cell's kind, one fleet, every
     request where the router sends it; the rows, the unit's gate and its telemetry summary."""
     from kvpool import routers
@@ -998,9 +1137,12 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
         shutil.rmtree(root, ignore_errors=True)
     _archive(frame, Path(csv_out), f"router-{router}")
     frame.to_csv(csv_out, index=False)
+    from kvpool.plan import batch_invariant
+
     meta.update(routers.checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
                                config["workload"]["doc_tokens"], config["min_hit_fraction"],
-                               config["max_resident_fraction"]))
+                               config["max_resident_fraction"], read_records(reference_csv) if reference_csv else None,
+                               batch_invariant(config["engine"]), config["routers"]["hot"]["concurrency"]))
     _write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} router~{router}")
 
 
@@ -1016,8 +1158,9 @@ def run_router_table(units: list[tuple[Cell, str]], *, csvs: list[str], metas: l
             sent = frame[frame["phase"] == phase]
             if sent.empty:
                 continue
-            sources = routers.phase_sources(sent, meta["windows"].get(phase))
-            rows.append(routers.phase_row(cell, router, phase, sent, sources, meta["valid"]))
+            for group, part in routers.groups(sent, phase):
+                sources = routers.phase_sources(part, meta["windows"].get(phase) if group == "all" else None)
+                rows.append(routers.phase_row(cell, router, phase, part, sources, meta["valid"], group=group))
     table = pd.DataFrame(rows)
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(routers.markdown(table))

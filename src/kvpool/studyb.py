@@ -12,8 +12,6 @@ greedy answers across a pair show that the pool's KV is the KV the replica compu
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvpool import reference as split_reference
 from kvpool.cells import Cell
-from kvpool.summary import fmt_interval, fmt_value
-from kvpool.validity import check
+from kvpool.checks import FAILED, check, not_applicable, status
+from kvpool.reference import payload_sha256
+from kvpool.summary import change_claim, fmt_interval, fmt_value
 
 OFF, ON = "off", "on"
 SEQUENCE = (OFF, ON, ON, OFF)
@@ -101,10 +101,6 @@ def block_pairs(names: list[str]) -> list[tuple[str, str]]:
 def block_cell(study: dict, arm: str) -> Cell:
     """The plan's cell of a block: the shared arm of the study's pool (ON), or no connector (OFF)."""
     return Cell(study["backend"], "shared" if arm == ON else OFF, study["chunk"], study["tier"])
-
-
-def payload_sha256(prompt: list[int]) -> str:
-    return hashlib.sha256(json.dumps(prompt, separators=(",", ":")).encode()).hexdigest()
 
 
 PLANTED_LABELS = ("alpha", "bravo", "charlie")
@@ -267,10 +263,22 @@ def chains_agree(chains: pd.DataFrame) -> pd.Series:
     return chains.groupby(["context", "chain"])["output_text"].nunique(dropna=False) == 1
 
 
-def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: float) -> dict:
+def under_test(rows: pd.DataFrame, batch_invariant: bool = False) -> pd.DataFrame:
+    """The requests whose answers the reference must reproduce, keyed by payload: the chains and sessions
+    (one at a time), and the concurrency windows only under batch-invariant kernels (a window's requests
+    share batches); warm-ups are left out."""
+    kinds = ["chain", "session"] + (["window"] if batch_invariant else [])
+    return rows[rows["kind"].isin(kinds)].assign(key=lambda frame: frame["payload_sha256"])
+
+
+def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: float,
+                 reference: pd.DataFrame | None = None, batch_invariant: bool = False) -> dict:
     """Study B's assertions on one block, each failing the block with its reason: no errors; every
     cold step found nothing, locally or in a pool; every cross-replica step found nothing locally, and
-    in ON its document's whole chunks in the pool (at least ``min_hit_fraction``), in OFF nothing."""
+    in ON its document's whole chunks in the pool (at least ``min_hit_fraction``), in OFF nothing; in
+    ON every answer equal to a pool-less recompute in its split (``reference``, kvpool.reference). An OFF
+    block has no pool: its answers are themselves pool-less computations, which the ON blocks'
+    reference takes where the splits agree."""
     measured = rows[rows["kind"] != "warmup"]
     chains = measured[measured["kind"] == "chain"]
     cold, cross = chains[chains["step"] == "cold"], chains[chains["step"] == "cross"]
@@ -289,9 +297,6 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
                                                     float(fraction.min()) if len(cross) else None, min_hit_fraction)
     else:
         checks["cross_loads_nothing"] = check(bool((external == 0).all()), int(external.sum()), 0)
-    # a chain sends one payload five times: greedy answers from cache, pool or compute must all agree
-    agree = chains_agree(chains)
-    checks["chain_answers_agree"] = check(bool(agree.all()) and len(agree) > 0, int(agree.sum()), len(agree))
     planted = chains["planted_recalled"].dropna()
     if len(planted):  # a real model: every chain answer names the three planted codes
         checks["planted_values_recalled"] = check(bool(planted.astype(bool).all()), int(planted.astype(bool).sum()),
@@ -300,12 +305,31 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     expected = len(study["placements"]) * study["sessions"] * study["turns"]
     checks["every_turn_answered"] = check(len(sessions) == expected and sessions["error"].isna().all(),
                                            int(sessions["error"].isna().sum()), expected)
+    windows = measured[measured["kind"] == "window"]
     if study["windows"]:
-        windows = measured[measured["kind"] == "window"]
         expected = sum(study["windows"]) * len(study["placements"]) * study["window_turns"]
         checks["every_window_turn_answered"] = check(len(windows) == expected and windows["error"].isna().all(),
                                                       int(windows["error"].isna().sum()), expected)
+    if arm != ON:
+        checks["output_matches_recompute"] = not_applicable(
+            "an OFF block has no pool: its answers are themselves pool-less computations (the ON blocks' "
+            "reference where their splits agree)")
+        return checks
+    checks["output_matches_recompute"] = split_reference.output_check(under_test(rows, batch_invariant), reference,
+                                                                      "request")
+    if len(windows) and not batch_invariant:
+        from kvpool.load import outputs_check
+
+        checks["window_outputs_match_recompute"] = outputs_check(windows, reference, max(study["windows"]), False)
     return checks
+
+
+def answer_agreement(rows: pd.DataFrame) -> dict:
+    """How many chains gave one greedy answer at all five steps (cache, pool and compute alike): an
+    observation, since the steps compute the prompt in different splits (the reference compares each
+    with a recompute in its own split)."""
+    agree = chains_agree(rows[rows["kind"] == "chain"])
+    return {"chains": len(agree), "agree": int(agree.sum())}
 
 
 def paired(rows: pd.DataFrame, pairs: list[tuple[str, str]], key: list[str]) -> pd.DataFrame:
@@ -467,17 +491,33 @@ def windows_table(rows: pd.DataFrame, pairs: list[tuple[str, str]], output_token
 
 
 def pairing_checks(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict:
-    """Every measured ON request has its OFF twin (same payload, same replica) and the same greedy
-    answer: the pool's KV gives the answer the replica computes without it."""
+    """Every measured ON request has its OFF twin (same payload, same replica): the design's pairing. A
+    session turn whose prompt holds an earlier turn's answer pairs only while the twins' answers agree:
+    after a turn whose twins answered apart (another prefill split, :func:`pairing_agreement`) its later
+    turns have other prompts by design, and are counted as explained, not as a broken pairing."""
+    both = _pairs(rows, pairs)
+    total = len(both)
+    apart = both[both["paired"] & ~both["output_equal"] & both["turn"].notna()] if total else both
+    unpaired = both[~both["paired"]] if total else both
+    explained = sum(bool(((apart["pair"] == row.pair) & (apart["placement"] == row.placement)
+                          & (apart["session"] == row.session) & (apart["turn"] < row.turn)).any())
+                    for row in unpaired.itertuples() if pd.notna(row.turn))
+    return {"every_on_request_paired": check(total > 0 and len(unpaired) == explained,
+                                              {"paired": int(both["paired"].sum()) if total else 0,
+                                               "after_an_answer_apart": explained}, total)}
+
+
+def pairing_agreement(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict:
+    """How many ON requests gave their OFF twin's greedy answer (information, not the verdict)."""
+    both = _pairs(rows, pairs)
+    return {"equal": int(both["output_equal"].sum()) if len(both) else 0, "of": len(both)}
+
+
+def _pairs(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
     measured = rows[rows["kind"] != "warmup"]
     chains = paired(measured[measured["kind"] == "chain"], pairs, ["context", "chain", "step"])
     sessions = paired(measured[measured["kind"] == "session"], pairs, ["placement", "session", "turn"])
-    both = pd.concat([chains, sessions], ignore_index=True)
-    total = len(both)
-    return {"every_on_request_paired": check(bool(both["paired"].all()) and total > 0,
-                                              int(both["paired"].sum()), total),
-            "outputs_equal_across_pairs": check(bool(both["output_equal"].all()) and total > 0,
-                                                 int(both["output_equal"].sum()), total)}
+    return pd.concat([chains, sessions], ignore_index=True)
 
 
 def with_pairs(frame: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
@@ -490,8 +530,19 @@ def gate_failures(gate: dict) -> list[str]:
     reasons = [f"block {name} ({block['arm']}): {', '.join(block['failed'])}"
                for name, block in gate["blocks"].items() if not block["valid"]]
     reasons += [f"{name}: {failed['value']} of {failed['threshold']}" for name, failed in gate["checks"].items()
-                if not failed["ok"]]
+                if status(failed) == FAILED]
     return reasons
+
+
+def _agreement_lines(gate: dict) -> list[str]:
+    """What the page says of the ON/OFF twins' answers: an observation, the gate being each ON block's
+    answers against a recompute in their own split."""
+    found = gate.get("information", {}).get("outputs_equal_across_pairs")
+    if not found:
+        return []
+    return [f"ON answers equal to their OFF twin's: {found['equal']} of {found['of']} (an observation: a twin "
+            "computes its prompt in another split wherever the pool gave more than the replica's own cache; each ON "
+            "block's gate compares its answers with a pool-less recompute in their own split).", ""]
 
 
 def _pct(value) -> str:
@@ -499,9 +550,11 @@ def _pct(value) -> str:
 
 
 def _change_cells(row) -> tuple[str, str]:
-    """A row's mean paired change and its interval as the page shows them."""
+    """A row's mean paired change and its interval as the page shows them, the interval with what it lets
+    the page say (a direction, or no difference shown; kvpool.summary.change_claim)."""
     interval = fmt_interval(row.change_ci_low_pct, row.change_ci_high_pct).strip()
-    return _pct(row.mean_paired_change_pct), interval or "n/a"
+    claim = change_claim(row.change_ci_low_pct, row.change_ci_high_pct)
+    return _pct(row.mean_paired_change_pct), f"{interval}: {claim}" if interval else claim
 
 
 def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
@@ -512,7 +565,9 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
              "", f"Blocks in run order: {', '.join(names)}. Each block restarts the fleet (and empties the ON pool); "
              f"{study['warmups']} warm-ups per replica are recorded and left out. ON and OFF requests pair by "
              "payload SHA-256 and replica; the change is 100 x (ON / OFF - 1), its interval a bootstrap across "
-             "block pairs (three pairs or more).", "", f"**Gate: {verdict}.**", "",
+             "block pairs (three pairs or more); a change is called higher or lower only where its interval "
+             "excludes 0.",
+             "", f"**Gate: {verdict}.**", "", *_agreement_lines(gate),
              "## Locality chains (Study B's Table 3)", "",
              "| context | step | OFF median | ON median | ON external hit tokens | mean paired change | 95% CI | "
              "pairs (outputs equal) |", "|---|---|---|---|---|---|---|---|"]

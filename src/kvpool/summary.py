@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from scipy.stats import bootstrap
+from scipy.stats import binomtest, bootstrap
 
 from kvpool.cells import Cell
 from kvpool.telemetry import drive_per_tick
 from kvpool.validity import failures
 
 PERCENTILES = (50, 95, 99)
+# Fewest samples a percentile is reported from: below it the table gives the largest sample, labelled
+# "max of n" (a p99 from 24 samples is the largest of them under another name).
+MIN_SAMPLES = {50: 1, 95: 20, 99: 100}
+CONFIDENCE = 0.95
 
 # (metric, unit, ratio meaningful): the rows of the headline table, in the study's order.
 TABLE1_ROWS = [
@@ -31,18 +35,22 @@ TABLE1_ROWS = [
 ]
 TABLE1_COLUMNS = ["backend", "chunk", "tier", "metric", "unit", "isolated", "shared", "ratio",
                   "isolated_valid", "shared_valid", "isolated_ci_low", "isolated_ci_high", "shared_ci_low",
-                  "shared_ci_high"]
+                  "shared_ci_high", "isolated_n", "shared_n", "isolated_basis", "shared_basis", "ratio_ci_low",
+                  "ratio_ci_high"]
+# What a figure measured once per cell rests on: one window of the phase, no interval to draw.
+ONE_WINDOW = "one window"
 
 
 def arm_metrics(reuse: pd.DataFrame, wall_s: float, warm_s: float, slo_s: float, doc_tokens: int,
                 mean_power_w: float | None = None, energy_j: float | None = None) -> dict:
-    """The headline numbers of one arm. Failed requests count against reload rate and SLO attainment."""
+    """The headline numbers of one arm. Failed requests count against reload rate and SLO attainment; a
+    percentile from fewer samples than :data:`MIN_SAMPLES` asks is the largest sample
+    (:func:`reported_percentile`)."""
     ok = reuse[reuse["error"].fillna("") == ""]
     ttft = ok["ttft_s"].astype(float)
     n = len(reuse)
-    p50, p95, p99 = (np.percentile(ttft, [50, 95, 99]) if len(ttft) else (np.nan,) * 3)
     return {
-        "ttft_p50_s": p50, "ttft_p95_s": p95, "ttft_p99_s": p99,
+        **{f"ttft_p{q}_s": reported_percentile(ttft, q)["value"] for q in PERCENTILES},
         "reload_rate": float((ttft <= warm_s).sum() / n) if n else np.nan,
         "slo_attainment": float((ttft <= slo_s).sum() / n) if n else np.nan,
         "wall_clock_s": wall_s,
@@ -52,6 +60,72 @@ def arm_metrics(reuse: pd.DataFrame, wall_s: float, warm_s: float, slo_s: float,
         "mean_pool_hit_fraction": float(reuse["external_hit_tokens"].fillna(0).mean() / doc_tokens) if n else np.nan,
         "followups": n,
     }
+
+
+def reported_percentile(values, q: int, seed: int = 0) -> dict:
+    """The q-th percentile of ``values`` as a table reports it: ``value``, ``basis`` (``p95``, or ``max of
+    n`` below :data:`MIN_SAMPLES`), ``n`` and its bootstrap 95% interval (none for a maximum)."""
+    values = np.asarray(values, dtype=float)
+    values = values[~np.isnan(values)]
+    n = len(values)
+    if not n:
+        return {"value": np.nan, "basis": "no samples", "n": 0, "ci_low": np.nan, "ci_high": np.nan}
+    if n < MIN_SAMPLES.get(q, 1):
+        return {"value": float(values.max()), "basis": f"max of {n}", "n": n, "ci_low": np.nan, "ci_high": np.nan}
+    low, high = percentile_ci(values, q, seed=seed)
+    return {"value": float(np.percentile(values, q)), "basis": f"p{q}", "n": n, "ci_low": low, "ci_high": high}
+
+
+def ratio_ci(numerator, denominator, q: int = 50, confidence: float = CONFIDENCE,
+             seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of the ratio of two samples' q-th percentiles (each resampled on its own); NaN
+    with fewer than 2 values on either side or a percentile below :data:`MIN_SAMPLES`."""
+    a, b = (np.asarray(v, dtype=float) for v in (numerator, denominator))
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    if min(len(a), len(b)) < max(2, MIN_SAMPLES.get(q, 1)):
+        return np.nan, np.nan
+
+    def statistic(x, y, axis):
+        return np.percentile(x, q, axis=axis) / np.percentile(y, q, axis=axis)
+
+    result = bootstrap((a, b), statistic, confidence_level=confidence, n_resamples=2000, method="percentile",
+                       paired=False, random_state=np.random.default_rng(seed))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def proportion_ci(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Wilson score interval of a proportion (reload rate, SLO attainment); NaN with no trials."""
+    if not n:
+        return np.nan, np.nan
+    interval = binomtest(int(successes), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(interval.low), float(interval.high)
+
+
+def mean_ci(values, confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of a mean; NaN with fewer than 2 values, the value itself when all are equal."""
+    values = np.asarray(values, dtype=float)
+    values = values[~np.isnan(values)]
+    if len(values) < 2:
+        return np.nan, np.nan
+    if np.all(values == values[0]):
+        return float(values[0]), float(values[0])
+    result = bootstrap((values,), np.mean, confidence_level=confidence, n_resamples=2000, method="percentile",
+                       random_state=np.random.default_rng(seed))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def change_claim(low: float, high: float, tolerance_pct: float | None = None) -> str:
+    """What an interval of a change in percent lets a table say: a direction where it excludes 0, "no
+    difference shown" where it spans 0, "within X%" only where the whole interval lies inside ±X%."""
+    if pd.isna(low) or pd.isna(high):
+        return "no interval (too few samples)"
+    if tolerance_pct is not None and -tolerance_pct <= low and high <= tolerance_pct:
+        return f"within {tolerance_pct:g}%"
+    if high < 0:
+        return "lower"
+    if low > 0:
+        return "higher"
+    return "no difference shown (the interval spans 0)"
 
 
 def percentile_ci(values, q: float, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
@@ -66,26 +140,53 @@ def percentile_ci(values, q: float, confidence: float = 0.95, seed: int = 0) -> 
 
 
 def cell_row(cell: Cell, records: pd.DataFrame, wall_s: float, power: dict, validity: dict, config: dict) -> dict:
-    """One cell's row of the per-cell table: Table 1's figures (:func:`arm_metrics`) with bootstrap 95%
-    intervals on the TTFT percentiles, over the requests that did not fail."""
+    """One cell's row of the per-cell table: Table 1's figures (:func:`arm_metrics`), each with what it rests
+    on: TTFT percentiles with their sample count, basis and bootstrap 95% interval over the requests that did
+    not fail, proportions with their Wilson interval, the document's share loaded with a bootstrap interval
+    of its mean; wall clock, power and energy are one window's."""
     metrics = arm_metrics(records, wall_s, config["warm_s"], config["slo_s"], config["workload"]["doc_tokens"],
                           mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
     ttft = records.loc[records["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
+    n = len(records)
     row = {"cell": cell.name, "backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
-           "valid": validity["valid"], "reasons": "; ".join(failures(validity))}
+           "valid": validity["valid"], "reasons": "; ".join(failures(validity)), "ttft_n": len(ttft)}
     for q in PERCENTILES:
-        low, high = percentile_ci(ttft, q)
-        row.update({f"ttft_p{q}_s": metrics[f"ttft_p{q}_s"], f"ttft_p{q}_ci_low_s": low, f"ttft_p{q}_ci_high_s": high})
+        found = reported_percentile(ttft, q)
+        row.update({f"ttft_p{q}_s": found["value"], f"ttft_p{q}_ci_low_s": found["ci_low"],
+                    f"ttft_p{q}_ci_high_s": found["ci_high"], f"ttft_p{q}_basis": found["basis"]})
     row.update({k: metrics[k] for k in ("reload_rate", "slo_attainment", "wall_clock_s", "mean_power_w",
                                         "energy_per_followup_j", "errors", "mean_pool_hit_fraction", "followups")})
+    for name, limit in (("reload_rate", config["warm_s"]), ("slo_attainment", config["slo_s"])):
+        row[f"{name}_ci_low"], row[f"{name}_ci_high"] = proportion_ci(int((ttft <= limit).sum()), n)
+    fractions = records["external_hit_tokens"].fillna(0).astype(float) / config["workload"]["doc_tokens"]
+    row["mean_pool_hit_fraction_ci_low"], row["mean_pool_hit_fraction_ci_high"] = mean_ci(fractions)
     row["replica_cpu_s_per_followup"] = (sum(r["cpu_s"] for r in power["replicas"].values()) / max(1, len(records)))
     return row
 
 
-def table1(cells: pd.DataFrame) -> pd.DataFrame:
+def _support(row, metric: str) -> tuple[int | None, str, float, float]:
+    """What one cell's ``metric`` rests on in the per-cell table: samples, basis and 95% interval."""
+    def get(column):
+        return row[column] if column in row and pd.notna(row[column]) else np.nan
+
+    if metric.startswith("ttft_p"):
+        q = metric.removeprefix("ttft_p").removesuffix("_s")
+        base = metric.removesuffix("_s")
+        return (get("ttft_n"), row.get(f"ttft_p{q}_basis", f"p{q}"), get(f"{base}_ci_low_s"),
+                get(f"{base}_ci_high_s"))
+    if metric in ("reload_rate", "slo_attainment", "mean_pool_hit_fraction"):
+        return get("followups"), "proportion" if metric != "mean_pool_hit_fraction" else "mean", \
+            get(f"{metric}_ci_low"), get(f"{metric}_ci_high")
+    if metric in ("wall_clock_s", "mean_power_w", "energy_per_followup_j"):
+        return 1, ONE_WINDOW, np.nan, np.nan
+    return get("followups"), "count", np.nan, np.nan
+
+
+def table1(cells: pd.DataFrame, ttft: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
     """Long-form Table 1 from the per-cell table: one row per (backend, chunk, tier, metric), the two
-    arms side by side, TTFT percentiles with their intervals. The ratio is isolated over shared, so
-    "8.4x" reads as how many times better sharing is."""
+    arms side by side, each value with its sample count, basis and 95% interval. The ratio is isolated over
+    shared, so "8.4x" reads as how many times better sharing is; with ``ttft`` (cell -> its answered
+    requests' TTFTs) a TTFT percentile's ratio gets its own bootstrap interval."""
     rows = []
     for (backend, chunk, tier), group in cells.groupby(["backend", "chunk", "tier"], sort=False):
         arms = {row["arm"]: row for _, row in group.iterrows()}
@@ -96,27 +197,40 @@ def table1(cells: pd.DataFrame) -> pd.DataFrame:
             row = {"backend": backend, "chunk": chunk, "tier": tier, "metric": metric, "unit": unit,
                    "isolated": iso, "shared": sha, "ratio": ratio,
                    "isolated_valid": arms["isolated"]["valid"] if "isolated" in arms else None,
-                   "shared_valid": arms["shared"]["valid"] if "shared" in arms else None}
+                   "shared_valid": arms["shared"]["valid"] if "shared" in arms else None,
+                   "ratio_ci_low": np.nan, "ratio_ci_high": np.nan}
             for arm in ("isolated", "shared"):
-                for side in ("low", "high"):
-                    column = metric.removesuffix("_s") + f"_ci_{side}_s"
-                    row[f"{arm}_ci_{side}"] = arms[arm][column] if arm in arms and column in arms[arm] else np.nan
+                n, basis, low, high = _support(arms[arm], metric) if arm in arms else (None, "not run", np.nan,
+                                                                                        np.nan)
+                row.update({f"{arm}_n": n, f"{arm}_basis": basis, f"{arm}_ci_low": low, f"{arm}_ci_high": high})
+            if ttft is not None and metric.startswith("ttft_p") and pd.notna(ratio):
+                q = int(metric.removeprefix("ttft_p").removesuffix("_s"))
+                row["ratio_ci_low"], row["ratio_ci_high"] = ratio_ci(ttft[arms["isolated"]["cell"]],
+                                                                     ttft[arms["shared"]["cell"]], q)
             rows.append(row)
     return pd.DataFrame(rows, columns=TABLE1_COLUMNS)
 
 
-def headline(cells: pd.DataFrame) -> pd.DataFrame:
-    """Isolated over shared per (backend, chunk, tier), from valid cells only."""
-    valid = cells[cells["valid"].astype(bool)]
+def headline(table: pd.DataFrame) -> pd.DataFrame:
+    """Isolated over shared per (backend, chunk, tier), from Table 1's long form (``results/table1.csv``)
+    where both arms are valid: TTFT p50 with its bootstrap interval and sample counts, TTFT p99 (or the
+    largest samples' ratio, as its basis says) and wall clock."""
     rows = []
+    valid = table[table["isolated_valid"].astype(str).eq("True") & table["shared_valid"].astype(str).eq("True")]
     for keys, group in valid.groupby(["backend", "chunk", "tier"], sort=False):
-        arms = group.set_index("arm")
-        if {"shared", "isolated"} <= set(arms.index):
-            rows.append({"backend": keys[0], "chunk": keys[1], "tier": keys[2],
-                         **{f"{m}_ratio": arms.loc["isolated", m] / arms.loc["shared", m]
-                            for m in ("ttft_p50_s", "ttft_p99_s", "wall_clock_s")}})
-    return pd.DataFrame(rows, columns=["backend", "chunk", "tier", "ttft_p50_s_ratio", "ttft_p99_s_ratio",
-                                       "wall_clock_s_ratio"])
+        by = group.set_index("metric")
+        p50, p99 = by.loc["ttft_p50_s"], by.loc["ttft_p99_s"]
+        rows.append({"backend": keys[0], "chunk": keys[1], "tier": keys[2], "ttft_p50_s_ratio": p50["ratio"],
+                     "ttft_p50_s_ratio_ci_low": p50["ratio_ci_low"], "ttft_p50_s_ratio_ci_high": p50["ratio_ci_high"],
+                     "isolated_n": p50["isolated_n"], "shared_n": p50["shared_n"],
+                     "ttft_p99_s_ratio": p99["ratio"], "ttft_p99_basis": f"{p99['isolated_basis']} / "
+                     f"{p99['shared_basis']}", "wall_clock_s_ratio": by.loc["wall_clock_s", "ratio"]})
+    return pd.DataFrame(rows, columns=HEADLINE_COLUMNS)
+
+
+HEADLINE_COLUMNS = ["backend", "chunk", "tier", "ttft_p50_s_ratio", "ttft_p50_s_ratio_ci_low",
+                    "ttft_p50_s_ratio_ci_high", "isolated_n", "shared_n", "ttft_p99_s_ratio", "ttft_p99_basis",
+                    "wall_clock_s_ratio"]
 
 
 def fmt_value(value, unit: str) -> str:
@@ -131,13 +245,28 @@ def fmt_value(value, unit: str) -> str:
     return f"{value:.3g}" + (f" {unit}" if unit else "")
 
 
-def fmt_interval(low, high) -> str:
-    """An interval as the tables show it after its value, or nothing where it was not measured."""
-    return f" [{low:.3g}, {high:.3g}]" if pd.notna(low) and pd.notna(high) else ""
+def fmt_interval(low, high, unit: str = "") -> str:
+    """An interval as the tables show it after its value (a fraction's in percent), or nothing where it
+    was not measured."""
+    if pd.isna(low) or pd.isna(high):
+        return ""
+    if unit == "fraction":
+        return f" [{100 * low:.0f}, {100 * high:.0f}%]"
+    return f" [{low:.3g}, {high:.3g}]"
+
+
+def fmt_supported(value, unit: str, basis, n, low, high) -> str:
+    """A value as Table 1 shows it: a maximum named "max of n", otherwise the value, its interval and n."""
+    if isinstance(basis, str) and basis.startswith("max of"):
+        return f"{basis}: {fmt_value(value, unit)}"
+    shown = fmt_value(value, unit) + fmt_interval(low, high, unit)
+    return shown + (f" (n={int(n)})" if pd.notna(n) and basis not in (ONE_WINDOW, "count") else "")
 
 
 def table1_markdown(table: pd.DataFrame) -> str:
-    """One Markdown table per (backend, chunk, tier), laid out like the study's Table 1."""
+    """One Markdown table per (backend, chunk, tier), laid out like the study's Table 1: each value with its
+    95% interval and sample count, a maximum where too few samples make a percentile, the ratio with its
+    own interval."""
     parts = []
     for (backend, chunk, tier), group in table.groupby(["backend", "chunk", "tier"], sort=False):
         first = group.iloc[0]
@@ -147,12 +276,18 @@ def table1_markdown(table: pd.DataFrame) -> str:
                  f"| Metric | Isolated ({flags['isolated']}) | Shared ({flags['shared']}) | Isolated / shared |",
                  "|---|---|---|---|"]
         for _, row in group.iterrows():
-            ratio = f"{row['ratio']:.1f}x" if pd.notna(row["ratio"]) else "n/a"
-            shown = {arm: fmt_value(row[arm], row["unit"]) + fmt_interval(row[f"{arm}_ci_low"], row[f"{arm}_ci_high"])
-                     for arm in ("isolated", "shared")}
+            maxima = any(str(row.get(f"{arm}_basis", "")).startswith("max of") for arm in ("isolated", "shared"))
+            ratio = (f"{row['ratio']:.1f}x" + (f" [{row['ratio_ci_low']:.1f}, {row['ratio_ci_high']:.1f}]"
+                                               if pd.notna(row.get("ratio_ci_low")) else "")
+                     + (" (of maxima)" if maxima else "") if pd.notna(row["ratio"]) else "n/a")
+            shown = {arm: fmt_supported(row[arm], row["unit"], row.get(f"{arm}_basis"), row.get(f"{arm}_n"),
+                                        row[f"{arm}_ci_low"], row[f"{arm}_ci_high"]) for arm in ("isolated", "shared")}
             lines.append(f"| {row['metric']} | {shown['isolated']} | {shown['shared']} | {ratio} |")
         parts.append("\n".join(lines))
-    return "\n\n".join(parts) + "\n"
+    note = ("Intervals are 95%: bootstrap for TTFT percentiles, means and ratios, Wilson for proportions. A "
+            "percentile needs 20 samples (p95) or 100 (p99); below that the table gives the largest sample. Wall "
+            "clock, power and energy are one window each.")
+    return "\n\n".join(parts) + f"\n\n{note}\n"
 
 
 TIER_SIGNALS = [
@@ -202,8 +337,8 @@ def tier_signals(reuse_summary: dict, records: pd.DataFrame, ceiling: dict) -> d
         "queue_depth_p95": get("aqu_sz", "p95"),
         "r_await_p50_ms": get("r_await_ms", "p50"),
         "r_await_p95_ms": get("r_await_ms", "p95"),
-        "ttft_p50_s": float(np.percentile(ok, 50)) if len(ok) else np.nan,
-        "ttft_p95_s": float(np.percentile(ok, 95)) if len(ok) else np.nan,
+        "ttft_p50_s": reported_percentile(ok, 50)["value"],
+        "ttft_p95_s": reported_percentile(ok, 95)["value"],
         "temperature_c": _health_value(health, "temperature_c"),
         "percent_used": _health_value(health, "percent_used"),
         "avail_spare": _health_value(health, "avail_spare"),
@@ -229,8 +364,9 @@ def tier_row(cell: Cell, reuse_summary: dict, records: pd.DataFrame, drive: pd.D
     ok = records.loc[records["error"].fillna("") == "", "ttft_s"]
     for signal, values, q in (("r_await_p50_ms", r_await, 50), ("r_await_p95_ms", r_await, 95),
                               ("queue_depth_p95", queue, 95), ("ttft_p50_s", ok, 50), ("ttft_p95_s", ok, 95)):
-        low, high = percentile_ci(values.to_numpy(dtype=float), q)
-        row.update({f"{signal}_ci_low": low, f"{signal}_ci_high": high})
+        found = reported_percentile(values.to_numpy(dtype=float), q)
+        row.update({f"{signal}_ci_low": found["ci_low"], f"{signal}_ci_high": found["ci_high"],
+                    f"{signal}_n": found["n"], f"{signal}_basis": found["basis"]})
     return row
 
 
@@ -242,23 +378,30 @@ def tier_compare(tiers: pd.DataFrame) -> pd.DataFrame:
     for (backend, chunk), group in tiers.groupby(["backend", "chunk"], sort=False):
         by_tier = group.set_index("tier")
         for name, unit, meaning in TIER_SIGNALS:
+            basis = {t: by_tier.loc[t, f"{name}_basis"] if t in by_tier.index and f"{name}_basis" in by_tier
+                     else None for t in names}
             rows.append({"backend": backend, "chunk": chunk, "signal": name, "unit": unit, "meaning": meaning,
-                         **{t: by_tier.loc[t, name] if t in by_tier.index else np.nan for t in names}})
+                         **{t: by_tier.loc[t, name] if t in by_tier.index else np.nan for t in names},
+                         # where too few samples make a percentile, the value is their maximum
+                         "basis": "; ".join(f"{t}: {b}" for t, b in basis.items()
+                                            if isinstance(b, str) and b.startswith("max of"))})
     return pd.DataFrame(rows)
 
 
 def tier_compare_markdown(table: pd.DataFrame) -> str:
-    fixed = ["backend", "chunk", "signal", "unit", "meaning"]
+    fixed = ["backend", "chunk", "signal", "unit", "meaning", "basis"]
     tiers = [c for c in table.columns if c not in fixed]
     parts = []
     for (backend, chunk), group in table.groupby(["backend", "chunk"], sort=False):
         lines = [f"### backend {backend}, chunk {chunk}", "", "| Signal | " + " | ".join(tiers) + " |",
                  "|---" * (len(tiers) + 1) + "|"]
         for _, row in group.iterrows():
-            cells = [fmt_value(row[t], row["unit"]) for t in tiers]
+            maxima = dict(part.split(": ", 1) for part in str(row.get("basis") or "").split("; ") if ": " in part)
+            cells = [(f"{maxima[t]}: " if t in maxima else "") + fmt_value(row[t], row["unit"]) for t in tiers]
             lines.append(f"| {row['signal']} | " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
-    note = "n/a: not measurable on that tier (a memory-backed tier has no drive) or no source."
+    note = ("n/a: not measurable on that tier (a memory-backed tier has no drive) or no source. A p95 needs 20 "
+            "samples: below that the table gives the largest, named \"max of n\".")
     return "\n\n".join(parts) + f"\n\n{note}\n"
 
 
@@ -273,10 +416,14 @@ def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: d
     hit_tokens = float(ok["external_hit_tokens"].fillna(0).astype(float).sum())
     row = {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
            "level": level, "level_kind": "rate" if level.startswith("r") else "concurrency",
-           "level_value": float(level[1:]), "valid": bool(valid), "requests": len(records)}
-    for q in (50, 95, 99):
-        row[f"ttft_p{q}_s"] = float(np.percentile(ttft, q)) if len(ttft) else np.nan
-        row[f"ttft_p{q}_ci_low_s"], row[f"ttft_p{q}_ci_high_s"] = percentile_ci(ttft, q)
+           "level_value": float(level[1:]), "valid": bool(valid), "requests": len(records), "ttft_n": len(ttft)}
+    for q in PERCENTILES:
+        found = reported_percentile(ttft, q)
+        row.update({f"ttft_p{q}_s": found["value"], f"ttft_p{q}_ci_low_s": found["ci_low"],
+                    f"ttft_p{q}_ci_high_s": found["ci_high"], f"ttft_p{q}_basis": found["basis"]})
+    outputs = (meta.get("checks") or {}).get("output_matches_recompute")
+    row["outputs_checked"] = outputs.get("status", "passed" if outputs.get("ok") else "failed") if outputs \
+        else "not recorded"
     row.update({
         "e2e_p50_s": float(np.percentile(e2e, 50)) if len(e2e) else np.nan,
         "achieved_rps": len(ok) / wall if wall else np.nan,
@@ -296,6 +443,13 @@ def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: d
     return {key: (np.nan if value is None else value) for key, value in row.items()}
 
 
+def _basis_value(row, q: int) -> str:
+    """A row's TTFT percentile as a table shows it, named "max of n" where too few samples make one."""
+    basis = row.get(f"ttft_p{q}_basis")
+    shown = fmt_value(row[f"ttft_p{q}_s"], "s")
+    return f"{basis}: {shown}" if isinstance(basis, str) and basis.startswith("max of") else shown
+
+
 def load_for_reading(load: pd.DataFrame) -> pd.DataFrame:
     """The load table as a person reads it: one row per cell and level, each value with its unit, TTFT
     p50 with its 95% interval."""
@@ -303,8 +457,10 @@ def load_for_reading(load: pd.DataFrame) -> pd.DataFrame:
         "cell": f"{row['backend']} / {row['arm']} / chunk {row['chunk']} / {row['tier']}", "level": row["level"],
         "gate": "valid" if row["valid"] else "INVALID",
         "TTFT p50": fmt_value(row["ttft_p50_s"], "s") + fmt_interval(row["ttft_p50_ci_low_s"],
-                                                                      row["ttft_p50_ci_high_s"]),
-        "TTFT p99": fmt_value(row["ttft_p99_s"], "s"), "E2E p50": fmt_value(row["e2e_p50_s"], "s"),
+                                                                      row["ttft_p50_ci_high_s"])
+        + (f" (n={row['ttft_n']:.0f})" if pd.notna(row.get("ttft_n")) else ""),
+        "TTFT p99": _basis_value(row, 99), "E2E p50": fmt_value(row["e2e_p50_s"], "s"),
+        "answers vs recompute": str(row.get("outputs_checked", "n/a")).replace("_", " "),
         "achieved": fmt_value(row["achieved_rps"], "req/s"), "goodput": fmt_value(row["goodput_rps"], "req/s"),
         "output": fmt_value(row["output_tokens_per_s"], "tok/s"),
         "document loaded": fmt_value(row["hit_fraction"], "fraction"),

@@ -1,13 +1,12 @@
-"""The validity gate of one cell: every check with its measured value and threshold."""
+"""The validity gate of one cell: every check with its status, its measured value and its threshold."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-
-def check(ok: bool, value, threshold) -> dict:
-    """One check of a gate: whether it passed, the measured value and what it needed."""
-    return {"ok": bool(ok), "value": value, "threshold": threshold}
+from kvpool import reference as split_reference
+from kvpool.checks import check, failures, not_applicable, verdict  # noqa: F401 (failures: re-exported)
+from kvpool.checks import not_verified as unverified
 
 
 def hit_fractions(reuse: pd.DataFrame, doc_tokens: int) -> pd.Series:
@@ -15,31 +14,69 @@ def hit_fractions(reuse: pd.DataFrame, doc_tokens: int) -> pd.Series:
     return reuse["external_hit_tokens"].fillna(0).astype(float) / doc_tokens
 
 
-def cold_reads(drop: dict, max_resident_fraction: float) -> dict:
+def cold_reads(drop: dict, max_resident_fraction: float, later: list[dict] = ()) -> dict:
     """The pool was out of the page cache right before the first request (a drop record of
-    pool.drop_from_page_cache); a memory-backed tier has no device read to force."""
+    pool.drop_from_page_cache) and before each later reload (``later``); on a memory-backed tier there is
+    no device read to force, so the check cannot fail there and says so."""
     if drop["memory_backed"]:
-        return check(True, "memory-backed tier: no device read to force", None)
-    return check(drop["resident_fraction"] <= max_resident_fraction, drop["resident_fraction"],
-                  max_resident_fraction)
+        return not_applicable(f"memory-backed tier ({drop.get('pool_in') or 'the pool is in RAM'}): "
+                              "no device read to force")
+    if not later:
+        return check(drop["resident_fraction"] <= max_resident_fraction, drop["resident_fraction"],
+                     max_resident_fraction)
+    worst = max(d["resident_fraction"] for d in [drop, *later])
+    return check(worst <= max_resident_fraction, worst, max_resident_fraction, drops=1 + len(later))
 
 
-# The reference path (phases.reference) each arm's outputs must equal.
-REFERENCE_PATH = {"shared": "after_document", "isolated": "cold"}
+def own_cache_unused(rows: pd.DataFrame) -> dict | None:
+    """No follow-up found anything in its serving replica's own prefix cache (its local-cache-hit
+    counter delta is 0): cross-replica, and after each reset of a document's later follow-ups. None for
+    records from before the counter was kept."""
+    if "local_cache_hit_tokens" not in rows or rows["local_cache_hit_tokens"].isna().all():
+        return None
+    local = rows["local_cache_hit_tokens"].fillna(0).astype(int)
+    return check(bool((local == 0).all()), int(local.sum()), 0)
+
+
+def unchanged_check(unchanged: dict, drop: dict) -> dict:
+    """Reuse read the bytes populate stored: one flipped bit in a stored chunk fails the cell. A pool held
+    in a server's memory (an MP server's L1) has no file to hash: not applicable there."""
+    if unchanged["files"] == 0 and drop.get("memory_backed"):
+        return not_applicable(f"no pool file to hash: the pool is {drop.get('pool_in') or 'in memory'}; the "
+                              "answers against the recompute (output_matches_recompute) check its KV instead")
+    return {**check(unchanged["files"] > 0 and unchanged["changed"] == 0 and unchanged["missing"] == 0,
+                    {k: unchanged[k] for k in ("files", "changed", "missing")}, "> 0 files, 0 changed, 0 missing"),
+            "examples": [unchanged["example"]] if unchanged["example"] else []}
+
+
+def followup_keys(rows: pd.DataFrame) -> pd.DataFrame:
+    """Study A request records with each follow-up's reference key (document and follow-up number)."""
+    numbers = rows["followup"] if "followup" in rows else pd.Series(0, index=rows.index)
+    return rows.assign(key=[split_reference.followup_key(d, f) for d, f in zip(rows["doc_id"], numbers,
+                                                                                 strict=True)])
+
+
+def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, what: str = "follow-up") -> dict:
+    """Study A's output check of ``rows`` (kvpool.reference.output_check) with the cold and
+    after-document recomputes' agreement beside it, as information."""
+    keyed = followup_keys(rows)
+    return {**split_reference.output_check(keyed, reference, what),
+            "information": split_reference.agreement(keyed, reference)}
 
 
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
              drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
              write_errors: list[str] = (), pool_unchanged: dict | None = None,
-             not_verified: dict[str, str] | None = None) -> dict:
+             not_verified: dict[str, str] | None = None, reload_drops: list[dict] = ()) -> dict:
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
     ``chunk`` (default: the smallest configured, whose hit bound is the loosest).
 
     ``pool_unchanged`` (kvbytes.unchanged: populate's files against the pool after reuse) is None for
     records of runs that did not hash the pool at populate's end; the check is then left out.
     ``not_verified`` names checks that could not be made (an external fleet's, kvpool.external) with
-    why: they leave ``checks`` for a ``not_verified`` entry, and count neither way."""
+    why: each becomes a not-verified check, which counts neither way."""
     documents = config["workload"]["documents"]
+    followups = documents * config["workload"].get("followups_per_document", 1)
     doc_tokens = config["workload"]["doc_tokens"]
     messages = pd.concat([populate["error"], reuse["error"]]).fillna("")
     errors = int((messages != "").sum())
@@ -49,8 +86,9 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
         # the first distinct errors say why (a dead replica's exit code and log tail, say)
         "zero_errors": {**check(errors == 0, errors, 0),
                         "examples": list(dict.fromkeys(messages[messages != ""]))[:3]},
-        "all_documents_served": check(len(reuse) == documents and len(populate) == documents,
-                                       {"populate": len(populate), "reuse": len(reuse)}, documents),
+        "all_documents_served": check(len(reuse) == followups and len(populate) == documents,
+                                       {"populate": len(populate), "reuse": len(reuse)},
+                                       {"populate": documents, "reuse": followups}),
         "cross_replica": check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
         "pool_bytes": check(pool_bytes >= config["min_pool_bytes"], pool_bytes, config["min_pool_bytes"]),
         # a store that failed (a full tier) leaves a pool that misses; the replicas' logs say why
@@ -60,12 +98,10 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                             "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
     }
     if pool_unchanged is not None:
-        # reuse must read the bytes populate stored: one flipped bit in a chunk fails the cell
-        checks["pool_unchanged"] = {
-            **check(pool_unchanged["changed"] == 0 and pool_unchanged["missing"] == 0,
-                     {k: pool_unchanged[k] for k in ("files", "changed", "missing")}, "0 changed, 0 missing"),
-            "examples": [pool_unchanged["example"]] if pool_unchanged["example"] else []}
-    checks["cold_reads"] = cold_reads(drop_before_reuse, config["max_resident_fraction"])
+        checks["pool_unchanged"] = unchanged_check(pool_unchanged, drop_before_reuse)
+    checks["cold_reads"] = cold_reads(drop_before_reuse, config["max_resident_fraction"], reload_drops)
+    if (unused := own_cache_unused(reuse)) is not None:
+        checks["own_cache_unused"] = unused
     if cell_arm == "shared":
         worst = float(fractions.min()) if len(fractions) else 0.0
         checks["pool_hits"] = check(worst >= config["min_hit_fraction"], worst, config["min_hit_fraction"])
@@ -78,30 +114,10 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     else:
         loaded = int(reuse["external_hit_tokens"].fillna(0).sum())
         checks["isolation"] = check(loaded == 0, loaded, 0)
-    # Each arm against the recompute it replays: a pool hit against the document's own KV reused in
-    # place, an isolated replica against a cold recompute. Equal KV bytes give equal greedy tokens;
-    # KV damaged in transfer does not.
-    path = REFERENCE_PATH[cell_arm]
-    if reference is None:  # no recompute replica ran (an external fleet's fleet.reference: false)
-        reference = pd.DataFrame(columns=["doc_id", "output_text", "path"])
-    if "path" in reference:
-        reference = reference[reference["path"] == path]
-    expected = reference.set_index("doc_id")["output_text"]
-    matches = reuse.apply(lambda row: expected.get(row["doc_id"]) == row["output_text"], axis=1)
-    checks["output_matches_recompute"] = {
-        **check(len(reuse) > 0 and bool(matches.all()), int(matches.sum()) if len(reuse) else 0, len(reuse)),
-        "reference_path": path,
-    }
-    for name in not_verified or {}:
-        checks.pop(name, None)
-    result = {"valid": all(c["ok"] for c in checks.values()), "checks": checks}
-    if not_verified:
-        result["not_verified"] = dict(not_verified)
-    return result
-
-
-def failures(validity: dict) -> list[str]:
-    """Human-readable reasons a cell is invalid."""
-    return [f"{name}: value {c['value']!r}, threshold {c['threshold']!r}"
-            + (f"; e.g. {c['examples'][0]}" if c.get("examples") else "")
-            for name, c in validity["checks"].items() if not c["ok"]]
+    # Each follow-up against a replica with no pool that computed its prompt in the same split: the
+    # document's whole chunks cached first for a pool hit, nothing for an isolated arm's recompute.
+    # Equal KV in an equal split gives equal greedy tokens; KV damaged in transfer does not.
+    checks["output_matches_recompute"] = outputs_check(reuse, reference)
+    for name, reason in (not_verified or {}).items():
+        checks[name] = unverified(reason)
+    return {"valid": verdict(checks), "checks": checks}

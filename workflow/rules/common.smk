@@ -235,6 +235,14 @@ def studyb_settings(*keys):
     return values
 
 
+def studyb_known(wildcards):
+    """Ordering only (ancient), and read: the blocks before this one, their requests and reference rows."""
+    earlier = STUDYB_BLOCKS[: STUDYB_BLOCKS.index(wildcards.block)] if wildcards.block in STUDYB_BLOCKS else []
+    return [
+        ancient(f"{STUDYB_DIR}/block~{block}/{name}") for block in earlier for name in ("requests.csv", "reference.csv")
+    ]
+
+
 def studyb_after(wildcards):
     """Ordering only (ancient): Study B's blocks run one after another, in the order OFF, ON, ON, OFF."""
     if wildcards.block not in STUDYB_BLOCKS:

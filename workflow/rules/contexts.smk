@@ -13,6 +13,7 @@ rule context_unit:
         manifest=cell_path("doc~{doc}/manifest.json"),
         csv=cell_path("doc~{doc}/requests.csv"),
         meta=cell_path("doc~{doc}/unit.json"),
+        reference=cell_path("doc~{doc}/reference.csv"),
         drive=cell_path("doc~{doc}/drive-samples.csv"),
         power=cell_path("doc~{doc}/power-samples.csv"),
     log:

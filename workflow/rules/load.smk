@@ -15,7 +15,11 @@ rule load_level:
         after=level_after,
         # the peer replay's gate compares its hits with what the reuse phase loaded
         reuse=lambda wc: (f"results/cells/{Cell.from_wildcards(wc).name}/reuse.csv" if wc.level == "peer" else []),
+        # the split-matched recompute its answers are compared with (none for an external fleet without one)
+        # (ordering only: a reference recomputed with more splits leaves a measured level as it is)
+        reference=ancient("results/reference/outputs.csv") if external.needs_reference(config) else [],
     output:
+        manifest=cell_path("load~{level}/manifest.json"),
         csv=cell_path("load~{level}/requests.csv"),
         meta=cell_path("load~{level}/level.json"),
         drive=cell_path("load~{level}/drive-samples.csv"),

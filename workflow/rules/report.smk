@@ -13,6 +13,7 @@ rule report:
         kv_bytes="results/kv_bytes.csv",
         load="results/load.csv",
         cell_table="results/cell_table.csv",
+        table1="results/table1.csv",
         tier_table=TIER_TABLE,
         # vllm bench serve's replay beside kvpool's client, when cells were replayed
         peer=PEER_TARGETS.get("csv", []),

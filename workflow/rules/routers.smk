@@ -9,6 +9,9 @@ rule router_unit:
     input:
         model_input,
         prompts="results/workload/prompts.jsonl",
+        # the split-matched recompute its follow-ups' answers are compared with
+        # (ordering only: a reference recomputed with more splits leaves a measured unit as it is)
+        reference=ancient("results/reference/outputs.csv") if external.needs_reference(config) else [],
     output:
         plan=cell_path("router~{router}/plan.yaml"),
         manifest=cell_path("router~{router}/manifest.json"),

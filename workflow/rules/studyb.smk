@@ -26,11 +26,14 @@ rule studyb_block:
         model_input,
         workload=STUDYB_WORKLOAD,
         after=studyb_after,
+        # the earlier blocks' pool-less answers (an OFF block's) and reference rows, for an ON block's reference
+        known=studyb_known,
     output:
         plan=f"{STUDYB_DIR}/block~{{block}}/plan.yaml",
         manifest=f"{STUDYB_DIR}/block~{{block}}/manifest.json",
         csv=f"{STUDYB_DIR}/block~{{block}}/requests.csv",
         meta=f"{STUDYB_DIR}/block~{{block}}/block.json",
+        reference=f"{STUDYB_DIR}/block~{{block}}/reference.csv",
     log:
         "logs/studyb/block~{block}.log",
     benchmark:

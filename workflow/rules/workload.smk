@@ -16,7 +16,9 @@ rule prompts:
 
 
 rule reference:
-    """Greedy outputs of every follow-up from one plain replica: the recompute each cell must match."""
+    """Every follow-up's greedy answer from one replica with no pool, in each split the workload's arithmetic
+    predicts (cold, the document's whole chunks per chunk size, the document, the whole prompt again): the
+    split-matched recompute each cell, level and router unit must match."""
     input:
         model_input,
         prompts="results/workload/prompts.jsonl",
@@ -32,7 +34,7 @@ rule reference:
         fleet=1,
     params:
         model=model_path(),
-        settings=settings("engine", "workload", "hash_keys"),
+        settings=settings("engine", "workload", "hash_keys", "chunk_sizes"),
         log_dir="logs/reference/replicas",
     script:
         "../scripts/run_reference.py"

@@ -4,6 +4,7 @@ from kvpool.cells import Cell
 logs.to_log(snakemake.log[0])
 cells = [Cell.from_name(name) for name in snakemake.params.cells]
 steps.build_report(snakemake.params.config, cells, ".", cell_table=snakemake.input.cell_table,
+                   table1_csv=snakemake.input.table1,
                    tier_table=snakemake.input.tier_table or None, kv_bytes=snakemake.input.kv_bytes,
                    out_html=snakemake.output.html, figures_dir=snakemake.output.figures,
                    tables_dir=snakemake.output.tables, load=snakemake.input.load,

@@ -7,6 +7,7 @@ steps.run_context_unit(snakemake.params.settings, Cell.from_wildcards(snakemake.
                        int(snakemake.wildcards.doc),
                        model=snakemake.params.model, plan_out=snakemake.output.plan,
                        manifest_out=snakemake.output.manifest, csv_out=snakemake.output.csv,
-                       json_out=snakemake.output.meta, drive_csv=snakemake.output.drive,
+                       json_out=snakemake.output.meta, reference_out=snakemake.output.reference,
+                       drive_csv=snakemake.output.drive,
                        power_csv=snakemake.output.power, log_dir=snakemake.params.log_dir,
                        provenance_config=snakemake.config)

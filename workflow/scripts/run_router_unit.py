@@ -8,4 +8,4 @@ steps.run_router_unit(snakemake.params.settings, Cell.from_wildcards(snakemake.w
                       plan_out=snakemake.output.plan, manifest_out=snakemake.output.manifest,
                       csv_out=snakemake.output.csv, json_out=snakemake.output.meta, drive_csv=snakemake.output.drive,
                       power_csv=snakemake.output.power, log_dir=snakemake.params.log_dir,
-                      provenance_config=snakemake.config)
+                      provenance_config=snakemake.config, reference_csv=snakemake.input.reference or None)
