@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from committed_runs import assert_same_gate
 
 from kvpool import contexts, steps

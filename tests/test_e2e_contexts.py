@@ -40,6 +40,15 @@ def test_each_length_passes_its_gate_on_a_cold_read_of_the_whole_prompt(run, tok
     drops = meta["drops_before_cross"]
     assert len(drops) == 2 and all(d["resident_fraction"] <= 0.05 for d in drops)
     assert rows.groupby("chain")["output_text"].nunique().eq(1).all()  # cache, pool and compute answer alike
+    # each step against a pool-less recompute in its split, computed once the unit's fleet had stopped: the
+    # cold step's 0, the own cache's whole blocks, and the pool's whole prompt less its last token, which vLLM's
+    # whole blocks of 128 can only give to the block below (nearest)
+    outputs = meta["checks"]["output_matches_recompute"]
+    assert outputs["status"] == "passed" and outputs["value"]["equal"] == outputs["value"]["compared"] == 10
+    reference = pd.read_csv(run / CELL.format(backend="lmcache-fs", arm="shared") / f"doc~{tokens}" / "reference.csv")
+    assert set(reference["path"]) == {"cold", "repeat"} and len(reference) == 2 * 2
+    unaligned = int((rows["cached_tokens"] % 128 != 0).sum())  # hits that end inside one of vLLM's blocks
+    assert outputs["value"]["nearest"] == unaligned >= 2 and outputs["value"]["exact"] == 10 - unaligned
 
 
 def test_the_table_fits_the_lengths_and_nothing_is_left_running(run):

@@ -189,6 +189,45 @@ def test_interrupted_phases_resume_on_the_pool_populate_left_and_an_injected_fau
     assert not validity["valid"] and not check["ok"]
     assert check["value"]["changed"] == 1
     assert check["examples"] == [f"{pool_dir.name}/{corrupted.relative_to(pool_dir)}"]
+    # and, by itself, the split-matched reference: the follow-up that loaded the corrupted chunk answers apart
+    outputs = validity["checks"]["output_matches_recompute"]
+    assert outputs["status"] == "failed" and outputs["value"]["exact"] == 4 and outputs["value"]["equal"] < 4
+    assert replicas_running_in(tmp_path) == []
+
+
+def test_several_followups_per_document_are_each_a_cold_reload_in_its_own_split(tmp_path, prerequisites):
+    """workload.followups_per_document: 2 on documents of 2,200 tokens (not whole chunks): before each
+    document's second follow-up the serving replica's prefix cache is emptied (its counters show nothing of
+    its own cache used) and the pool is restored and dropped again (both reads cold); every follow-up loads
+    the document's 2,048 whole-chunk tokens, a split the reference computed apart from the document's own
+    whole blocks (2,176), and answers as the recompute in it."""
+    shutil.copytree(prerequisites / "resources", tmp_path / "resources")  # the model; prompts and reference anew
+    overlay = tmp_path / "two-followups.yaml"
+    overlay.write_text(yaml.safe_dump({"arms": ["shared"], "load": {"concurrency": [1]}, "peer": {"enabled": False},
+                                       "study_b": {"enabled": False},
+                                       "workload": {"doc_tokens": 2200, "followups_per_document": 2}}))
+    target = CELL.format(backend="lmcache-fs", arm="shared")
+    done = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", CONFIGS / "e2e.yaml", overlay),
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    cell = tmp_path / target
+    rows = pd.read_csv(cell / "reuse.csv")
+    assert len(rows) == 8 and rows.groupby("doc_id")["followup"].agg(list).tolist() == [[0, 1]] * 4
+    assert (rows["external_hit_tokens"] == 2048).all() and (rows["local_cache_hit_tokens"] == 0).all()
+    assert rows.groupby("doc_id")["serve_replica"].nunique().eq(1).all()  # the same replica, reset between
+    meta = json.loads((cell / "reuse.json").read_text())
+    assert len(meta["drops_between_reloads"]) == 4
+    assert all(drop["resident_fraction"] <= 0.05 for drop in meta["drops_between_reloads"])
+    validity = json.loads((cell / "validity.json").read_text())
+    assert validity["valid"], validity["checks"]
+    assert validity["checks"]["cold_reads"]["drops"] == 5 and validity["checks"]["own_cache_unused"]["ok"]
+    outputs = validity["checks"]["output_matches_recompute"]
+    assert outputs["value"]["exact"] == outputs["value"]["equal"] == 8
+    reference = pd.read_csv(tmp_path / "results" / "reference" / "outputs.csv")
+    splits = reference.groupby("path")["achieved_split"].agg(set).to_dict()
+    assert splits["pool_chunks"] == {2048} and splits["after_document"] == {2176}  # two splits, computed apart
+    plan = yaml.safe_load((cell / "plan.yaml").read_text())
+    assert all(r["env"]["VLLM_SERVER_DEV_MODE"] == "1" for r in plan["replicas"])  # /reset_prefix_cache
     assert replicas_running_in(tmp_path) == []
 
 
@@ -263,6 +302,9 @@ def test_a_corrupted_chunk_fails_study_b_s_on_block(tmp_path):
     off, on = (json.loads((tmp_path / studyb / f"block~{b}" / "block.json").read_text()) for b in ("1-off", "2-on"))
     assert off["valid"] and "fault_injection" not in off
     assert not on["valid"] and len(on["fault_injection"]) == 2  # one per chain (contexts 256 and 1024)
-    assert not on["checks"]["chain_answers_agree"]["ok"]
+    # the cross steps' answers differ from a pool-less recompute in their split
+    outputs = on["checks"]["output_matches_recompute"]
+    assert outputs["status"] == "failed" and any("measured split" in e for e in outputs["examples"])
+    assert on["information"]["chain_answers_agree"]["agree"] < 2
     assert on["checks"]["cross_loads_the_document"]["ok"]  # the pool served the corrupted chunk: hits look fine
     assert replicas_running_in(tmp_path) == []

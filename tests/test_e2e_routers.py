@@ -29,6 +29,11 @@ def test_every_unit_passes_its_gate_and_leaves_nothing_running(run):
             assert list(rows["phase"].drop_duplicates()) == ["first", "follow-up", "hot", "after-loss"]
             assert (rows["error"].isna()).all()
             assert meta["loss"]["replica"] == 1 and (rows[rows["phase"] == "after-loss"]["serve_replica"] == 0).all()
+            # the follow-ups sent one at a time answer as the recompute in their split (a pool hit, the
+            # replica's own cache or none); the hot phase's two in flight are not verified
+            outputs = meta["checks"]["output_matches_recompute"]
+            assert outputs["status"] == "passed" and outputs["value"]["exact"] == outputs["value"]["equal"] == 8
+            assert meta["checks"]["hot_outputs_match_recompute"]["status"] == "not_verified"
     assert replicas_running_in(run) == []
 
 
@@ -61,12 +66,16 @@ def test_a_lost_replica_moves_affinitys_documents_which_only_a_shared_pool_recov
 
 
 def test_the_routers_table_has_every_phase_of_every_unit_with_its_sources(run):
-    table = pd.read_csv(run / "results" / "routers.csv")
-    assert len(table) == 2 * 2 * 4 and table["valid"].all()
+    rows = pd.read_csv(run / "results" / "routers.csv")
+    table = rows[rows["group"] == "all"]
+    assert len(table) == 2 * 2 * 4 and rows["valid"].all()
+    # a phase whose requests both moved and stayed is also given as each group
+    split = rows[rows["group"] != "all"]
+    assert set(split["group"]) <= {"moved", "stayed"} and (split.groupby(["arm", "router", "phase"]).size() == 2).all()
     hot = table[table["phase"] == "hot"]
     assert (hot["requests"] == 8).all()
     assert ((table[["local_cache_fraction", "pool_fraction", "computed_fraction"]].sum(axis=1) - 1).abs() < 1e-9).all()
     shared_cross = table[(table["arm"] == "shared") & (table["router"] == "cross") & (table["phase"] == "follow-up")]
     assert shared_cross["pool_fraction"].iloc[0] > 0.8
     assert {"ttft.png", "sources.png"} <= {path.name for path in (run / "results" / "routers").iterdir()}
-    assert "| prefix-affinity | after-loss | valid |" in (run / "results" / "routers.md").read_text()
+    assert "| prefix-affinity | after-loss | all | valid |" in (run / "results" / "routers.md").read_text()

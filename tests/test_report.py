@@ -110,8 +110,10 @@ def test_the_headline_reads_as_ratios_with_two_digits(built):
     shown = headline_for_reading(head)
     assert list(shown.columns) == ["setting", "TTFT p50", "follow-ups (isolated / shared)", "TTFT p99", "wall clock"]
     ratio, low, high = head.loc[0, ["ttft_p50_s_ratio", "ttft_p50_s_ratio_ci_low", "ttft_p50_s_ratio_ci_high"]]
-    assert low <= ratio <= high
-    assert shown["TTFT p50"].iloc[0] == f"{ratio:.2g}x [{low:.2g}, {high:.2g}]"
+    # four follow-ups an arm are too few for the ratio's own interval (five or more): the ratio stands alone,
+    # with the follow-ups it rests on beside it
+    assert pd.isna(low) and pd.isna(high)
+    assert shown["TTFT p50"].iloc[0] == f"{ratio:.2g}x" and len(shown["TTFT p50"].iloc[0]) <= 5
     assert shown["follow-ups (isolated / shared)"].iloc[0] == "4 / 4"
     assert shown["TTFT p99"].iloc[0].endswith("(max of 4 / max of 4)")
     html = (built / "report.html").read_text()

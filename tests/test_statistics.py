@@ -45,6 +45,7 @@ def test_a_ratio_gets_its_own_interval():
     low, high = ratio_ci(rng.normal(1.0, 0.1, 30), rng.normal(1.0, 0.1, 30))
     assert low < 1 < high
     assert all(np.isnan(ratio_ci([1.0], [2.0, 3.0])))          # one sample on a side: no interval
+    assert all(np.isnan(ratio_ci([40.0, 41.0], [0.9, 0.88])))  # two a side (a 256K cell): none either
     assert all(np.isnan(ratio_ci(np.ones(30), np.ones(30), q=99)))  # a p99 needs 100 on each side
 
 

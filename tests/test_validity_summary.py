@@ -4,9 +4,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvpool.checks import tally
 from kvpool.metrics import delta, token_counters
 from kvpool.summary import arm_metrics, table1, table1_markdown
-from kvpool.checks import tally
 from kvpool.validity import evaluate, failures
 
 DOC = 2410  # not whole chunks: a pool hit ends at the document's last whole chunk of 256, 2304 tokens
@@ -187,8 +187,8 @@ def test_table1_is_drawn_from_the_cell_table_with_its_intervals():
     assert np.isnan(table.set_index("metric").loc["reload_rate", "ratio"])
     text = table1_markdown(table)
     assert "Isolated (INVALID)" in text and "Shared (valid)" in text
-    assert re.search(r"\| ttft_p50_s \| 18\.\d+ s \[18\.\d+, 18\.\d+\] \(n=40\) \| 2\.\d+ s \[2\.\d+, 2\.\d+\] \(n=40\) \|",
-                     text)
+    assert re.search(r"\| ttft_p50_s \| 18\.\d+ s \[18\.\d+, 18\.\d+\] \(n=40\) "
+                     r"\| 2\.\d+ s \[2\.\d+, 2\.\d+\] \(n=40\) \|", text)
     # 40 follow-ups make a p95 but not a p99: that row names the largest of them
     assert re.search(r"\| ttft_p99_s \| max of 40: 1\d\.\d+ s \| max of 40: 2\.\d+ s \| \d\.\dx \(of maxima\) \|", text)
 

@@ -17,6 +17,9 @@ PERCENTILES = (50, 95, 99)
 # Fewest samples a percentile is reported from: below it the table gives the largest sample, labelled
 # "max of n" (a p99 from 24 samples is the largest of them under another name).
 MIN_SAMPLES = {50: 1, 95: 20, 99: 100}
+# Fewest samples per arm a ratio's bootstrap interval is drawn from: with two or three a resampled median
+# can only take a few values, and the interval it gives looks far tighter than it is.
+MIN_RATIO_SAMPLES = 5
 CONFIDENCE = 0.95
 
 # (metric, unit, ratio meaningful): the rows of the headline table, in the study's order.
@@ -79,10 +82,10 @@ def reported_percentile(values, q: int, seed: int = 0) -> dict:
 def ratio_ci(numerator, denominator, q: int = 50, confidence: float = CONFIDENCE,
              seed: int = 0) -> tuple[float, float]:
     """Bootstrap interval of the ratio of two samples' q-th percentiles (each resampled on its own); NaN
-    with fewer than 2 values on either side or a percentile below :data:`MIN_SAMPLES`."""
+    with fewer than :data:`MIN_RATIO_SAMPLES` values on either side or a percentile below :data:`MIN_SAMPLES`."""
     a, b = (np.asarray(v, dtype=float) for v in (numerator, denominator))
     a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-    if min(len(a), len(b)) < max(2, MIN_SAMPLES.get(q, 1)):
+    if min(len(a), len(b)) < max(MIN_RATIO_SAMPLES, MIN_SAMPLES.get(q, 1)):
         return np.nan, np.nan
 
     def statistic(x, y, axis):
