@@ -7,7 +7,8 @@
 # Leave SECONDS at least 90 s below the device call's limit: stopping a fleet and packing the
 # results take that long, and a call cut off by its limit brings nothing back.
 # The device gets the working tree with a stale .git: name the commit, as the call's command
-# written here, KVPOOL_GIT_COMMIT=<git rev-parse HEAD> bash bench/device_run.sh ...
+# written here, KVPOOL_GIT_COMMIT=<git rev-parse HEAD> KVPOOL_GIT_DIRTY=<0 or 1: uncommitted changes
+# in the tree sent> bash bench/device_run.sh ...
 set -uo pipefail
 config=$1; budget=$2; shift 2
 repo=$(pwd)

@@ -74,10 +74,15 @@ def test_table1_shows_sharing_is_faster(run):
     table = pd.read_csv(run / "results" / "table1.csv")
     assert list(table.columns) == ["backend", "chunk", "tier", "metric", "unit", "isolated", "shared", "ratio",
                                    "isolated_valid", "shared_valid", "isolated_ci_low", "isolated_ci_high",
-                                   "shared_ci_low", "shared_ci_high"]
+                                   "shared_ci_low", "shared_ci_high", "isolated_n", "shared_n", "isolated_basis",
+                                   "shared_basis", "ratio_ci_low", "ratio_ci_high"]
     assert {"ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "reload_rate", "slo_attainment", "wall_clock_s",
             "mean_power_w", "errors"} <= set(table["metric"])
     p50 = table.set_index("metric").loc["ttft_p50_s"]
+    # four follow-ups an arm: a p50 with its interval, the largest for p95 and p99, no interval on the ratio
+    assert p50["shared_n"] == p50["isolated_n"] == 4 and p50["shared_basis"] == "p50"
+    assert (table.set_index("metric").loc[["ttft_p95_s", "ttft_p99_s"], "shared_basis"] == "max of 4").all()
+    assert pd.isna(p50["ratio_ci_low"])
     assert p50["shared"] < p50["isolated"]
     assert p50["ratio"] > 1
     assert p50["shared_ci_low"] <= p50["shared"] <= p50["shared_ci_high"]

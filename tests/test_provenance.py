@@ -15,12 +15,15 @@ def commit_in(repo):
 def test_the_commit_and_a_dirty_tree_are_read_from_git(tmp_path, monkeypatch):
     monkeypatch.delenv("KVPOOL_GIT_COMMIT", raising=False)
     head = commit_in(tmp_path)
-    assert provenance.git_commit(tmp_path) == {"commit": head, "dirty": False}
+    assert provenance.git_commit(tmp_path) == {"commit": head, "dirty": False, "changed_files": []}
     (tmp_path / "f.txt").write_text("b\n")
-    assert provenance.git_commit(tmp_path)["dirty"] is True
+    assert provenance.git_commit(tmp_path) == {"commit": head, "dirty": True, "changed_files": ["f.txt"]}
 
 
 def test_a_copied_tree_names_its_commit_instead_of_trusting_a_stale_git(tmp_path, monkeypatch):
     commit_in(tmp_path)
     monkeypatch.setenv("KVPOOL_GIT_COMMIT", "0123abc")
+    monkeypatch.delenv("KVPOOL_GIT_DIRTY", raising=False)
     assert provenance.git_commit(tmp_path) == {"commit": "0123abc", "dirty": None, "source": "KVPOOL_GIT_COMMIT"}
+    monkeypatch.setenv("KVPOOL_GIT_DIRTY", "1")  # the sender says its tree had uncommitted changes
+    assert provenance.git_commit(tmp_path)["dirty"] is True

@@ -64,17 +64,22 @@ def hardware() -> dict:
 
 
 def git_commit(repo: Path) -> dict:
-    """The commit the code came from. A copy of the tree without its own history (a lent GPU machine
-    gets the working tree and a stale .git) names its commit in KVPOOL_GIT_COMMIT instead."""
+    """The commit the code came from and whether the tree had uncommitted changes (the first 20 changed
+    files named). A copy of the tree without its own history (a lent GPU machine gets the working tree
+    and a stale .git) names its commit in KVPOOL_GIT_COMMIT instead, and KVPOOL_GIT_DIRTY 0 or 1."""
     if commit := os.environ.get("KVPOOL_GIT_COMMIT"):
-        return {"commit": commit, "dirty": None, "source": "KVPOOL_GIT_COMMIT"}
+        # whoever named the commit says whether the tree it sent had uncommitted changes (KVPOOL_GIT_DIRTY)
+        dirty = {"0": False, "1": True}.get(os.environ.get("KVPOOL_GIT_DIRTY", ""))
+        return {"commit": commit, "dirty": dirty, "source": "KVPOOL_GIT_COMMIT"}
 
     def git(*args):
         out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False)
         return out.stdout.strip() if out.returncode == 0 else None
 
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+    changed = [line.split(maxsplit=1)[1] for line in status.splitlines()] if status else []
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed) if status is not None else None,
+            "changed_files": changed[:20]}
 
 
 def manifest(config: dict, repo: Path, **extra) -> dict:

@@ -15,6 +15,7 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import Cell
+from kvpool.checks import skipped, tally
 from kvpool.files import read_frame_or_empty, read_json, read_records
 from kvpool.plan import SERVER_BACKENDS
 from kvpool.summary import fmt_interval, fmt_value
@@ -64,6 +65,8 @@ def collect(root: Path, cells: list[Cell], config: dict) -> Results:
         rows.append({
             **keys,
             "reasons": "; ".join(failures(validity)),
+            # a check that could not fail here, or could not be made, is said so, never shown as passed
+            "checks_passed": tally(validity["checks"])["passed"], "skipped": "; ".join(skipped(validity)),
             "followups": len(records),
             "errors": int((records["error"].fillna("") != "").sum()),
             "wall_s": reuse_meta["wall_s"],

@@ -402,8 +402,13 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
     invalid = table[~table["valid"].astype(bool)]
     damaged = kvbytes.unexpected(pd.read_csv(kv_bytes_csv, keep_default_na=False))
     lines = [f"  {row.cell}: {row.reasons}" for row in invalid.itertuples()]
+    counted = []  # the units beyond the cells that the verdict also rests on, for the gate's line
     if load_csv is not None:  # the load levels beyond reuse (c1 is the cell's own gate, above)
         levels = pd.read_csv(load_csv)
+        beyond = levels[levels["level"] != "c1"] if len(levels) else levels
+        if len(beyond):
+            unverified = int((beyond.get("outputs_checked", pd.Series(dtype=str)) == "not_verified").sum())
+            counted.append(f"{len(beyond)} load levels ({unverified} with answers not verified)")
         bad_levels = levels[(levels["level"] != "c1") & ~levels["valid"].astype(bool)] if len(levels) else levels
         lines += [f"  {row.cell} load~{row.level}: its level.json names the failed checks"
                   for row in bad_levels.itertuples()]
@@ -421,11 +426,13 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
         bad = units[~units["valid"].astype(bool)]
         lines += [f"  {row.cell} router~{row.router}: its run.json names the failed checks" for row in bad.itertuples()]
         invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
+        counted.append(f"{len(units)} router units")
     if contexts_csv is not None:  # a length's unit whose chain missed the pool, read warm, or answered apart
         units = pd.read_csv(contexts_csv)
         bad = units[~units["valid"].astype(bool)]
         lines += [f"  {row.cell} doc~{row.context}: its unit.json names the failed checks" for row in bad.itertuples()]
         invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
+        counted.append(f"{len(units)} length units")
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]
@@ -442,6 +449,7 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
             "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
             + "\n".join(lines))
     Path(out).write_text(f"{len(table)} cells valid ({_rests_on(table)}); no KV bytes differ where they must agree"
+                         + "".join(f"; {unit} valid" for unit in counted)
                          + ("; Study B's blocks valid" if study is not None else "") + "\n")
 
 
