@@ -6,6 +6,9 @@
 # the fleet cleanly (every replica is in its own process group and would outlive a SIGKILL).
 # Leave SECONDS at least 90 s below the device call's limit: stopping a fleet and packing the
 # results take that long, and a call cut off by its limit brings nothing back.
+# A cell's gate needs the split-matched reference (results/reference/), which Snakemake may schedule
+# after the cells' fleets: in a call the budget cuts short, name the reference or one cell's
+# validity.json first with --prioritize so that one cell finishes whole.
 # The device gets the working tree with a stale .git: name the commit, as the call's command
 # written here, KVPOOL_GIT_COMMIT=<git rev-parse HEAD> KVPOOL_GIT_DIRTY=<0 or 1: uncommitted changes
 # in the tree sent> bash bench/device_run.sh ...
