@@ -132,3 +132,24 @@ def test_kv_bytes_read_as_chunks_equal_of_keys():
     assert list(shown["chunks equal"]) == ["184 of 184", "176 of 184"]
     assert list(shown["must agree bit for bit"]) == ["yes", "no"]
     assert list(shown["example of a differing chunk"]) == ["", "k@1"]
+
+
+def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
+    """Study A's matrix (3 chunk sizes x 2 tiers x 2 arms) and twice that: one column per cell, the figure at
+    most 24 inches wide (plotnine refuses anything over 25: six cells' phases as columns once did)."""
+    from kvpool import figures
+
+    for backends in (["lmcache-fs"], ["lmcache-fs", "lmcache-mp"]):
+        names = [Cell(backend, arm, chunk, tier).name for backend in backends for arm in ("isolated", "shared")
+                 for chunk in (256, 1024, 2048) for tier in ("tlc", "qlc")]
+        phases = {"populate": (0.0, 10.0), "reuse": (20.0, 30.0)}
+        cells = pd.DataFrame({"cell": names, "phases": [phases] * len(names)})
+        ticks = [(cell, phase, start + second) for cell in names for phase, (start, _) in phases.items()
+                 for second in range(10)]
+        drive = pd.DataFrame(ticks, columns=["cell", "phase", "since_start_s"]).assign(r_mb_per_s=500.0, aqu_sz=2.0)
+        power = pd.DataFrame(ticks, columns=["cell", "phase", "since_start_s"]).assign(source="gpu0", power_w=300.0)
+        plot = figures.timeline(drive, power, cells)
+        assert plot.data["column"].nunique() == len(names) and set(plot.data["phase"]) == set(phases)
+        png = figures.save(plot, tmp_path / str(len(names)), "timeline")["png"].read_bytes()
+        width_px = int.from_bytes(png[16:20], "big")
+        assert png[:8] == PNG_MAGIC and 8 * 110 <= width_px <= 24 * 110 + 1

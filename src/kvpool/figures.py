@@ -129,14 +129,16 @@ def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFra
                                                      for c, p in zip(data["cell"], data["phase"], strict=True)]
     short = {c: c.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
              for c in cells["cell"]}
-    data["column"] = data["cell"].map(short) + "\n" + data["phase"]
-    return (ggplot(data, aes("since_phase_s", "value"))
+    data["column"] = data["cell"].map(short).str.replace("/", "/\n", n=2)
+    # a column per cell, its phases as colours; past 12 cells the columns narrow (plotnine refuses over 25 in)
+    return (ggplot(data, aes("since_phase_s", "value", colour="phase"))
             + geom_line(size=0.4)
             + facet_grid("metric ~ column", scales="free")
             + labs(title="Timeline per cell and phase (the pool is dropped from the page cache between populate "
-                         "and reuse)", x="seconds since the phase started", y="")
-            + theme_bw() + theme(figure_size=(max(8, 2.2 * data["column"].nunique()), 6),
-                                 strip_text=element_text(size=7), plot_title=element_text(size=10)))
+                         "and reuse)", x="seconds since the phase started", y="", colour="")
+            + theme_bw() + theme(figure_size=(min(24, max(8, 2 * data["column"].nunique())), 6),
+                                 strip_text=element_text(size=7), plot_title=element_text(size=10),
+                                 legend_position="bottom"))
 
 
 def reload_efficiency(tiers: pd.DataFrame):
