@@ -150,6 +150,10 @@ def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
         power = pd.DataFrame(ticks, columns=["cell", "phase", "since_start_s"]).assign(source="gpu0", power_w=300.0)
         plot = figures.timeline(drive, power, cells)
         assert plot.data["column"].nunique() == len(names) and set(plot.data["phase"]) == set(phases)
+        # the cells' own order (chunk 256 before 1,024), not the labels' alphabetical one
+        assert [label.replace("/\n", "/") for label in plot.data["column"].cat.categories] == [
+            name.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
+            for name in names]
         png = figures.save(plot, tmp_path / str(len(names)), "timeline")["png"].read_bytes()
         width_px = int.from_bytes(png[16:20], "big")
         assert png[:8] == PNG_MAGIC and 8 * 110 <= width_px <= 24 * 110 + 1

@@ -129,7 +129,8 @@ def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFra
                                                      for c, p in zip(data["cell"], data["phase"], strict=True)]
     short = {c: c.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
              for c in cells["cell"]}
-    data["column"] = data["cell"].map(short).str.replace("/", "/\n", n=2)
+    labels = {cell: name.replace("/", "/\n", 2) for cell, name in short.items()}
+    data["column"] = pd.Categorical(data["cell"].map(labels), categories=list(dict.fromkeys(labels.values())))
     # a column per cell, its phases as colours; past 12 cells the columns narrow (plotnine refuses over 25 in)
     return (ggplot(data, aes("since_phase_s", "value", colour="phase"))
             + geom_line(size=0.4)
