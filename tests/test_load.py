@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from aiohttp import web
-from conftest import completions_server
+from conftest import completions_server, passing_gate_inputs
 
 from kvpool import kvbytes
 from kvpool.load import (
@@ -226,3 +226,23 @@ def test_the_load_figures_draw_from_the_load_table(tmp_path):
                        ("memory-reload", memory_reload)):
         paths = figures.save(plot, tmp_path, stem)
         assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
+
+
+def test_the_gate_fails_on_a_load_level_beyond_c1_and_counts_the_levels_it_rests_on(tmp_path):
+    """c1 is the cell's own reuse phase, judged by its validity gate: the load table's c1 row is not judged
+    again. Every other level is, and the gate's line says how many it rests on and how many of them have
+    answers that were not verified (batch composition)."""
+    from kvpool import steps
+
+    cell = "backend~lmcache-fs/arm~shared/chunk~256/tier~disk"
+    validity, kv_bytes = passing_gate_inputs(tmp_path, cell)
+    levels = pd.DataFrame({"cell": cell, "level": ["c1", "c2", "c4"], "valid": [False, True, False],
+                           "outputs_checked": ["passed", "not_verified", "not_verified"]})
+    load_csv = tmp_path / "load.csv"
+    levels.to_csv(load_csv, index=False)
+    with pytest.raises(SystemExit, match="load~c4: its level.json") as failed:
+        steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), load_csv=str(load_csv))
+    assert "load~c1" not in str(failed.value) and not (tmp_path / "gate.ok").exists()
+    levels.assign(valid=[False, True, True]).to_csv(load_csv, index=False)
+    steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), load_csv=str(load_csv))
+    assert "; 2 load levels (2 with answers not verified) valid" in (tmp_path / "gate.ok").read_text()

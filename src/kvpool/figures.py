@@ -127,10 +127,9 @@ def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFra
     starts = {(c["cell"], phase): start for _, c in cells.iterrows() for phase, (start, _) in c["phases"].items()}
     data["since_phase_s"] = data["since_start_s"] - [starts[(c, p)]
                                                      for c, p in zip(data["cell"], data["phase"], strict=True)]
-    short = {c: c.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
-             for c in cells["cell"]}
-    labels = {cell: name.replace("/", "/\n", 2) for cell, name in short.items()}
-    data["column"] = pd.Categorical(data["cell"].map(labels), categories=list(dict.fromkeys(labels.values())))
+    labels = {c: c.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
+              .replace("/", "/\n", 2) for c in cells["cell"]}
+    data["column"] = pd.Categorical(data["cell"].map(labels), categories=list(labels.values()))
     # a column per cell, its phases as colours; past 12 cells the columns narrow (plotnine refuses over 25 in)
     return (ggplot(data, aes("since_phase_s", "value", colour="phase"))
             + geom_line(size=0.4)

@@ -409,7 +409,7 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
         if len(beyond):
             unverified = int((beyond.get("outputs_checked", pd.Series(dtype=str)) == "not_verified").sum())
             counted.append(f"{len(beyond)} load levels ({unverified} with answers not verified)")
-        bad_levels = levels[(levels["level"] != "c1") & ~levels["valid"].astype(bool)] if len(levels) else levels
+        bad_levels = beyond[~beyond["valid"].astype(bool)] if len(beyond) else beyond
         lines += [f"  {row.cell} load~{row.level}: its level.json names the failed checks"
                   for row in bad_levels.itertuples()]
         invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
