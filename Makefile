@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := 2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup run test lint cluster-tools clean-results
+.PHONY: setup run test test-fast test-full lint cluster-tools clean-results
 
 setup: $(VENV)/.kvpool-installed
 
@@ -30,11 +30,11 @@ run: setup
 	$(BIN)/snakemake --cores 1 all
 
 lint: setup
-	$(BIN)/ruff check src tests bench workflow/scripts
-	$(BIN)/snakefmt --check Snakefile workflow/rules
-	$(BIN)/snakemake --lint
+	bench/timed ruff $(BIN)/ruff check src tests bench workflow/scripts
+	bench/timed snakefmt $(BIN)/snakefmt --check Snakefile workflow/rules
+	bench/timed snakemake-lint $(BIN)/snakemake --lint
 
-# The cluster test (tests/test_cluster.py) starts a one-node SLURM of its own: Debian's slurm-wlm and
+# The cluster test (tests/e2e/test_cluster.py) starts a one-node SLURM of its own: Debian's slurm-wlm and
 # munge. Installed here as root where apt-get works; elsewhere the test is skipped and says what to install.
 cluster-tools:
 	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then :; \
@@ -43,10 +43,19 @@ cluster-tools:
 	    slurm-wlm munge >/dev/null; \
 	else echo "slurm-wlm and munge are not installed (and this is not root on Debian): the cluster test will skip"; fi
 
-# Lint and the unit tests first (a failure shows in seconds), then the real end-to-end runs (minutes).
-test: setup lint cluster-tools
-	$(BIN)/python -m pytest -v -m "not e2e"
-	$(BIN)/python -m pytest -v -m e2e
+# Three lanes (docs/testing.md). Each stage prints its wall time (bench/timed).
+# test-fast: lint, the unit tests and the committed runs' re-reads, on every core: minutes.
+test-fast: setup lint
+	bench/timed unit+committed $(BIN)/python -m pytest -q -n auto --dist worksteal -m "unit or committed"
+
+# test (per commit, CI): the fast lane, then the real pipeline end to end, less the `full` tests.
+test: test-fast
+	bench/timed e2e $(BIN)/python -m pytest -v -m "e2e and not full" --durations=0
+
+# test-full: every end-to-end test, the per-commit ones and the `full` ones (backends, routers, lengths,
+# four replicas, SLURM, the other faults).
+test-full: test-fast cluster-tools
+	bench/timed e2e-full $(BIN)/python -m pytest -v -m e2e --durations=0
 
 clean-results:
 	rm -rf results/cells results/reference results/workload results/*.csv results/*.md results/gate.ok logs benchmarks

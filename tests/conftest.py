@@ -1,11 +1,8 @@
-import contextlib
 import copy
-from pathlib import Path
 
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO
 
 
 @pytest.fixture
@@ -32,31 +29,13 @@ def free_disk(monkeypatch):
     return set_free
 
 
-@contextlib.asynccontextmanager
-async def completions_server(handler, **app_settings):
-    """A stand-in OpenAI completions endpoint on a free loopback port: ``handler`` answers
-    POST /v1/completions; yields the base URL and stops the server on exit."""
-    from aiohttp import web
-
-    app = web.Application(**app_settings)
-    app.add_routes([web.post("/v1/completions", handler)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    finally:
-        await runner.cleanup()
+LANES = {"unit": "unit", "committed": "committed", "e2e": "e2e"}
 
 
-def passing_gate_inputs(folder: Path, cell_name: str) -> tuple[str, str]:
-    """A run's validity table with ``cell_name`` valid and a KV bytes table with nothing damaged, as
-    steps.gate reads them: what a unit's flag alone must fail."""
-    import pandas as pd
-
-    validity = folder / "validity.csv"
-    pd.DataFrame([{"cell": cell_name, "valid": True, "reasons": ""}]).to_csv(validity, index=False)
-    kv_bytes = folder / "kv_bytes.csv"
-    kv_bytes.write_text("backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,meaning\n")
-    return str(validity), str(kv_bytes)
+def pytest_collection_modifyitems(items):
+    """Each test's lane is its folder (tests/unit, tests/committed, tests/e2e): the marker that
+    `make test-fast` and `make test` select on."""
+    for item in items:
+        lane = LANES.get(item.path.parent.name)
+        if lane:
+            item.add_marker(lane)

@@ -1,0 +1,62 @@
+"""The other pool backends on the real stack, each in a working directory of its own holding the session's
+prerequisites: LMCache's redis:// against servers the pipeline starts, and the study's literal local_disk
+setting, whose cell must come out invalid."""
+
+import json
+
+import pandas as pd
+import psutil
+import pytest
+from support import CONFIGS
+from support.e2e import CELL, replicas_running_in, snakemake
+
+
+def redis_servers_running_in(workdir):
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if "redis-server" in " ".join(p.info["cmdline"] or []) and str(workdir) in " ".join(p.info["cmdline"])]
+
+
+@pytest.mark.full
+def test_a_redis_pool_is_shared_and_its_bytes_are_counted_and_checked(prepared):
+    result = snakemake(prepared, CONFIGS / "e2e.yaml", CONFIGS / "e2e-redis.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    cell = "results/cells/backend~lmcache-redis/arm~{arm}/chunk~256/tier~ram"
+    shared, isolated = (prepared / cell.format(arm=arm) for arm in ("shared", "isolated"))
+    assert json.loads((shared / "validity.json").read_text())["valid"]
+    assert json.loads((isolated / "validity.json").read_text())["valid"]
+    # every follow-up loads its whole document from the shared server, none from an isolated one
+    assert (pd.read_csv(shared / "reuse.csv")["external_hit_tokens"] == 2048).all()
+    assert (pd.read_csv(isolated / "reuse.csv")["external_hit_tokens"] == 0).all()
+    # the pool's size is what the server holds: one value per chunk of KV (4 KiB a token)
+    populate = json.loads((shared / "populate.json").read_text())
+    (server,) = populate["pool_server"].values()
+    chunks, kv = server["metrics"]["redis_pool_chunks"], server["metrics"]["redis_pool_kv_bytes"]
+    assert kv == chunks * 256 * 4096 and populate["pool"]["bytes"] == kv >= 4 * 2048 * 4096
+    assert populate["pool"]["source"].startswith("redis_pool_kv_bytes")
+    digests = pd.read_csv(shared / "populate-digests.csv")
+    assert len(digests) == chunks and set(digests["copy"]) == {"shared"}
+    # the arms' stored chunks, read back from their servers, agree bit for bit
+    kv_bytes = pd.read_csv(prepared / "results" / "kv_bytes.csv")
+    rows = kv_bytes[kv_bytes["backend"] == "lmcache-redis"].set_index("comparison")
+    assert rows.loc["store_across_arms", "keys"] >= 32 and rows.loc["store_across_arms", "differ"] == 0
+    assert rows.loc["after_load_against_cold", "keys"] > 0 and rows.loc["after_load_against_cold", "differ"] == 0
+    assert "lmcache-redis" in (prepared / "results" / "report.html").read_text()
+    assert redis_servers_running_in(prepared) == [] and replicas_running_in(prepared) == []
+
+
+def test_local_disk_shared_arm_is_marked_invalid(prepared):
+    result = snakemake(prepared, CONFIGS / "e2e.yaml", CONFIGS / "e2e-local-disk.yaml")
+    assert result.returncode != 0
+    assert "failed the validity gate" in result.stdout + result.stderr
+    cell = prepared / CELL.format(backend="lmcache-local-disk", arm="shared")
+    record = json.loads((cell / "validity.json").read_text())
+    assert not record["valid"]
+    assert not record["checks"]["pool_hits"]["ok"] and record["checks"]["pool_hits"]["value"] == 0
+    assert not record["checks"]["preflight"]["ok"]
+    assert (pd.read_csv(cell / "reuse.csv")["external_hit_tokens"] == 0).all()  # the data is kept
+    # The gate fails last: the tables and the page that explain the failure were rebuilt first.
+    table1 = pd.read_csv(prepared / "results" / "table1.csv")
+    assert "lmcache-local-disk" in set(table1["backend"])
+    html = (prepared / "results" / "report.html").read_text()
+    assert "lmcache-local-disk" in html and "INVALID" in html
+    assert replicas_running_in(prepared) == []

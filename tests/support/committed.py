@@ -1,0 +1,77 @@
+"""What the tests that re-read a committed run (docs/results/<run>) do alike: a router unit's gate again
+from its records, the routers table rebuilt from the units, and the pipeline's measured_only rebuild
+of a page in a copy of the run."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from kvpool import routers, steps
+from kvpool.cells import Cell
+from kvpool.checks import NOT_APPLICABLE, status
+from kvpool.files import read_json, read_records
+from support import REPO
+
+
+def comparable(check: dict):
+    """The part of a check that a gate recorded before statuses and today's gate share: the verdict and the
+    measured value (thresholds are the checks' own words); a check that could not fail (a cold read on a
+    memory tier, recorded then as passed) is "not applicable" in both."""
+    values = check.get("value") if isinstance(check.get("value"), list) else [check.get("value")]
+    if status(check) == NOT_APPLICABLE or (values and all(str(v).startswith("memory-backed tier") for v in values)):
+        return NOT_APPLICABLE
+    if isinstance(check.get("value"), dict) and check["value"].get("files") == 0 and check["ok"]:
+        return NOT_APPLICABLE  # a pool in a server's memory: no file was hashed, so nothing could change
+    return check["ok"], check["value"]
+
+
+def assert_same_gate(recorded: dict, again: dict, new: set[str] = frozenset(), gone: set[str] = frozenset(),
+                     apart: set[str] = frozenset()) -> None:
+    """``again`` (today's gate from the records) says what ``recorded`` (the run's) said on every check they
+    share; ``new`` names the checks only today's gate makes, ``gone`` those it no longer makes, ``apart``
+    those whose value changed form (the caller compares them)."""
+    assert set(again) - set(recorded) == set(new), set(again) ^ set(recorded)
+    assert set(recorded) - set(again) == set(gone), set(again) ^ set(recorded)
+    for name in set(recorded) & set(again) - set(apart):
+        assert comparable(recorded[name]) == comparable(again[name]), name
+
+
+def router_unit_dir(run: Path, cell: Cell, router: str) -> Path:
+    return run / "results" / "cells" / cell.name / f"router~{router}"
+
+
+def router_checks_again(run: Path, cell: Cell, router: str) -> tuple[dict, dict, dict]:
+    """The unit's run.json, its manifest and its gate as today's code gives it from its records (with the
+    run's reference outputs where it kept them)."""
+    folder = router_unit_dir(run, cell, router)
+    meta, manifest = read_json(folder / "run.json"), read_json(folder / "manifest.json")
+    config = manifest["config"]
+    reference = run / "results" / "reference" / "outputs.csv"
+    again = routers.checks(cell.arm, read_records(str(folder / "requests.csv")), meta["windows"],
+                           meta["drop_before_followups"], meta["loss"], config["workload"]["doc_tokens"],
+                           config["min_hit_fraction"], config["max_resident_fraction"],
+                           read_records(str(reference)) if reference.exists() else None, False,
+                           config["routers"]["hot"]["concurrency"])
+    return meta, manifest, again
+
+
+def rebuild_router_table(run: Path, units: list[tuple[Cell, str]], out: Path) -> None:
+    """routers.csv, routers.md and the figures from the units' records, into ``out``."""
+    steps.run_router_table(units, csvs=[str(router_unit_dir(run, c, r) / "requests.csv") for c, r in units],
+                           metas=[str(router_unit_dir(run, c, r) / "run.json") for c, r in units],
+                           csv_out=str(out / "routers.csv"), md_out=str(out / "routers.md"),
+                           figures_dir=str(out / "routers"))
+
+
+def measured_only_rebuild(run: Path, config: str, target: str, page: str, tmp_path: Path) -> Path:
+    """A copy of the run without ``page``, rebuilt by ``snakemake TARGET --config measured_only=True``
+    with ``config/CONFIG``; returns the copy, after asserting the rebuild succeeded."""
+    work = tmp_path / "run"
+    shutil.copytree(run, work)
+    (work / page).unlink()
+    out = subprocess.run([sys.executable, "-m", "snakemake", target, "--cores", "1", "-s", str(REPO / "Snakefile"),
+                          "--directory", str(work), "--configfile", str(REPO / "config" / config), "--config",
+                          "measured_only=True"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return work

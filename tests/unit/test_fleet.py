@@ -1,0 +1,218 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from support import REPO
+from support.fakes import FAKE, TEST_PORTS, fake_plan, family, write_driver
+
+from kvpool.fleet import FleetError, free_ports, resolve_ports, running_fleet
+
+
+def test_fleet_starts_and_leaves_nothing_behind(tmp_path):
+    with running_fleet(fake_plan("serve"), tmp_path, timeout_s=30) as replicas:
+        pids = [p.pid for r in replicas for p in family(r.proc.pid)]
+        assert len(pids) == 4  # two servers, each with a child
+        assert all(r.healthy() for r in replicas)
+    time.sleep(0.5)
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_a_replica_is_stopped_through_its_api_server(tmp_path):
+    """vLLM's engine unregisters its GPU KV cache from an LMCache MP server only on an orderly shutdown;
+    signalled directly, it leaves the server holding that GPU memory (seen on the H200)."""
+    with running_fleet(fake_plan("orderly", count=1), tmp_path, timeout_s=30):
+        pass
+    assert "engine stopped by its API server" in (tmp_path / "replica-0.log").read_text()
+
+
+def test_a_killed_replica_leaves_no_orphan(tmp_path):
+    """kill -9 of a replica's API server: its engine (here one that left the process group) is still stopped."""
+    with running_fleet(fake_plan("regroup", count=1), tmp_path, timeout_s=30) as (replica,):
+        members = family(replica.proc.pid)
+        assert len(members) == 2
+        os.kill(replica.proc.pid, signal.SIGKILL)
+        replica.proc.wait(timeout=10)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive
+
+
+def test_ctrl_c_while_the_fleet_stops_still_stops_every_replica(tmp_path):
+    ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
+    driver = write_driver(tmp_path, "from support.fakes import fake_plan", "from kvpool.fleet import running_fleet",
+                          f"with running_fleet(fake_plan('slowstop', ports={ports}), {str(tmp_path)!r}, 30):",
+                          "    print('ready', flush=True)", "    time.sleep(1)", "print('stopped', flush=True)")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = psutil.Process(proc.pid).children(recursive=True)
+    assert len(members) == 4
+    time.sleep(2)  # the fleet is stopping: replica 0's API server takes 3 s
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0  # the Ctrl-C still ends the run, after the stop
+    assert "stopped" not in proc.stdout.read()
+    _, alive = psutil.wait_procs(members, timeout=10)
+    for left in alive:  # a failing run must not leave its replicas to the next test
+        left.kill()
+    assert not alive
+
+
+def test_dead_replica_error_carries_its_log_tail(tmp_path):
+    with pytest.raises(FleetError, match="(?s)replica 0 .*exited with code 3.*CUDA out of memory"):
+        with running_fleet(fake_plan("die", count=1), tmp_path, timeout_s=30):
+            pass
+
+
+def test_silent_replica_times_out_and_is_stopped(tmp_path):
+    plan = fake_plan("silent", count=1)
+    with pytest.raises(FleetError, match="not healthy after 2 s"):
+        with running_fleet(plan, tmp_path, timeout_s=2):
+            pass
+    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {plan['replicas'][0]['port']}"], capture_output=True)
+    assert out.stdout == b""
+
+
+def test_configured_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(FleetError, match=f"replica 0 port {port}.*engine.ports"):
+            resolve_ports(fake_plan("serve", count=1, ports=[port], source="config"))
+        moved = resolve_ports(fake_plan("serve", count=1, ports=[port], source="auto"))
+        assert moved["replicas"][0]["port"] != port
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_stop_the_fleet(tmp_path, sig):
+    ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
+    driver = write_driver(tmp_path, "from support.fakes import fake_plan", "from kvpool.fleet import running_fleet",
+                          f"with running_fleet(fake_plan('serve', ports={ports}), {str(tmp_path)!r}, 30):",
+                          "    print('ready', flush=True)", "    time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(members) == 4
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    gone, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive
+
+
+def test_an_exited_but_unreaped_process_counts_as_stopped():
+    """A stop must not wait out its grace period on a zombie (exited, its parent has not reaped it)."""
+    from kvpool.fleet import _still_running
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    zombie = psutil.Process(child.pid)
+    deadline = time.monotonic() + 30
+    while zombie.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    started = time.monotonic()
+    assert _still_running([zombie, psutil.Process(sleeper.pid)], 0.5) == [psutil.Process(sleeper.pid)]
+    assert _still_running([zombie], 20) == [] and time.monotonic() - started < 5
+    sleeper.kill()
+    sleeper.wait()
+    child.wait()
+
+
+def one_measured_request(replica):
+    """One request through the phases' own measured path, as a follow-up would be sent."""
+    import asyncio
+
+    import aiohttp
+
+    from kvpool.phases import measured_request
+
+    async def request():
+        async with aiohttp.ClientSession() as session:
+            return await measured_request(session, replica, [1, 2, 3], 4, 5.0)
+
+    return asyncio.run(request())
+
+
+def test_a_replica_killed_mid_request_is_named_in_that_request(tmp_path):
+    """The request in flight when its replica is killed names the exit too, not only a broken stream."""
+    with running_fleet(fake_plan("diemid", count=1), tmp_path, timeout_s=30) as (replica,):
+        result, counts = one_measured_request(replica)
+    assert counts == {}
+    # the stream broke (or ended early) and the replica is gone: the row says which and why
+    assert "replica 0" in result.error and "exited with code -9" in result.error
+
+
+def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
+    """The phase keeps going and keeps its rows: the failed request says which replica died and why."""
+    from kvpool.fleet import Replica
+
+    replica = Replica(fake_plan("die", count=1)["replicas"][0], tmp_path / "replica-0.log")
+    replica.start()
+    replica.proc.wait(timeout=30)
+    result, counts = one_measured_request(replica)
+    assert counts == {}
+    assert "replica 0" in result.error and "exited with code 3" in result.error
+    assert "CUDA out of memory" in result.error  # the log tail
+
+
+def test_a_port_another_server_also_listens_on_is_named(tmp_path):
+    """vLLM binds with SO_REUSEPORT: a second server that binds the same port (another run that planned
+    it at the same moment) silently takes a share of the requests."""
+    plan = fake_plan("serve", count=1)
+    plan["replicas"][0]["argv"].append("--reuse-port")  # as vLLM does
+    port = plan["replicas"][0]["port"]
+    with running_fleet(plan, tmp_path, timeout_s=30) as (replica,):
+        assert replica.port_owner_problem() is None
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            other.bind(("127.0.0.1", port))
+            other.listen()
+            problem = replica.port_owner_problem()
+    assert f"port {port} is also listened on by pid {os.getpid()}" in problem and "engine.ports" in problem
+
+
+def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
+    """populate checks its ports before it clears the cell's old pool."""
+    import yaml
+
+    from kvpool.cells import Cell, pool_root
+    from kvpool.steps import run_populate
+
+    config["tiers"] = {"disk": str(tmp_path / "tier")}
+    cell = Cell("lmcache-fs", "shared", 256, "disk")
+    kept = pool_root(config, cell) / "shared" / "chunk.data"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"measured")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        plan = fake_plan("serve", count=1, ports=[busy.getsockname()[1]], source="config")
+        (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+        with pytest.raises(FleetError, match="configured ports are in use"):
+            run_populate(config, cell, plan_path=str(tmp_path / "plan.yaml"), prompts_path="prompts.jsonl",
+                         csv_out="p.csv", json_out="p.json", drive_csv="d.csv", power_csv="w.csv",
+                         digests_csv="pd.csv", log_dir=str(tmp_path / "logs"))
+    assert kept.read_bytes() == b"measured"
+
+
+def test_a_second_run_in_one_working_directory_is_refused(tmp_path):
+    from kvpool.runlock import RunLocked, acquire
+
+    held = acquire(tmp_path)
+    other = subprocess.run([sys.executable, "-c", f"from kvpool.runlock import acquire; acquire({str(tmp_path)!r})"],
+                           capture_output=True, text=True)
+    assert other.returncode != 0 and f"another kvpool run (pid {os.getpid()})" in other.stderr
+    with pytest.raises(RunLocked):  # another open file description in this process conflicts too
+        acquire(tmp_path)
+    # Snakemake takes it before the first job: a second run stops at once, naming the first
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text((REPO / "config" / "config.yaml").read_text())
+    second = subprocess.run([sys.executable, "-m", "snakemake", "results/workload/prompts.jsonl", "--cores", "1",
+                             "--directory", str(tmp_path), "-s", str(REPO / "Snakefile")],
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0 and f"another kvpool run (pid {os.getpid()})" in second.stderr + second.stdout
+    assert not (tmp_path / "resources").exists()  # no job ran
+    held.close()
+    acquire(tmp_path).close()  # released with its holder

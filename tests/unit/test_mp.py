@@ -1,0 +1,395 @@
+"""The lmcache-mp backend without a GPU: its plan, its refusals, its server's lifecycle and metrics."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+import yaml
+from support import REPO
+from support.fakes import FAKE, FAKE_ENGINE, fake_server_plan, family, write_driver
+
+from kvpool import config as kvpool_config
+from kvpool import kvbytes, mp, phases, steps
+from kvpool.cells import Cell
+from kvpool.fleet import FleetError, free_ports, resolve_server_ports, running_servers
+from kvpool.plan import fleet_plan, with_server_ports
+
+TEST_PORTS = 38300
+
+
+@pytest.fixture
+def gpu_config(config):
+    """The default config moved to the GPU engine and the MP backend (a plan needs no GPU)."""
+    config["engine"].update(kind="vllm", gpus=[0], replicas_per_gpu=2, gpu_memory_utilization=0.8)
+    config["backends"] = ["lmcache-mp"]
+    config["tiers"] = {"ram": "/dev/shm/kvpool", "disk": "pools/disk"}
+    config["lmcache_mp"] = {"memory_tiers": ["ram"], "l1_size_gib": None, "l1_fill": 0.7, "eviction_policy": "LRU",
+                            "l2_use_odirect": False, "extra_args": [], "env": {}, "startup_timeout_s": 60,
+                            "drain_timeout_s": 30}
+    return config
+
+
+def mp_plan(config, arm, tier, server_ports=(20001, 20002, 20003, 20004)):
+    count = 1 if arm == "shared" else 2
+    return fleet_plan(config, Cell("lmcache-mp", arm, 256, tier), "/models/m", Path("/tmp/cell"), [18100, 18101],
+                      "config", server_ports=list(server_ports[:2 * count]))
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_shared_arm_has_one_server_for_every_replica(gpu_config):
+    plan = mp_plan(gpu_config, "shared", "ram")
+    (server,) = plan["servers"]
+    assert plan["memory_pool"] is True
+    assert flag(server["argv"], "--host") == flag(server["argv"], "--http-host") == "127.0.0.1"
+    assert (flag(server["argv"], "--port"), flag(server["argv"], "--http-port")) == ("20001", "20002")
+    assert "--l2-adapter" not in server["argv"] and server["l2_dir"] is None
+    for replica in plan["replicas"]:
+        transfer = json.loads(flag(replica["argv"], "--kv-transfer-config"))
+        assert transfer == {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 20001}}
+        assert replica["server"] == 0 and "LMCACHE_CONFIG_FILE" not in replica["env"]
+
+
+def test_isolated_arm_has_a_server_per_replica_and_nothing_else_differs(gpu_config):
+    shared, isolated = mp_plan(gpu_config, "shared", "disk"), mp_plan(gpu_config, "isolated", "disk")
+    assert len(isolated["servers"]) == 2 and isolated["memory_pool"] is False
+    ports = [json.loads(flag(r["argv"], "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
+             for r in isolated["replicas"]]
+    assert ports == [20001, 20003]
+    # the server command differs between arms only in its ports and its L2 folder
+    def strip(argv):
+        return [a for a in argv if not a.isdigit() and "base_path" not in a]
+
+    for server in isolated["servers"]:
+        assert strip(server["argv"]) == strip(shared["servers"][0]["argv"])
+    l2 = [json.loads(flag(s["argv"], "--l2-adapter")) for s in isolated["servers"]]
+    assert [a["base_path"] for a in l2] == [r["pool_dir"] for r in isolated["replicas"]]
+    assert all(a == {"type": "fs", "base_path": a["base_path"], "use_odirect": False} for a in l2)
+    assert shared["servers"][0]["l2_dir"] == shared["replicas"][0]["pool_dir"] == shared["replicas"][1]["pool_dir"]
+    # the replicas' own arguments are those of the shared arm but for the connector's port
+    for r_shared, r_isolated in zip(shared["replicas"], isolated["replicas"], strict=True):
+        assert [a for a in r_shared["argv"] if "LMCacheMPConnector" not in a] == \
+               [a for a in r_isolated["argv"] if "LMCacheMPConnector" not in a]
+
+
+def test_l1_is_sized_for_the_whole_pool(gpu_config):
+    workload, spec = gpu_config["workload"], gpu_config["random_model"]
+    per_token = 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * 4  # float32 in the default config
+    pool = workload["documents"] * (workload["doc_tokens"] + workload["followup_tokens"]) * per_token
+    for tier in ("ram", "disk"):
+        size = float(flag(mp_plan(gpu_config, "shared", tier)["servers"][0]["argv"], "--l1-size-gb"))
+        assert pool / 0.7 / 2**30 <= size < pool / 0.7 / 2**30 + 0.1
+
+
+def test_refusals_name_the_key_and_the_numbers(gpu_config):
+    cpu = {**gpu_config, "engine": {**gpu_config["engine"], "kind": "vllm-cpu"}}
+    assert any("lmcache-mp needs engine.kind vllm" in p for p in kvpool_config.problems(cpu, REPO, check_paths=False))
+    small = {**gpu_config, "lmcache_mp": {**gpu_config["lmcache_mp"], "l1_size_gib": 0.02}}
+    found = kvpool_config.problems(small, REPO, check_paths=False)
+    ram = next(p for p in found if "tier ram" in p)
+    assert "lmcache_mp.l1_size_gib 0.02 is too small" in ram and "the whole pool" in ram and "#5290" in ram
+    disk = next(p for p in found if "tier disk" in p)
+    assert "the largest request is 0.02 GiB" in disk
+    # the drive tier needs room for one request only; the memory tier for the whole pool
+    roomy = {**gpu_config, "lmcache_mp": {**gpu_config["lmcache_mp"], "l1_size_gib": 0.1}}
+    found = kvpool_config.problems(roomy, REPO, check_paths=False)
+    assert [p for p in found if "l1_size_gib" in p and "disk" in p] == []
+    real = {**gpu_config, "engine": {**gpu_config["engine"], "model": "/models/m"}}
+    assert any("l1_size_gib must be set" in p for p in kvpool_config.problems(real, REPO, check_paths=False))
+
+
+def test_a_local_real_models_config_sizes_the_servers_l1(gpu_config, tmp_path):
+    """A local model directory's config.json gives its KV bytes per token, so L1 is sized for its pool."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32,
+                                                      "num_key_value_heads": 8, "hidden_size": 4096,
+                                                      "torch_dtype": "bfloat16"}))
+    gpu_config["engine"].update(model=str(tmp_path), dtype="auto")
+    assert not [p for p in kvpool_config.problems(gpu_config, REPO, check_paths=False) if "l1_size_gib" in p]
+    w = gpu_config["workload"]
+    pool = w["documents"] * (w["doc_tokens"] + w["followup_tokens"]) * 131072  # 128 KiB of KV per token
+    assert mp.l1_size_gib(gpu_config, "ram") == pytest.approx(pool / 0.7 / 2**30, abs=0.1)
+
+
+def test_moving_a_server_rewires_its_replicas(gpu_config):
+    plan = with_server_ports(mp_plan(gpu_config, "isolated", "disk"), 1, 21000, 21001)
+    assert (flag(plan["servers"][1]["argv"], "--port"), flag(plan["servers"][1]["argv"], "--http-port")) == \
+           ("21000", "21001")
+    ports = [json.loads(flag(r["argv"], "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
+             for r in plan["replicas"]]
+    assert ports == [20001, 21000] and plan["replicas"][1]["kv_transfer"]["kv_connector_extra_config"][
+        "lmcache.mp.port"] == 21000
+
+
+def test_server_metrics_sum_labels_and_take_phase_deltas():
+    text = textwrap.dedent("""\
+        # TYPE lmcache_mp_l1_write_total counter
+        lmcache_mp_l1_write_total{cache_salt=""} 10.0
+        lmcache_mp_l1_write_total{cache_salt="x"} 2.0
+        # TYPE lmcache_mp_l2_store_submitted_objects_chunks_total counter
+        lmcache_mp_l2_store_submitted_objects_chunks_total 7.0
+        # TYPE lmcache_mp_l2_store_completed_objects_chunks_total counter
+        lmcache_mp_l2_store_completed_objects_chunks_total 5.0
+        # TYPE lmcache_mp_l1_chunk_reuse_gap_seconds histogram
+        lmcache_mp_l1_chunk_reuse_gap_seconds_bucket{le="1.0"} 3.0
+        lmcache_mp_l1_chunk_reuse_gap_seconds_count 3.0
+        # TYPE lmcache_mp_l1_memory_usage_bytes gauge
+        lmcache_mp_l1_memory_usage_bytes{backend="dram"} 4096.0
+        # TYPE process_cpu_seconds counter
+        process_cpu_seconds_total 3.0
+        """)
+    found = mp.server_metrics(text)
+    assert found == {"lmcache_mp_l1_write_total": 12.0, "lmcache_mp_l2_store_submitted_objects_chunks_total": 7.0,
+                     "lmcache_mp_l2_store_completed_objects_chunks_total": 5.0,
+                     "lmcache_mp_l1_memory_usage_bytes": 4096.0}
+    assert mp.l2_pending(found) == 2
+    delta = mp.metrics_delta(found, {"lmcache_mp_l1_write_total": 2.0, "lmcache_mp_l1_memory_usage_bytes": 10.0})
+    assert delta["lmcache_mp_l1_write_total"] == 10.0 and delta["lmcache_mp_l1_memory_usage_bytes"] == 4096.0
+
+
+def test_kv_bytes_says_a_memory_pool_has_nothing_to_hash():
+    empty = kvbytes.read_digests(REPO / "tests" / "fixtures" / "empty-digests.csv")
+    digests = {("lmcache-mp", 256, "ram", arm): empty for arm in ("shared", "isolated")}
+    table = kvbytes.kv_bytes_table(digests, {"workload": {"doc_tokens": 1024}, "engine": {"kind": "vllm"}},
+                                   {("lmcache-mp", 256, "ram"): "the pool is the server's L1"})
+    assert list(table["comparison"]) == ["not applicable"]
+    ((setting, _, found),) = kvbytes.findings(table)
+    assert setting == ("lmcache-mp", 256, "ram") and found == "Not applicable: the pool is the server's L1"
+    assert kvbytes.unexpected(table).empty
+
+
+def test_servers_start_answer_and_leave_nothing_behind(tmp_path):
+    with running_servers(fake_server_plan("serve", 2), tmp_path, timeout_s=30) as (plan, servers):
+        pids = [p.pid for s in servers for p in family(s.proc.pid)]
+        assert len(pids) == 4 and all(s.healthy() for s in servers)
+        assert servers[0].metrics() == {"lmcache_mp_l1_write_total": 12.0, "lmcache_mp_l1_memory_usage_bytes": 4096.0}
+        assert servers[0].drain(5) == {"pending_l2_stores": 0.0, "waited_s": pytest.approx(0, abs=1)}
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_a_crashed_server_is_an_error_with_its_log_tail(tmp_path):
+    with pytest.raises(FleetError, match="(?s)lmcache server 0 .*exited with code 3.*CUDA out of memory"):
+        with running_servers(fake_server_plan("die"), tmp_path, timeout_s=30):
+            pass
+
+
+def test_a_silent_server_times_out_and_is_stopped(tmp_path):
+    plan = fake_server_plan("silent")
+    with pytest.raises(FleetError, match="lmcache server 0 .*not healthy after 2 s"):
+        with running_servers(plan, tmp_path, timeout_s=2):
+            pass
+    server = plan["servers"][0]
+    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {server['port']} --http-port {server['http_port']}"],
+                         capture_output=True)
+    assert out.stdout == b""
+
+
+def test_a_failure_inside_stops_the_servers(tmp_path):
+    with pytest.raises(RuntimeError, match="populate failed"):
+        with running_servers(fake_server_plan("serve"), tmp_path, timeout_s=30) as (_, servers):
+            pids = [p.pid for p in family(servers[0].proc.pid)]
+            raise RuntimeError("populate failed")
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_a_taken_server_port_moves_before_start():
+    import socket
+
+    plan = fake_server_plan("serve")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", plan["servers"][0]["port"]))
+        busy.listen()
+        moved = resolve_server_ports(plan)
+    assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
+    assert str(moved["servers"][0]["http_port"]) in moved["servers"][0]["argv"]
+
+
+def test_running_servers_keep_their_ports_through_a_phase(tmp_path):
+    """A memory pool's servers hold their own ports: a phase that re-checked them would find them
+    taken, move them, and point the replicas at ports no server listens on (seen on the GPU)."""
+    with running_servers(fake_server_plan("serve"), tmp_path, timeout_s=30) as (plan, servers):
+        assert steps.checked_ports(plan, servers) == plan
+        moved = steps.checked_ports(plan)  # a phase that starts its own servers moves taken ports
+        assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
+        with pytest.raises(FleetError, match="running servers are"):
+            with phases.pool_servers(moved, tmp_path, {"lmcache_mp": {}}, servers):
+                pass
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_stop_the_servers(tmp_path, sig):
+    driver = write_driver(tmp_path, "from support.fakes import fake_server_plan",
+                          "from kvpool.fleet import running_servers",
+                          f"with running_servers(fake_server_plan('serve', 2), {str(tmp_path)!r}, 30):",
+                          "    print('ready', flush=True)", "    time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = psutil.Process(proc.pid).children(recursive=True)
+    assert len(members) == 4
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive
+
+
+def test_the_real_lmcache_server_starts_reports_and_stops(gpu_config, tmp_path):
+    """LMCache's own server process (it runs on CPU; only the replicas' connector needs CUDA)."""
+    gpu_config["workload"].update(documents=2, doc_tokens=1024)
+    gpu_config["tiers"]["disk"] = str(tmp_path / "disk")
+    plan = fleet_plan(gpu_config, Cell("lmcache-mp", "shared", 256, "disk"), "/models/m", tmp_path, [18100, 18101],
+                      "auto", server_ports=free_ports("127.0.0.1", 2, start=TEST_PORTS + 50))
+    with running_servers(plan, tmp_path / "logs", timeout_s=180) as (plan, servers):
+        (server,) = servers
+        found = server.metrics()
+        assert found[mp.L1_BYTES] == 0 and server.drain(10)["pending_l2_stores"] == 0
+        pids = [p.pid for p in family(server.proc.pid)]
+    log = (tmp_path / "logs" / "lmcache-server-0.log").read_text()
+    assert "LMCache zmq cache server is running on 127.0.0.1" in log
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_the_mp_gpu_config_plans_one_job_per_memory_pool_cell():
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", "config/h200-mp.yaml",
+                          "--directory", "/tmp/kvpool-dry-mp", "-s", str(REPO / "Snakefile")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
+                if len(line.split()) == 2 and line.split()[1].isdigit())
+    # ram cells: populate, drop and reuse around one set of servers; disk cells: the three rules
+    assert (jobs["memory_pool_cell"], jobs["populate"], jobs["drop"], jobs["reuse"]) == ("2", "2", "2", "2")
+
+
+@pytest.mark.parametrize("name", ["h200x2-mp-load", "h200-mp-load"])
+def test_the_gpu_load_config_measures_its_memory_pool_cells_at_every_level(name, tmp_path):
+    """A memory pool cannot be restored between levels; its levels populate fresh servers instead,
+    so the MP ram cells get every level rather than c1 alone."""
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--configfile", f"config/{name}.yaml",
+                          "--directory", str(tmp_path), "-s", str(REPO / "Snakefile")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
+                if len(line.split()) == 2 and line.split()[1].isdigit())
+    assert (jobs["memory_pool_cell"], jobs["load_level"], jobs["load_table"]) == ("2", "6", "1")
+
+
+def test_the_readme_rerun_command_reruns_one_cell(tmp_path):
+    """The README's own command re-runs one arm of one cell, and only that: `--forcerun` swallows any
+    word after it, so a target placed there would force every cell's populate instead."""
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if "re-run one arm of one cell" in line)
+    command = row.split("`")[1].split()
+    assert command[:3] == ["snakemake", "--cores", "1"]
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text((REPO / "config" / "config.yaml").read_text())
+    out = subprocess.run([sys.executable, "-m", "snakemake", *command[1:], "-n", "--directory", str(tmp_path),
+                          "-s", str(REPO / "Snakefile")], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
+                if len(line.split()) == 2 and line.split()[1].isdigit())
+    assert jobs["populate"] == jobs["reuse"] == jobs["validity"] == "1" and "report" not in jobs
+
+
+def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_path):
+    """The phase's rows must survive a dead pool server: its record names the exit instead."""
+    from kvpool.phases import pool_servers
+
+    with pool_servers(fake_server_plan("serve"), tmp_path, gpu_config) as (_, servers, record):
+        servers[0].proc.kill()
+        servers[0].proc.wait(timeout=10)
+    assert "lmcache server 0" in record["0"]["error"] and "exited with code -9" in record["0"]["error"]
+    assert record["0"]["metrics"] == {}
+
+
+
+
+@pytest.mark.parametrize("arm, tier", [("shared", "ram"), ("isolated", "ram"), ("shared", "disk"),
+                                       ("isolated", "disk")])
+def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path, arm, tier):
+    """An lmcache-mp cell rehearsed on CPU: LMCache's real server, stand-in engines for the replicas,
+    whose connector needs a GPU. A memory pool runs populate, drop and reuse as one job around one
+    set of servers; a drive tier starts a fresh server per phase on the same L2 folder. It catches
+    what only the GPU had shown: running servers' ports re-checked, found taken (by themselves) and
+    moved, leaving replicas to wait for a server that is not there."""
+    from kvpool import prompts
+    from kvpool.model import build_random_model
+
+    model = tmp_path / "model"
+    build_random_model(model, gpu_config["random_model"])
+    gpu_config["workload"].update(documents=2, doc_tokens=512, followup_tokens=256)
+    gpu_config["tiers"] = {tier: str(tmp_path / tier)}
+    gpu_config["preflight_on_failure"] = "record"
+    cell = Cell("lmcache-mp", arm, 256, tier)
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    ports = free_ports("127.0.0.1", 6 if arm == "isolated" else 4, start=TEST_PORTS + 100)
+    plan = fleet_plan(gpu_config, cell, str(model), folder, ports[:2], "auto", server_ports=ports[2:])
+    for replica in plan["replicas"]:
+        replica["argv"] = [sys.executable, FAKE_ENGINE, "--port", str(replica["port"])]
+    (folder / "plan.yaml").write_text(yaml.safe_dump(plan))
+    w = gpu_config["workload"]
+    prompts.write_workload(tmp_path / "prompts.jsonl", prompts.make_workload(
+        steps.vocabulary(str(model)), w["documents"], w["doc_tokens"], w["followup_tokens"], w["seed"]))
+    out = {name: str(folder / name) for name in ("populate.csv", "populate.json", "drop.json", "reuse.csv",
+                                                 "reuse.json", "populate-digests.csv", "pool-digests.csv")}
+    for phase in ("populate", "reuse"):
+        for kind in ("drive", "power"):
+            out[f"{phase}-{kind}"] = str(folder / f"{phase}-{kind}.csv")
+    populate = {"csv": out["populate.csv"], "meta": out["populate.json"], "drive": out["populate-drive"],
+                "power": out["populate-power"], "digests": out["populate-digests.csv"]}
+    reuse = {"csv": out["reuse.csv"], "meta": out["reuse.json"], "drive": out["reuse-drive"],
+             "power": out["reuse-power"], "digests": out["pool-digests.csv"]}
+    logs = {name: str(tmp_path / "logs" / name) for name in ("servers", "populate", "reuse")}
+    plan_path, prompts_path = str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl")
+    if tier == "ram":  # only the sections the rule hands its script, as Snakemake would
+        declared = {key: gpu_config[key] for key in kvpool_config.MEMORY_POOL_CELL_SETTINGS}
+        steps.run_memory_pool_cell(declared, cell, plan_path, prompts_path, populate=populate,
+                                   drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
+    else:  # the three rules: each phase starts (and stops) its own servers, whose logs sit with its replicas'
+        steps.run_populate(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
+                           json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
+                           digests_csv=populate["digests"], log_dir=logs["populate"])
+        steps.run_drop(gpu_config, plan_path, out["drop.json"])
+        steps.run_reuse(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path,
+                        populate_csv=out["populate.csv"], populate_digests=populate["digests"], csv_out=reuse["csv"],
+                        json_out=reuse["meta"], drive_csv=reuse["drive"], power_csv=reuse["power"],
+                        digests_csv=reuse["digests"], log_dir=logs["reuse"])
+    # a load level: a disk cell's restores the L2 folder and starts fresh servers on it, as reuse does;
+    # a memory pool's starts fresh servers and populates them again
+    level = {name: str(folder / "load~c2" / name) for name in ("requests.csv", "level.json", "drive.csv", "power.csv")}
+    Path(level["level.json"]).parent.mkdir()
+    steps.run_load_level(gpu_config, cell, "c2", plan_path=plan_path, prompts_path=prompts_path,
+                         populate_csv=out["populate.csv"], populate_digests=populate["digests"],
+                         csv_out=level["requests.csv"], json_out=level["level.json"], drive_csv=level["drive.csv"],
+                         power_csv=level["power.csv"], log_dir=str(tmp_path / "logs" / "c2"), remove_pool=True)
+    level_meta = json.loads(Path(level["level.json"]).read_text())
+    assert len(pd.read_csv(level["requests.csv"])) == 2
+    restore = level_meta["pool_restore"]
+    if tier == "ram":  # stand-in engines store nothing: a shared preflight fails; the rest must hold
+        assert restore["repopulated"] and restore["same_placement"] and restore["errors"] == 0
+        assert restore["bytes"] == restore["cell_bytes"] and restore["preflight_ok"] == (arm == "isolated")
+    else:
+        assert level_meta["checks"]["pool_restored"]["ok"] and restore["removed_files"] == 0
+    assert set(level_meta["pool_server"]) == ({"0"} if arm == "shared" else {"0", "1"})
+    assert all("error" not in server for server in level_meta["pool_server"].values())
+    assert (folder / "load~c2" / "populate.csv").exists() == (tier == "ram")
+    populated, reused = pd.read_csv(out["populate.csv"]), pd.read_csv(out["reuse.csv"])
+    assert len(populated) == len(reused) == 2 and (reused["error"].isna()).all()
+    assert (reused["prefill_replica"] != reused["serve_replica"]).all()
+    meta = json.loads(Path(out["populate.json"]).read_text())
+    assert len(meta["pool_server"]) == (1 if arm == "shared" else 2)  # each server's counters, read after the phase
+    assert json.loads(Path(out["drop.json"]).read_text())["memory_backed"] == (tier == "ram")
+    servers = sorted((tmp_path / "logs").rglob("lmcache-server-*.log"))
+    # a fresh server for the load level, and for a disk cell's reuse
+    assert len(servers) == len(meta["pool_server"]) * (2 if tier == "ram" else 3)
+    assert all("LMCache zmq cache server is running on 127.0.0.1" in log.read_text() for log in servers)
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if FAKE_ENGINE in " ".join(p.info["cmdline"] or [])
+                 or ("lmcache" in " ".join(p.info["cmdline"] or [])
+                     and any(str(port) in (p.info["cmdline"] or []) for port in ports[2:]))]
+    assert not leftovers

@@ -1,0 +1,42 @@
+"""The cluster profiles parse and plan with their executor plugins installed: a dry run of the
+matrix through profiles/slurm and profiles/kubernetes. (The SLURM profile also runs for real on a
+one-node cluster, tests/e2e/test_cluster.py; the Kubernetes one has not run on a cluster.)"""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from support import REPO
+
+CONFIGS = REPO / "tests" / "configs"
+
+
+def dry_run(workdir, profile, *extra):
+    argv = [sys.executable, "-m", "snakemake", "all", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+            "--profile", str(REPO / "profiles" / profile), *extra,
+            "--configfile", str(CONFIGS / "e2e.yaml"), str(CONFIGS / "e2e-cluster.yaml")]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("profile", "extra"), [
+    ("slurm", []),
+    ("kubernetes", ["--container-image", "registry.invalid/kvpool:test"]),
+])
+def test_a_profile_plans_every_timed_phase_of_the_matrix(tmp_path, profile, extra):
+    result = dry_run(tmp_path, profile, *extra)
+    assert result.returncode == 0, result.stderr[-4000:]
+    said = result.stdout + result.stderr
+    for rule in ("populate", "drop", "reuse", "validity", "gate"):
+        assert f"rule {rule}:" in said or f"localrule {rule}:" in said, rule
+    assert "This was a dry-run" in said
+
+
+def test_the_slurm_profile_gives_every_timed_phase_a_node_of_its_own():
+    profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
+    timed = ("populate", "drop", "reuse", "memory_pool_cell", "load_level", "studyb_block", "reference", "ceiling")
+    for rule in timed:
+        assert "--exclusive" in profile["set-resources"][rule]["slurm_extra"], rule
+    # the fleet token of the default profile still keeps timed phases apart; squeue needs no accounting
+    assert profile["slurm-status-command"] == "squeue"
+

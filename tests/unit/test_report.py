@@ -1,0 +1,159 @@
+"""The report builds from a recorded results tree alone (no servers) and flags what is invalid."""
+
+import base64
+import json
+import re
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvpool.cells import Cell
+from kvpool.steps import build_report, run_summary, run_tier_compare
+
+TREE = Path(__file__).parents[1] / "fixtures" / "results-tree"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CELLS = [Cell("lmcache-fs", "shared", 256, "disk"), Cell("lmcache-fs", "isolated", 256, "disk"),
+         Cell("lmcache-local-disk", "shared", 256, "disk")]
+INVALID = "backend~lmcache-local-disk/arm~shared/chunk~256/tier~disk"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    shutil.copytree(TREE / "results", root / "results")
+    cell = TREE / "results" / "cells" / CELLS[0].name
+    config = json.loads((cell / "manifest.json").read_text())["config"]
+    config["backends"] = ["lmcache-fs", "lmcache-local-disk"]
+    results = root / "results"
+    folders = [results / "cells" / cell.name for cell in CELLS]
+    # the tables first, as their rules make them; the report only reads them
+    run_summary(config, CELLS, [f / "reuse.csv" for f in folders], [f / "reuse.json" for f in folders],
+                [f / "validity.json" for f in folders], [f / "telemetry" / "summary.json" for f in folders],
+                cells_csv=results / "cell_table.csv", csv_out=results / "table1.csv", md_out=results / "table1.md")
+    shared = [(cell, f) for cell, f in zip(CELLS, folders, strict=True) if cell.arm == "shared"]
+    run_tier_compare([c for c, _ in shared], [f / "telemetry" / "summary.json" for _, f in shared],
+                     [f / "reuse.csv" for _, f in shared], [f / "telemetry" / "drive.csv" for _, f in shared],
+                     [str(results / "tiers" / "disk" / "ceiling.json")], tiers_csv=results / "tier_table.csv",
+                     csv_out=results / "tier_compare.csv", md_out=results / "tier_compare.md")
+    build_report(config, CELLS, str(root), cell_table=results / "cell_table.csv", table1_csv=results / "table1.csv",
+                 tier_table=results / "tier_table.csv",
+                 kv_bytes=None, out_html=results / "report.html", figures_dir=results / "report" / "figures",
+                 tables_dir=results / "report" / "tables")
+    return results
+
+
+def test_page_has_every_table_and_figure(built):
+    html = (built / "report.html").read_text()
+    for heading in ("Run summary", "Table 1", "Table 2", "Figure 1.", "Figure 2.", "Figure 3.", "Figure 4.",
+                    "ECDF", "Timeline per cell and phase", "Energy per follow-up", "measured ceiling", "Caveats"):
+        assert heading in html, heading
+    assert "replica CPU seconds per follow-up" in html  # no GPU in the fixture: labelled, not called watts
+
+
+def test_every_image_the_page_references_is_a_real_png(built):
+    html = (built / "report.html").read_text()
+    sources = re.findall(r'<img src="([^"]+)"', html)
+    assert len(sources) >= 8
+    for src in sources:
+        assert src.startswith("data:image/png;base64,")  # embedded: the page opens offline on its own
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == PNG_MAGIC
+    assert not re.findall(r'href="(?!#)', html)  # no link that could break offline
+
+
+def test_figure_files_are_valid_png_and_svg(built):
+    figures = built / "report" / "figures"
+    for stem in ("fig1_ttft_p50", "fig2_ttft_p99", "fig3_wall_clock", "fig4_power", "ttft_ecdf", "timeline",
+                 "energy_per_followup", "reload_efficiency"):
+        assert (figures / f"{stem}.png").read_bytes()[:8] == PNG_MAGIC
+        assert ET.parse(figures / f"{stem}.svg").getroot().tag.endswith("svg")
+
+
+def test_invalid_cell_is_flagged_and_kept_out_of_aggregates(built):
+    html = (built / "report.html").read_text()
+    assert INVALID in html and "INVALID" in html
+    table1 = pd.read_csv(built / "report" / "tables" / "table1.csv")
+    assert len(table1) == 3 and not table1.set_index("backend").loc["lmcache-local-disk", "valid"]
+    headline = pd.read_csv(built / "report" / "tables" / "headline.csv")
+    assert list(headline["backend"]) == ["lmcache-fs"]
+    assert headline["ttft_p50_s_ratio"].iloc[0] > 1
+
+
+def test_tables_carry_bootstrap_intervals(built):
+    table1 = pd.read_csv(built / "report" / "tables" / "table1.csv")
+    assert (table1["ttft_p50_ci_low_s"] <= table1["ttft_p50_s"] + 1e-12).all()
+    assert (table1["ttft_p50_s"] <= table1["ttft_p50_ci_high_s"] + 1e-12).all()
+    # the fixture's cells have 4 follow-ups each: too few for a p95 or a p99, so those are the largest one, no
+    # interval, named so
+    for q in (95, 99):
+        assert (table1[f"ttft_p{q}_basis"] == "max of 4").all() and table1[f"ttft_p{q}_ci_low_s"].isna().all()
+    table2 = pd.read_csv(built / "report" / "tables" / "table2.csv")
+    assert {"r_await_p95_ms_ci_low", "ttft_p50_s_ci_high", "reload_efficiency"} <= set(table2.columns)
+    assert (built / "report" / "tables" / "table1.md").read_text().startswith("|")
+
+
+def test_bar_labels_sit_on_top_of_the_interval(built):
+    from kvpool.figures import ttft_p50
+
+    table1 = pd.read_csv(built / "report" / "tables" / "table1.csv")
+    data = ttft_p50(table1).data
+    assert (data["label_y"] >= data["ttft_p50_ci_high_s"]).all() and (data["label_y"] >= data["ttft_p50_s"]).all()
+    assert (data["label_y"] > data["ttft_p50_s"]).any()  # the fixture's intervals reach above their bars
+
+
+def test_the_headline_reads_as_ratios_with_two_digits(built):
+    from kvpool.report import headline_for_reading
+
+    head = pd.read_csv(built / "report" / "tables" / "headline.csv")
+    shown = headline_for_reading(head)
+    assert list(shown.columns) == ["setting", "TTFT p50", "follow-ups (isolated / shared)", "TTFT p99", "wall clock"]
+    ratio, low, high = head.loc[0, ["ttft_p50_s_ratio", "ttft_p50_s_ratio_ci_low", "ttft_p50_s_ratio_ci_high"]]
+    # four follow-ups an arm are too few for the ratio's own interval (five or more): the ratio stands alone,
+    # with the follow-ups it rests on beside it
+    assert pd.isna(low) and pd.isna(high)
+    assert shown["TTFT p50"].iloc[0] == f"{ratio:.2g}x" and len(shown["TTFT p50"].iloc[0]) <= 5
+    assert shown["follow-ups (isolated / shared)"].iloc[0] == "4 / 4"
+    assert shown["TTFT p99"].iloc[0].endswith("(max of 4 / max of 4)")
+    html = (built / "report.html").read_text()
+    assert f"{ratio:.2g}x" in html and "ttft_p50_s_ratio" not in html
+
+
+def test_kv_bytes_read_as_chunks_equal_of_keys():
+    from kvpool.report import kv_bytes_for_reading
+
+    table = pd.DataFrame([
+        {"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "comparison": "store_across_arms", "keys": 184,
+         "equal": 184, "differ": 0, "bit_exact_expected": True, "example_key": "", "meaning": "m"},
+        {"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "comparison": "recompute_against_store",
+         "keys": 184, "equal": 176, "differ": 8, "bit_exact_expected": False, "example_key": "k@1", "meaning": "m"}])
+    shown = kv_bytes_for_reading(table)
+    assert list(shown["chunks equal"]) == ["184 of 184", "176 of 184"]
+    assert list(shown["must agree bit for bit"]) == ["yes", "no"]
+    assert list(shown["example of a differing chunk"]) == ["", "k@1"]
+
+
+def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
+    """Study A's matrix (3 chunk sizes x 2 tiers x 2 arms) and twice that: one column per cell, the figure at
+    most 24 inches wide (plotnine refuses anything over 25: six cells' phases as columns once did)."""
+    from kvpool import figures
+
+    for backends in (["lmcache-fs"], ["lmcache-fs", "lmcache-mp"]):
+        names = [Cell(backend, arm, chunk, tier).name for backend in backends for arm in ("isolated", "shared")
+                 for chunk in (256, 1024, 2048) for tier in ("tlc", "qlc")]
+        phases = {"populate": (0.0, 10.0), "reuse": (20.0, 30.0)}
+        cells = pd.DataFrame({"cell": names, "phases": [phases] * len(names)})
+        ticks = [(cell, phase, start + second) for cell in names for phase, (start, _) in phases.items()
+                 for second in range(10)]
+        drive = pd.DataFrame(ticks, columns=["cell", "phase", "since_start_s"]).assign(r_mb_per_s=500.0, aqu_sz=2.0)
+        power = pd.DataFrame(ticks, columns=["cell", "phase", "since_start_s"]).assign(source="gpu0", power_w=300.0)
+        plot = figures.timeline(drive, power, cells)
+        assert plot.data["column"].nunique() == len(names) and set(plot.data["phase"]) == set(phases)
+        # the cells' own order (chunk 256 before 1,024), not the labels' alphabetical one
+        assert [label.replace("/\n", "/") for label in plot.data["column"].cat.categories] == [
+            name.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
+            for name in names]
+        png = figures.save(plot, tmp_path / str(len(names)), "timeline")["png"].read_bytes()
+        width_px = int.from_bytes(png[16:20], "big")
+        assert png[:8] == PNG_MAGIC and 8 * 110 <= width_px <= 24 * 110 + 1
