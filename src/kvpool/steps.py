@@ -6,6 +6,7 @@ folder, which Snakemake never deletes, so a forced re-run cannot lose an earlier
 
 from __future__ import annotations
 
+import contextlib
 import html
 import logging
 import os
@@ -153,6 +154,19 @@ def _fresh_pool(root: Path, plan: dict) -> None:
         shutil.rmtree(root)
     for directory in set(plan_pool_dirs(plan)):
         directory.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def _unit_pool(config: dict, root: Path, plan: dict):
+    """A unit's own pool (a Study B block's, a length unit's, a router unit's): emptied before its fleet
+    starts and removed when the unit ends, however it ends (unless keep_pools), so a failed unit leaves
+    nothing on the tier that the space check does not expect."""
+    _fresh_pool(root, plan)
+    try:
+        yield root
+    finally:
+        if not config["keep_pools"]:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -928,15 +942,11 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
     cell = studyb.block_cell(study, arm)
     root = studyb_pool_root(config, study)
     plan = checked_ports(_new_plan(config, cell, model, Path(plan_out).parent, pool_root=root))
-    _fresh_pool(root, plan)  # independently restarted: nothing of an earlier block's pool is left
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
     workload = read_json(workload_path)
-    try:
+    with _unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
         rows, meta, sent = phases.studyb_block(plan, block, workload, study, config, Path(log_dir))
-    finally:
-        if root.exists() and not config["keep_pools"]:
-            shutil.rmtree(root)
     frame = pd.DataFrame(rows, columns=studyb.COLUMNS)
     _archive(frame, Path(csv_out), f"studyb-{block}")
     frame.to_csv(csv_out, index=False)
@@ -1067,15 +1077,11 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     plan = checked_ports(_new_plan(config, cell, model, Path(csv_out).parent, pool_root=root))
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens))
-    _fresh_pool(root, plan)
     workload = studyb.make_workload(vocabulary(model), study, config["replicas"])
-    try:
+    with _unit_pool(config, root, plan):
         frame, meta = _run_sampled_phase(
             plan, lambda disks: phases.context_unit(plan, workload, study, config, Path(log_dir), disks),
             drive_csv, power_csv, log_dir)
-    finally:
-        if not config["keep_pools"]:
-            shutil.rmtree(root, ignore_errors=True)
     _archive(frame, Path(csv_out), f"doc-{tokens}")
     frame.to_csv(csv_out, index=False)
     # the chains' answers against pool-less recomputes in their splits, computed now that the fleet stopped
@@ -1136,13 +1142,11 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
     plan = checked_ports(_new_plan(config, cell, model, unit_dir, pool_root=root))
     Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
     write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
-    _fresh_pool(root, plan)
     workload = prompts.read_workload(Path(prompts_path))
-    frame, meta = _run_sampled_phase(
-        plan, lambda disks: phases.router_unit(plan, workload, router, config, Path(log_dir), disks),
-        drive_csv, power_csv, log_dir)
-    if not config["keep_pools"]:
-        shutil.rmtree(root, ignore_errors=True)
+    with _unit_pool(config, root, plan):
+        frame, meta = _run_sampled_phase(
+            plan, lambda disks: phases.router_unit(plan, workload, router, config, Path(log_dir), disks),
+            drive_csv, power_csv, log_dir)
     _archive(frame, Path(csv_out), f"router-{router}")
     frame.to_csv(csv_out, index=False)
     from kvpool.plan import batch_invariant

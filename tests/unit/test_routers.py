@@ -182,3 +182,29 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
     with pytest.raises(SystemExit, match="router~prefix-affinity: its run.json names the failed checks"):
         steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), routers_csv=str(out / "routers.csv"))
 
+
+def test_a_router_unit_that_fails_leaves_no_pool_on_the_tier(config, tmp_path, monkeypatch):
+    """The unit's pool is its own, made fresh for it: a fleet that dies mid-unit must not leave it on the
+    tier (keep_pools false), where the space check of later units does not expect it."""
+    from kvpool import prompts, steps
+
+    config.update(tiers={"disk": str(tmp_path / "pools")}, keep_pools=False)
+    cell = Cell("lmcache-fs", "shared", 256, "disk")
+    root = steps.router_pool_root(config, cell, "cross")
+    seen = {}
+
+    def dies(plan, measure, *args):
+        seen["pool"] = root.exists()
+        raise RuntimeError("replica 1 exited with code -9")
+
+    monkeypatch.setattr(prompts, "read_workload", lambda path: {})
+    monkeypatch.setattr(steps, "_run_sampled_phase", dies)
+    unit = tmp_path / "router~cross"
+    unit.mkdir()
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        steps.run_router_unit(config, cell, "cross", model=str(tmp_path / "model"), prompts_path="prompts.json",
+                              plan_out=str(unit / "plan.yaml"), manifest_out=str(unit / "manifest.json"),
+                              csv_out=str(unit / "requests.csv"), json_out=str(unit / "run.json"),
+                              drive_csv=str(unit / "drive.csv"), power_csv=str(unit / "power.csv"),
+                              log_dir=str(tmp_path / "logs"), provenance_config=config)
+    assert seen["pool"] and not root.exists()
