@@ -40,3 +40,13 @@ def test_the_slurm_profile_gives_every_timed_phase_a_node_of_its_own():
     # the fleet token of the default profile still keeps timed phases apart; squeue needs no accounting
     assert profile["slurm-status-command"] == "squeue"
 
+
+def test_a_bare_command_runs_on_the_default_profiles_one_core(tmp_path):
+    """`snakemake <target>` with no --cores, as the README has it: the workflow profile gives the core,
+    where Snakemake alone stops with "cores have to be specified for local execution"."""
+    (tmp_path / "resources" / "model").mkdir(parents=True)  # up to date: the run has nothing to build
+    argv = [sys.executable, "-m", "snakemake", "resources/model", "-s", str(REPO / "Snakefile"),
+            "--directory", str(tmp_path), "--configfile", str(CONFIGS / "e2e.yaml")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Nothing to be done" in result.stdout + result.stderr
