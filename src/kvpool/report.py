@@ -235,3 +235,140 @@ def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
             if pd.notna(row["percent_used"]) and pd.notna(row["avail_spare"]) else "n/a",
         })
     return pd.DataFrame(rows)
+
+
+def _setting(row) -> str:
+    """A cell's name as the tables show it: backend / arm / chunk / tier, with spaces a line can break at."""
+    cell = Cell.from_name(row["cell"]) if "cell" in row and isinstance(row["cell"], str) else None
+    if cell is None:
+        return f"{row['backend']} / chunk {row['chunk']} / {row['tier']}"
+    return f"{cell.backend} / {cell.arm} / chunk {cell.chunk} / {cell.tier}"
+
+
+def _change(row, mean="mean_paired_change_pct", low="change_ci_low_pct", high="change_ci_high_pct") -> str:
+    """A paired ON/OFF change in percent with its 95% interval in brackets, where one was computed."""
+    if pd.isna(row.get(mean)):
+        return "n/a"
+    shown = f"{row[mean]:+.1f}%"
+    if pd.notna(row.get(low)) and pd.notna(row.get(high)):
+        shown += f" [{row[low]:+.1f}, {row[high]:+.1f}]"
+    return shown
+
+
+def _of(part, whole) -> str:
+    return "n/a" if pd.isna(part) or pd.isna(whole) else f"{int(part)} of {int(whole)}"
+
+
+def locality_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """Study B's locality chains (results/locality.csv) as a person reads them: per context and step, the
+    median TTFT OFF and ON, where the ON tokens came from, the paired change and the answers compared."""
+    return pd.DataFrame([{
+        "context": f"{int(r['context'])} tokens", "step": r["step"],
+        "TTFT OFF (median)": fmt_value(r["off_ttft_median_s"], "s"),
+        "TTFT ON (median)": fmt_value(r["on_ttft_median_s"], "s"),
+        "ON tokens: own cache / pool": f"{r['on_local_hit_tokens']:.0f} / {r['on_external_hit_tokens']:.0f}",
+        "ON against OFF [95% CI]": _change(r),
+        "answers equal": _of(r["outputs_equal"], r["pairs_matched"]),
+    } for _, r in table.iterrows()])
+
+
+def sessions_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """Study B's sessions (per placement) as a person reads them: wall time per session OFF and ON, the
+    paired change, and what changed in the turns' TTFT and decode."""
+    return pd.DataFrame([{
+        "placement": r["placement"],
+        "session wall OFF (median)": fmt_value(r["off_wall_median_s"], "s"),
+        "session wall ON (median)": fmt_value(r["on_wall_median_s"], "s"),
+        "ON against OFF [95% CI]": _change(r),
+        "turn TTFT change": _change(r, "turn_ttft_change_pct", "", ""),
+        "decode change": _change(r, "decode_change_pct", "", ""),
+        "turns' answers equal": _of(r["outputs_equal"], r["turns_matched"]),
+    } for _, r in table.iterrows()])
+
+
+def windows_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """Study B's short concurrency windows as a person reads them: output tokens per second OFF and ON."""
+    return pd.DataFrame([{
+        "sessions at once": int(r["window"]), "placement": r["placement"],
+        "tokens/s OFF (median)": fmt_value(r["off_tokens_per_s_median"], ""),
+        "tokens/s ON (median)": fmt_value(r["on_tokens_per_s_median"], ""),
+        "ON against OFF [95% CI]": _change(r),
+        "turn TTFT OFF / ON (median)": f"{fmt_value(r['off_turn_ttft_median_s'], 's')} / "
+                                       f"{fmt_value(r['on_turn_ttft_median_s'], 's')}",
+    } for _, r in table.iterrows()])
+
+
+def crossover_for_reading(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Where the pool pays (results/crossover.csv) as a person reads it: per context, the measured and
+    fitted prefill and reload and the read rate below which the reload stops paying; and, in a sentence,
+    the fit itself (the same on every row)."""
+    shown = pd.DataFrame([{
+        "context": f"{int(r['context'])} tokens",
+        "prefill (measured / fit)": f"{fmt_value(r['prefill_s'], 's')} / {fmt_value(r['prefill_fit_s'], 's')}",
+        "reload (measured / fit)": f"{fmt_value(r['reload_s'], 's')} / {fmt_value(r['reload_fit_s'], 's')}",
+        "speedup": "n/a" if pd.isna(r["speedup"]) else f"{r['speedup']:.3g}x",
+        "stops paying below": fmt_value(r["break_even_read_gbps"], "GB/s"),
+    } for _, r in table.iterrows()])
+    if table.empty or table["fit_read_gbps"].isna().all():
+        return shown, "No fit was made (results/crossover.md says why)."
+    first = table.iloc[0]
+    crossover = ("the reload beats the prefill at every measured context" if pd.isna(first["crossover_tokens"])
+                 or first["crossover_tokens"] <= 0 else f"the reload beats the prefill from "
+                 f"{first['crossover_tokens']:,.0f} tokens")
+    return shown, (f"Reload fit: {fmt_value(first['fit_overhead_s'], 's')} + bytes / "
+                   f"{fmt_value(first['fit_read_gbps'], 'GB/s')}; {crossover}.")
+
+
+def routers_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """results/routers.csv as a person reads it: per unit and phase, TTFT with its interval and where the
+    phase's prompt tokens came from."""
+    return pd.DataFrame([{
+        "cell": _setting(r), "router": r["router"],
+        "phase": r["phase"] if r.get("group", "all") == "all" else f"{r['phase']} ({r['group']})",
+        "gate": "valid" if r["valid"] else "INVALID", "requests": int(r["requests"]),
+        "TTFT p50": _with_interval(r, "ttft_p50_s", "s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s"),
+        "TTFT p99": (f"{r['ttft_p99_basis']}: " if str(r.get("ttft_p99_basis", "p99")).startswith("max of") else "")
+                    + fmt_value(r["ttft_p99_s"], "s"),
+        "tokens: own cache / pool / computed": " / ".join(fmt_value(r[c], "fraction") for c in
+                                                          ("local_cache_fraction", "pool_fraction",
+                                                           "computed_fraction")),
+        "moved": fmt_value(r["moved_fraction"], "fraction"),
+        "busiest replica": fmt_value(r["max_replica_share"], "fraction"),
+    } for _, r in table.iterrows()])
+
+
+def contexts_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """results/contexts.csv as a person reads it: per cell and length, the three TTFTs, the speedup, the
+    KV moved and where the pool stops paying."""
+    return pd.DataFrame([{
+        "cell": _setting(r), "document": f"{int(r['context'])} tokens",
+        "gate": "valid" if r["valid"] else "INVALID",
+        "prefill": fmt_value(r["prefill_s"], "s"), "own cache": fmt_value(r["local_s"], "s"),
+        "pool reload": fmt_value(r["reload_s"], "s"),
+        "speedup": "n/a" if pd.isna(r["speedup"]) else f"{r['speedup']:.3g}x",
+        "KV moved": fmt_value(r["kv_bytes"] / 1e6, "MB"),
+        "stops paying below": fmt_value(r["break_even_read_gbps"], "GB/s"),
+        "crossover": "n/a" if pd.isna(r["crossover_tokens"]) else f"{r['crossover_tokens']:,.0f} tokens",
+    } for _, r in table.iterrows()])
+
+
+def pool_servers_for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """What each pool server counted per phase, one line of counters per server: the counters differ by
+    backend, so they are listed by name rather than spread over columns most rows leave empty."""
+    fixed = {"cell", "phase", "server"}
+    return pd.DataFrame([{
+        "cell": _setting(r), "phase": r["phase"], "server": int(r["server"]),
+        "counters over the phase": ", ".join(f"{name} {value:.4g}" for name, value in r.items()
+                                             if name not in fixed and pd.notna(value)),
+    } for _, r in table.iterrows()])
+
+
+def verdict(cells: pd.DataFrame, studyb: dict | None = None) -> dict:
+    """The page's first line: whether every measured unit passed its gate, and which did not."""
+    invalid = list(cells.loc[~cells["valid"], "cell"])
+    parts = [f"{len(cells) - len(invalid)} of {len(cells)} cells valid"]
+    if studyb is not None:
+        parts.append("Study B's blocks " + ("valid" if studyb["valid"] else "INVALID"))
+    valid = not invalid and (studyb is None or studyb["valid"])
+    return {"valid": valid, "word": "VALID" if valid else "INVALID",
+            "text": "; ".join(parts) + (f". Invalid: {', '.join(invalid)}." if invalid else ".")}

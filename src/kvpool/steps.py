@@ -634,7 +634,10 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
     for stem, plot in study + extra + under_load:
         drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
     manifest = results.manifest
+    studyb_part = _studyb_section(studyb) if studyb else None
     report.render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
+        "verdict": report.verdict(results.cells, studyb_part),
+        "headline_figure": drawn["fig1_ttft_p50"],
         "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
         "hardware": manifest.get("hardware", {}), "config": config, "tiers": results.tiers,
@@ -642,16 +645,16 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         "headline_html": _html(report.headline_for_reading(head)),
         "table1_html": _html(report.cells_for_reading(table1)),
         "table2_html": _html(report.tiers_for_reading(table2)) if len(table2) else _html(table2),
-        "study_figures": [drawn[s] for s, _ in study], "extra_figures": [drawn[s] for s, _ in extra],
+        "study_figures": [drawn[s] for s, _ in study[1:]], "extra_figures": [drawn[s] for s, _ in extra],
         "caveats": report.caveats(results),
         "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
-        "pool_server_html": _html(servers) if len(servers) else "",
+        "pool_server_html": _html(report.pool_servers_for_reading(servers)) if len(servers) else "",
         "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
         "peer_html": _peer_html(peer) if peer else "",
         "routers": _routers_section(routers) if routers else None,
         "contexts": _contexts_section(contexts) if contexts else None,
         "load_figures": [drawn[s] for s, _ in under_load],
-        "studyb": _studyb_section(studyb) if studyb else None,
+        "studyb": studyb_part,
     })
 
 
@@ -659,6 +662,7 @@ def _studyb_section(files: dict) -> dict:
     """Study B's part of the page (``files``: its validity.json, locality.csv, sessions summary,
     figures folder, windows table, crossover table and its figure's folder): the verdict, the tables
     and the figures."""
+    from kvpool import report
     from kvpool.studyb import gate_failures
 
     gate = read_json(files["validity"])
@@ -676,11 +680,13 @@ def _studyb_section(files: dict) -> dict:
         ["context", "prefill_s", "reload_s", "speedup", "prefill_fit_s", "reload_fit_s", "break_even_read_gbps",
          "fit_read_gbps", "fit_overhead_s", "crossover_tokens"]]
     figures_dir = Path(files["figures"])
+    crossover_shown, crossover_fit = report.crossover_for_reading(crossover)
     return {"valid": gate["valid"], "failures": gate_failures(gate), "blocks": list(gate["blocks"]),
             "pool": f"{gate['backend']} (chunk {gate['chunk']}, tier {gate['tier']})",
-            "locality_html": _html(locality.round(4)), "sessions_html": _html(sessions.round(4)),
-            "windows_html": _html(windows.round(4)) if len(windows) else None,
-            "crossover_html": _html(crossover.round(4)),
+            "locality_html": _html(report.locality_for_reading(locality)),
+            "sessions_html": _html(report.sessions_for_reading(sessions)),
+            "windows_html": _html(report.windows_for_reading(windows)) if len(windows) else None,
+            "crossover_html": _html(crossover_shown), "crossover_fit": crossover_fit,
             "figures": [{"png": figures_dir / f"{stem}.png", "title": title} for stem, title in
                         (("locality", "Locality chains: TTFT per step, OFF and ON"),
                          ("sessions", "Sessions: wall time per session, OFF and ON"))]
@@ -701,23 +707,22 @@ def _kv_bytes_html(path: Path | None) -> str:
 
 def _routers_section(routers_csv: str) -> dict:
     """The report's routers section: the table of results/routers.csv and its figures beside it."""
-    table = pd.read_csv(routers_csv)
-    shown = table[["cell", "router", "phase", "valid", "requests", "ttft_p50_s", "ttft_p99_s", "local_cache_fraction",
-                   "pool_fraction", "computed_fraction", "moved_fraction", "max_replica_share"]]
+    from kvpool import report
     from kvpool.figures import ROUTER_FIGURES
 
     folder = Path(routers_csv).with_suffix("")  # run_router_table's figures folder
-    return {"html": _html(shown, flag=True), "figures": [{"png": str(folder / f"{stem}.png"), "title": title}
-                                                         for stem, (_, title) in ROUTER_FIGURES.items()]}
+    return {"html": _html(report.routers_for_reading(pd.read_csv(routers_csv))),
+            "figures": [{"png": str(folder / f"{stem}.png"), "title": title}
+                        for stem, (_, title) in ROUTER_FIGURES.items()]}
 
 
 def _contexts_section(contexts_csv: str) -> dict:
     """The report's document-length section: results/contexts.csv and its figure beside it."""
-    table = pd.read_csv(contexts_csv)
-    shown = table[["cell", "context", "prompt_tokens", "valid", "prefill_s", "local_s", "reload_s", "speedup",
-                   "kv_bytes", "break_even_read_gbps", "fit_read_gbps", "fit_overhead_s", "crossover_tokens"]]
+    from kvpool import report
+
     folder = Path(contexts_csv).with_suffix("")  # run_contexts_table's figures folder
-    return {"html": _html(shown, flag=True), "figure": str(folder / "contexts.png")}
+    return {"html": _html(report.contexts_for_reading(pd.read_csv(contexts_csv))),
+            "figure": str(folder / "contexts.png")}
 
 
 def _peer_html(peer_csv: str) -> str:
@@ -727,13 +732,10 @@ def _peer_html(peer_csv: str) -> str:
     return _html(peer_for_reading(table)) if len(table) else ""
 
 
-def _html(frame: pd.DataFrame, flag: bool = False) -> str:
+def _html(frame: pd.DataFrame) -> str:
     if frame.empty:
         return "<p>Nothing to show: the matrix has no cell of this kind.</p>"
-    shown = frame.copy()
-    if flag and "valid" in shown:
-        shown["valid"] = shown["valid"].map({True: "valid", False: "INVALID"})
-    return shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="n/a", border=0)
+    return frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="n/a", border=0)
 
 
 def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str, prompts_path: str,

@@ -157,3 +157,42 @@ def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
         png = figures.save(plot, tmp_path / str(len(names)), "timeline")["png"].read_bytes()
         width_px = int.from_bytes(png[16:20], "big")
         assert png[:8] == PNG_MAGIC and 8 * 110 <= width_px <= 24 * 110 + 1
+
+
+def test_the_page_opens_on_the_verdict_and_the_headline_figure_then_the_details(built):
+    html = (built / "report.html").read_text()
+    verdict = re.search(r'<p class="verdict invalid"><b><span class="flag">INVALID</span></b>: ([^<]*)</p>', html)
+    assert verdict and verdict.group(1) == f"2 of 3 cells valid. Invalid: {INVALID}."
+    order = [html.index(marker) for marker in ('class="verdict', "Figure 1. Cross-replica TTFT, p50",
+                                               "Isolated / shared", 'id="summary"', 'id="table1"', 'id="figures"')]
+    assert order == sorted(order)
+    assert html.count("Figure 1. Cross-replica TTFT, p50") == 2  # its alt text and caption, once: not again below
+
+
+def test_study_b_and_the_other_sections_read_like_table_1():
+    from kvpool import report
+
+    locality = pd.DataFrame([{"context": 1024, "step": "cross", "off_ttft_median_s": 0.41, "on_ttft_median_s": 0.052,
+                              "on_local_hit_tokens": 0.0, "on_external_hit_tokens": 1024.0,
+                              "mean_paired_change_pct": -87.3, "change_ci_low_pct": -90.1, "change_ci_high_pct": -84.0,
+                              "pairs_matched": 4, "outputs_equal": 3}])
+    row = report.locality_for_reading(locality).iloc[0]
+    assert row["TTFT OFF (median)"] == "0.41 s" and row["ON against OFF [95% CI]"] == "-87.3% [-90.1, -84.0]"
+    assert row["answers equal"] == "3 of 4" and row["ON tokens: own cache / pool"] == "0 / 1024"
+    locality[["change_ci_low_pct", "change_ci_high_pct"]] = float("nan")  # two block pairs: no interval
+    assert report.locality_for_reading(locality).iloc[0]["ON against OFF [95% CI]"] == "-87.3%"
+    crossover = pd.DataFrame([{"context": c, "prefill_s": p, "reload_s": 0.05, "speedup": p / 0.05,
+                               "prefill_fit_s": p, "reload_fit_s": 0.05, "break_even_read_gbps": 0.2,
+                               "fit_read_gbps": 1.5, "fit_overhead_s": 0.04, "crossover_tokens": 700.0}
+                              for c, p in ((1024, 0.24), (2048, 0.6))])
+    shown, fit = report.crossover_for_reading(crossover)
+    assert list(shown["speedup"]) == ["4.8x", "12x"]
+    assert fit == "Reload fit: 0.04 s + bytes / 1.5 GB/s; the reload beats the prefill from 700 tokens."
+    servers = pd.DataFrame([{"cell": CELLS[0].name, "phase": "reuse", "server": 0, "pending_l2_stores": 0.0,
+                             "l1_read_total": 12.0, "redis_pool_chunks": float("nan")}])
+    row = report.pool_servers_for_reading(servers).iloc[0]
+    assert row["counters over the phase"] == "pending_l2_stores 0, l1_read_total 12"
+    assert row["cell"] == "lmcache-fs / shared / chunk 256 / disk"
+    # no raw column name reaches the page
+    for frame in (report.locality_for_reading(locality), shown, report.pool_servers_for_reading(servers)):
+        assert not [c for c in frame.columns if "_" in c], frame.columns
