@@ -285,7 +285,7 @@ def test_the_readme_rerun_command_reruns_one_cell(tmp_path):
     word after it, so a target placed there would force every cell's populate instead."""
     row = next(line for line in (REPO / "README.md").read_text().splitlines() if "re-run one arm of one cell" in line)
     command = row.split("`")[1].split()
-    assert command[:3] == ["snakemake", "--cores", "1"]
+    assert command[0] == "snakemake"  # as typed: the workflow profile gives the one core
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text((REPO / "config" / "config.yaml").read_text())
     out = subprocess.run([sys.executable, "-m", "snakemake", *command[1:], "-n", "--directory", str(tmp_path),
