@@ -23,7 +23,7 @@ $(VENV)/.kvpool-installed: envs/cpu.lock.txt pyproject.toml
 	  $(BIN)/python -m pip install --quiet --no-deps --extra-index-url $(TORCH_INDEX) -r envs/cpu.lock.txt; \
 	fi
 	$(BIN)/python -m pip install --quiet --no-deps -e .
-	$(BIN)/python -c "import vllm, lmcache, snakemake, kvpool.plan"
+	$(BIN)/python -c "import vllm, lmcache, snakemake, kvpool.engine.plan"
 	touch $@
 
 run: setup

@@ -1,6 +1,6 @@
 """What kvpool's client adds to each request it times, so that it is never what saturates.
 
-Runs kvpool's own client (`kvpool.client.complete`: one aiohttp session, streaming) against a
+Runs kvpool's own client (`kvpool.engine.client.complete`: one aiohttp session, streaming) against a
 stand-in OpenAI completions server in another process that answers at once, and prints TTFT and
 end-to-end percentiles per request at a given number in flight, and the client process's own CPU
 time per request. The stand-in does no work, so the TTFTs bound what the client (plus loopback
@@ -26,8 +26,8 @@ import urllib.request
 import aiohttp
 import numpy as np
 
-from kvpool.client import complete
-from kvpool.fleet import free_ports
+from kvpool.engine.client import complete
+from kvpool.engine.fleet import free_ports
 
 
 def serve(port: int, output_tokens: int) -> None:

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvpool.drive import block_devices
-from kvpool.telemetry import Sampler
+from kvpool.measure.drive import block_devices
+from kvpool.measure.telemetry import Sampler
 
 
 def cpu_seconds() -> float:

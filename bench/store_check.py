@@ -38,13 +38,13 @@ import yaml
 from snakemake.utils import validate
 
 from kvpool.cells import Cell
-from kvpool.client import new_session
-from kvpool.fleet import free_ports, running_fleet
-from kvpool.model import RANDOM_MODEL_DIR
-from kvpool.phases import measured_request
-from kvpool.plan import fleet_plan
-from kvpool.pool import pool_files
-from kvpool.prompts import read_workload
+from kvpool.engine.client import new_session
+from kvpool.engine.fleet import free_ports, running_fleet
+from kvpool.engine.model import RANDOM_MODEL_DIR
+from kvpool.engine.plan import fleet_plan
+from kvpool.engine.prompts import read_workload
+from kvpool.measure.pool import pool_files
+from kvpool.measure.timed import measured_request
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def single_replica_plan(config: dict, workdir: Path, name: str, settings: dict, 
 
 async def check(replica, workload: list[dict], output_tokens: int, timeout_s: float) -> list[dict]:
     """Each document's follow-up cold, then after a GPU prefix-cache reset, with the pool's hits proven
-    as the pipeline proves them (phases.measured_request: the replica's /metrics around the request)."""
+    as the pipeline proves them (timed.measured_request: the replica's /metrics around the request)."""
     rows = []
     async with new_session() as session:
         for item in workload:

@@ -10,9 +10,9 @@ from pathlib import Path
 import yaml
 from snakemake.utils import update_config
 
-from kvpool import external, mp, redis_pool
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
-from kvpool.model import engine_kv_bytes_per_token
+from kvpool.engine import external, mp, redis_pool
+from kvpool.engine.model import engine_kv_bytes_per_token
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
 # another value than its plan and folder name say (a chunk~256 cell at 512, a replica on another port).
@@ -214,13 +214,13 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
                          "server's memory (drop it from the matrix: its tier from lmcache_mp.memory_tiers, or the "
                          "lmcache-redis backend)")
     if config["study_b"]["enabled"]:
-        from kvpool import studyb
+        from kvpool.studies import studyb
 
         try:
             studyb.resolved(config)
         except ValueError as exc:
             found.append(str(exc))
-    from kvpool import contexts
+    from kvpool.studies import contexts
 
     return (found + contexts.problems(config) + _input_problems(config) + mp.problems(config)
             + redis_pool.problems(config) + external.problems(config))
@@ -248,12 +248,12 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     sizes = [pool_bytes_per_cell(config, cell.arm) for cell in on_tier]
     if not sizes or None in sizes:
         return []
-    # A router unit's own pool (kvpool.routers) stores each document once and, where a request lands
+    # A router unit's own pool (kvpool.studies.routers) stores each document once and, where a request lands
     # on a replica that never held it without a shared pool, again: at most twice an isolated cell's.
     routers = [2 * size for size in sizes for _ in config["routers"]["names"]]
-    # A length unit's pool (kvpool.contexts) holds its chains' documents and questions once, one per
+    # A length unit's pool (kvpool.studies.contexts) holds its chains' documents and questions once, one per
     # shared cell of the tier and length.
-    from kvpool import contexts
+    from kvpool.studies import contexts
 
     per_token = engine_kv_bytes_per_token(config)
     lengths = [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 from support.committed import assert_same_gate, rebuild_router_table, router_checks_again
 
-from kvpool import routers
 from kvpool.cells import Cell
+from kvpool.studies import routers
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "cpu-routers"
 CELLS = [Cell("lmcache-fs", arm, 256, "disk") for arm in ("shared", "isolated")]

@@ -8,9 +8,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvpool import reference, steps, validity
 from kvpool.cells import Cell
-from kvpool.files import read_json, read_records
+from kvpool.measure import reference, validity
+from kvpool.measure.files import read_json, read_records
+from kvpool.report import tables
+from kvpool.studies import study_a
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 CHUNKS, FAULT = RESULTS / "h200-mp-chunks", RESULTS / "h200-mp-fault"
@@ -29,11 +31,12 @@ def folder(run: Path, cell: Cell) -> Path:
 def gate_again(run: Path, cell: Cell, tmp_path: Path) -> dict:
     cell_dir = folder(run, cell)
     config = read_json(cell_dir / "manifest.json")["config"]
-    steps.run_validity(config, cell, populate_csv=cell_dir / "populate.csv", populate_json=cell_dir / "populate.json",
-                       reuse_csv=cell_dir / "reuse.csv", reuse_json=cell_dir / "reuse.json",
-                       reference_csv=run / "results" / "reference" / "outputs.csv",
-                       populate_digests=cell_dir / "populate-digests.csv", reuse_digests=cell_dir / "pool-digests.csv",
-                       out=tmp_path / "validity.json")
+    study_a.run_validity(config, cell, populate_csv=cell_dir / "populate.csv", populate_json=cell_dir / "populate.json",
+                         reuse_csv=cell_dir / "reuse.csv", reuse_json=cell_dir / "reuse.json",
+                         reference_csv=run / "results" / "reference" / "outputs.csv",
+                         populate_digests=cell_dir / "populate-digests.csv",
+                         reuse_digests=cell_dir / "pool-digests.csv",
+                         out=tmp_path / "validity.json")
     again = read_json(tmp_path / "validity.json")
     assert again == read_json(cell_dir / "validity.json")
     return again
@@ -90,10 +93,10 @@ def test_the_table_rebuilds_from_the_records(tmp_path):
     config = read_json(folder(CHUNKS, cells[0]) / "manifest.json")["config"]
     files = {name: [folder(CHUNKS, cell) / name for cell in cells] for name in ("reuse.csv", "reuse.json",
                                                                                  "validity.json")}
-    steps.run_summary(config, cells, files["reuse.csv"], files["reuse.json"], files["validity.json"],
-                      [folder(CHUNKS, cell) / "telemetry" / "summary.json" for cell in cells],
-                      cells_csv=tmp_path / "cell_table.csv", csv_out=tmp_path / "table1.csv",
-                      md_out=tmp_path / "table1.md")
+    tables.run_summary(config, cells, files["reuse.csv"], files["reuse.json"], files["validity.json"],
+                       [folder(CHUNKS, cell) / "telemetry" / "summary.json" for cell in cells],
+                       cells_csv=tmp_path / "cell_table.csv", csv_out=tmp_path / "table1.csv",
+                       md_out=tmp_path / "table1.md")
     assert (tmp_path / "table1.md").read_text() == (CHUNKS / "results" / "table1.md").read_text()
     table = pd.read_csv(tmp_path / "table1.csv").set_index(["chunk", "metric"])
     p50 = table.loc[(1024, "ttft_p50_s")]

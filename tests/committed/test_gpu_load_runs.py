@@ -19,10 +19,11 @@ import yaml
 from snakemake.utils import validate
 from support.committed import assert_same_gate
 
-from kvpool import load, steps, validity
-from kvpool import reference as reference_module
 from kvpool.cells import Cell
-from kvpool.files import read_json, read_records
+from kvpool.measure import reference as reference_module
+from kvpool.measure import validity
+from kvpool.measure.files import read_json, read_records
+from kvpool.studies import load
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "results"
@@ -151,8 +152,8 @@ def rebuilt_table(run: Run, tmp_path: Path) -> pd.DataFrame:
     cells = [cell for cell in (SHARED, ISOLATED) if cell in run.levels]
     levels = {(cell, level): {"csv": str(run.level_dir(cell, level) / "requests.csv"),
                               "meta": str(run.level_dir(cell, level) / "level.json")} for cell, level in run.units()}
-    steps.run_load_table(config_of(run, cells[0]), cells, reuse={cell: files(cell) for cell in cells}, levels=levels,
-                         csv_out=str(tmp_path / "load.csv"), md_out=str(tmp_path / "load.md"))
+    load.run_load_table(config_of(run, cells[0]), cells, reuse={cell: files(cell) for cell in cells}, levels=levels,
+                        csv_out=str(tmp_path / "load.csv"), md_out=str(tmp_path / "load.md"))
     for name in ("load.csv", "load.md"):
         assert (tmp_path / name).read_text() == (run.root / "results" / name).read_text()
     table = pd.read_csv(run.root / "results" / "load.csv").set_index(["arm", "level"])

@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpool import load, peer, steps
 from kvpool.cells import Cell
-from kvpool.files import read_json, read_records
+from kvpool.measure.files import read_json, read_records
+from kvpool.studies import load, peer
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-mp-peer"
 CELL = Cell("lmcache-mp", "shared", 256, "ram")
@@ -52,7 +52,7 @@ def test_vllms_client_got_the_split_matched_recomputes_answers():
 
 
 def test_the_table_rebuilds_from_the_records(tmp_path):
-    steps.run_peer_table(
+    peer.run_peer_table(
         [CELL],
         reuse={CELL: {"csv": str(FOLDER / "reuse.csv"), "validity": str(FOLDER / "validity.json")}},
         replays={

@@ -12,9 +12,11 @@ import yaml
 from snakemake.utils import validate
 from support.committed import assert_same_gate
 
-from kvpool import kvbytes, report, steps
 from kvpool.cells import Cell, cells
-from kvpool.files import read_json, read_records
+from kvpool.measure import kvbytes
+from kvpool.measure.files import read_json, read_records
+from kvpool.report import page as report
+from kvpool.studies import study_a
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "results"
@@ -74,12 +76,13 @@ def test_every_cell_of_a_run_was_measured_by_one_commit_and_config(run):
 @pytest.mark.parametrize("run, cell", RUN_CELLS, ids=by_name)
 def test_each_cell_is_valid_again_from_its_records(run, cell, tmp_path):
     cell_dir = run.cell_dir(cell)
-    steps.run_validity(run.config(), cell, populate_csv=cell_dir / "populate.csv",
-                       populate_json=cell_dir / "populate.json", reuse_csv=cell_dir / "reuse.csv",
-                       reuse_json=cell_dir / "reuse.json",
-                       reference_csv=run.root / "results" / "reference" / "outputs.csv",
-                       populate_digests=cell_dir / "populate-digests.csv", reuse_digests=cell_dir / "pool-digests.csv",
-                       out=tmp_path / "validity.json")
+    study_a.run_validity(run.config(), cell, populate_csv=cell_dir / "populate.csv",
+                         populate_json=cell_dir / "populate.json", reuse_csv=cell_dir / "reuse.csv",
+                         reuse_json=cell_dir / "reuse.json",
+                         reference_csv=run.root / "results" / "reference" / "outputs.csv",
+                         populate_digests=cell_dir / "populate-digests.csv",
+                         reuse_digests=cell_dir / "pool-digests.csv",
+                         out=tmp_path / "validity.json")
     again, recorded = read_json(tmp_path / "validity.json"), read_json(cell_dir / "validity.json")
     assert_same_gate(recorded["checks"], again["checks"], apart={"output_matches_recompute"})
     # the run's reference was the cold and after-document paths; the document is whole chunks and whole

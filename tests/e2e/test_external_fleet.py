@@ -17,7 +17,7 @@ import yaml
 from support import CONFIGS
 from support.e2e import copy_prerequisites, snakemake
 
-from kvpool.fleet import free_ports
+from kvpool.engine.fleet import free_ports
 
 CELL = "results/cells/backend~lmcache-fs/arm~shared/chunk~256/tier~disk"
 

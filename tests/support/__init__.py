@@ -28,7 +28,7 @@ async def completions_server(handler, **app_settings):
 
 def passing_gate_inputs(folder: Path, cell_name: str) -> tuple[str, str]:
     """A run's validity table with ``cell_name`` valid and a KV bytes table with nothing damaged, as
-    steps.gate reads them: what a unit's flag alone must fail."""
+    the run's gate reads them: what a unit's flag alone must fail."""
     import pandas as pd
 
     validity = folder / "validity.csv"

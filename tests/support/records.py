@@ -9,7 +9,7 @@ OWN_CACHE_SPLIT = 2400  # vLLM's own cache reuses the document's whole blocks of
 
 
 def reference_rows(pool=("a", "b", "c", "d"), cold=tuple("wxyz"), after=tuple("pqrs")):
-    """A split-matched reference as kvpool.reference.compute writes it: per follow-up, cold (split 0), the
+    """A split-matched reference as kvpool.measure.reference.compute writes it: per follow-up, cold (split 0), the
     document's whole chunks (the pool's split) and the document (vLLM's own cache, its whole blocks)."""
     rows = []
     for doc in range(4):

@@ -7,7 +7,7 @@ import aiohttp
 from aiohttp import web
 from support import completions_server
 
-from kvpool.client import complete, new_session
+from kvpool.engine.client import complete, new_session
 
 
 async def token_ids_stream(request):

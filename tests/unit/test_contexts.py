@@ -1,4 +1,4 @@
-"""Document length as a dimension (kvpool.contexts): the units a config asks for, the chain workload,
+"""Document length as a dimension (kvpool.studies.contexts): the units a config asks for, the chain workload,
 the unit's gate, the table's fit on made-up chains, and the workflow's jobs for a sweep."""
 
 import subprocess
@@ -12,9 +12,10 @@ import yaml
 from snakemake.utils import validate
 from support import REPO, passing_gate_inputs
 
-from kvpool import contexts, studyb
 from kvpool.cells import Cell
-from kvpool.checks import verdict
+from kvpool.measure.checks import verdict
+from kvpool.report import gate, page
+from kvpool.studies import contexts, studyb
 
 BYTES_PER_TOKEN = 4096
 DISK, RAM = Cell("lmcache-fs", "shared", 256, "disk"), Cell("lmcache-fs", "shared", 256, "ram")
@@ -32,7 +33,7 @@ QUESTION = 256  # e2e.yaml's workload.followup_tokens: one whole chunk, loaded w
 
 def chain_rows(tokens: int, prefill_s: float, reload_s: float, local_s: float, chains: int = 2,
                cross_external=None) -> pd.DataFrame:
-    """A unit's requests as kvpool.studyb.run_block records them: per chain, its five steps, each prompt
+    """A unit's requests as kvpool.studies.studyb.run_block records them: per chain, its five steps, each prompt
     the document and its question, the cross step loading both."""
     ttft = {"cold": prefill_s, "local-1": local_s, "local-2": local_s, "cross": reload_s, "local-B": local_s}
     rows = []
@@ -199,8 +200,7 @@ def test_the_default_config_runs_no_length_units():
 
 
 def test_the_table_step_its_figure_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
-    from kvpool import steps
-    from kvpool.files import write_json
+    from kvpool.measure.files import write_json
 
     cfg = config()
     validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))  # the random model's KV size
@@ -213,16 +213,16 @@ def test_the_table_step_its_figure_the_report_section_and_the_gate_flag_an_inval
         units.append((DISK, n))
     out = tmp_path / "results"
     out.mkdir()
-    steps.run_contexts_table(cfg, units, csvs=csvs, metas=metas, csv_out=str(out / "contexts.csv"),
-                             md_out=str(out / "contexts.md"), figures_dir=str(out / "contexts"))
+    contexts.run_contexts_table(cfg, units, csvs=csvs, metas=metas, csv_out=str(out / "contexts.csv"),
+                                md_out=str(out / "contexts.md"), figures_dir=str(out / "contexts"))
     table = pd.read_csv(out / "contexts.csv")
     assert table["context"].tolist() == [512, 1024, 2048, 4096] and table["valid"].tolist() == [True] * 3 + [False]
     assert table["fit_read_gbps"].iloc[:3].notna().all() and np.isnan(table["reload_fit_s"].iloc[3])
     assert {"contexts.png", "contexts.svg"} <= {p.name for p in (out / "contexts").iterdir()}
-    section = steps._contexts_section(str(out / "contexts.csv"))
+    section = page._contexts_section(str(out / "contexts.csv"))
     assert section["html"].count("INVALID") == 1 and Path(section["figure"]).exists()
     assert "![contexts](contexts/contexts.png)" in (out / "contexts.md").read_text()
     validity, kv_bytes = passing_gate_inputs(tmp_path, DISK.name)
     with pytest.raises(SystemExit, match="doc~4096: its unit.json names the failed checks"):
-        steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), contexts_csv=str(out / "contexts.csv"))
-    steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"))  # without the lengths it passes
+        gate.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), contexts_csv=str(out / "contexts.csv"))
+    gate.gate(validity, kv_bytes, str(tmp_path / "gate.ok"))  # without the lengths it passes

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpool import crossover
+from kvpool.studies import crossover
 
 PER_TOKEN = 65536
 

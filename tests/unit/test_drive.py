@@ -4,7 +4,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvpool.drive import block_devices, iostat, read_diskstats
+from kvpool.measure.drive import block_devices, iostat, read_diskstats
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "diskstats-two-samples.txt"
 
@@ -71,14 +71,14 @@ def test_partition_and_device_mapper_resolution(tmp_path):
     (devices / "dm-0" / "slaves").mkdir(parents=True)
     os.symlink(devices / "nvme0n1" / "nvme0n1p2", devices / "dm-0" / "slaves" / "nvme0n1p2")
     os.symlink(devices / "sdb", devices / "dm-0" / "slaves" / "sdb")
-    from kvpool.drive import _whole_disks
+    from kvpool.measure.drive import _whole_disks
 
     assert _whole_disks(devices / "dm-0") == {"nvme0n1", "sdb"}
     assert _whole_disks(devices / "nvme0n1" / "nvme0n1p2") == {"nvme0n1"}
 
 
 def test_smart_log_parser():
-    from kvpool.drive import parse_smart_log
+    from kvpool.measure.drive import parse_smart_log
 
     health = parse_smart_log((FIXTURE.parent / "nvme-smart-log-v2.json").read_text())
     assert health["temperature_c"] == pytest.approx(42.85)    # 316 K
@@ -90,7 +90,7 @@ def test_smart_log_parser():
 
 
 def test_health_of_a_disk_without_sensors_says_why(tmp_path):
-    from kvpool.drive import drive_health
+    from kvpool.measure.drive import drive_health
 
     record = drive_health("vdz", sys_root=tmp_path)
     assert "hwmon_temperature_c" not in record and record["hwmon_unavailable"]
@@ -98,7 +98,7 @@ def test_health_of_a_disk_without_sensors_says_why(tmp_path):
 
 
 def test_hwmon_temperature_is_read_in_millidegrees(tmp_path):
-    from kvpool.drive import drive_health
+    from kvpool.measure.drive import drive_health
 
     sensor = tmp_path / "block" / "nvme0n1" / "device" / "hwmon3"
     sensor.mkdir(parents=True)
@@ -111,7 +111,7 @@ def test_hwmon_temperature_is_read_in_millidegrees(tmp_path):
 
 
 def test_sequential_read_ceiling_reads_the_whole_file(tmp_path):
-    from kvpool.drive import sequential_read_ceiling
+    from kvpool.measure.drive import sequential_read_ceiling
 
     result = sequential_read_ceiling(tmp_path, 32 << 20, block_bytes=1 << 20)
     assert result["bytes"] == 32 << 20 and result["gb_per_s"] > 0
@@ -119,7 +119,7 @@ def test_sequential_read_ceiling_reads_the_whole_file(tmp_path):
 
 
 def test_drive_model_is_read_where_the_kernel_exposes_it(tmp_path):
-    from kvpool.drive import _model
+    from kvpool.measure.drive import _model
 
     device = tmp_path / "block" / "nvme0n1" / "device"
     device.mkdir(parents=True)

@@ -7,12 +7,13 @@ import pytest
 from aiohttp import web
 from support.records import DOC, frames
 
-from kvpool import external
 from kvpool.cells import Cell
 from kvpool.config import problems
-from kvpool.plan import plan_pool_dirs
-from kvpool.steps import _new_plan, _refuse_a_used_external_pool
-from kvpool.validity import evaluate
+from kvpool.engine import external
+from kvpool.engine.plan import plan_pool_dirs
+from kvpool.measure.timed import new_plan as _new_plan
+from kvpool.measure.validity import evaluate
+from kvpool.studies.study_a import _refuse_a_used_external_pool
 
 CELL = Cell("lmcache-fs", "shared", 256, "disk")
 URLS = ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]
@@ -71,7 +72,7 @@ def test_an_external_plan_names_the_endpoints_and_launches_nothing(config, tmp_p
 def test_a_fleet_that_is_down_is_named_after_fleet_wait_s_not_a_replicas_startup(config, tmp_path):
     import time
 
-    from kvpool.fleet import FleetError, free_ports, running_fleet
+    from kvpool.engine.fleet import FleetError, free_ports, running_fleet
 
     port = free_ports("127.0.0.1", 1)[0]  # nothing listens there
     config = external_config(config, endpoints={"shared": [f"http://127.0.0.1:{port}", URLS[1]]}, wait_s=2)
@@ -152,8 +153,8 @@ def test_an_endpoint_describes_its_version_models_and_cache():
 def test_the_kv_bytes_table_says_an_unseen_pool_was_not_hashed(config, tmp_path):
     import pandas as pd
 
-    from kvpool import kvbytes
-    from kvpool.steps import run_kv_bytes
+    from kvpool.measure import kvbytes
+    from kvpool.studies.study_a import run_kv_bytes
 
     config = external_config(config, pool_dirs={})
     digests = tmp_path / "pool-digests.csv"

@@ -10,7 +10,7 @@ import pytest
 from support import REPO
 from support.fakes import FAKE, TEST_PORTS, fake_plan, family, write_driver
 
-from kvpool.fleet import FleetError, free_ports, resolve_ports, running_fleet
+from kvpool.engine.fleet import FleetError, free_ports, resolve_ports, running_fleet
 
 
 def test_fleet_starts_and_leaves_nothing_behind(tmp_path):
@@ -43,7 +43,8 @@ def test_a_killed_replica_leaves_no_orphan(tmp_path):
 
 def test_ctrl_c_while_the_fleet_stops_still_stops_every_replica(tmp_path):
     ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
-    driver = write_driver(tmp_path, "from support.fakes import fake_plan", "from kvpool.fleet import running_fleet",
+    driver = write_driver(tmp_path, "from support.fakes import fake_plan",
+                          "from kvpool.engine.fleet import running_fleet",
                           f"with running_fleet(fake_plan('slowstop', ports={ports}), {str(tmp_path)!r}, 30):",
                           "    print('ready', flush=True)", "    time.sleep(1)", "print('stopped', flush=True)")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
@@ -89,7 +90,8 @@ def test_configured_port_in_use_is_a_clear_error():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_stop_the_fleet(tmp_path, sig):
     ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
-    driver = write_driver(tmp_path, "from support.fakes import fake_plan", "from kvpool.fleet import running_fleet",
+    driver = write_driver(tmp_path, "from support.fakes import fake_plan",
+                          "from kvpool.engine.fleet import running_fleet",
                           f"with running_fleet(fake_plan('serve', ports={ports}), {str(tmp_path)!r}, 30):",
                           "    print('ready', flush=True)", "    time.sleep(600)")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
@@ -104,7 +106,7 @@ def test_signals_stop_the_fleet(tmp_path, sig):
 
 def test_an_exited_but_unreaped_process_counts_as_stopped():
     """A stop must not wait out its grace period on a zombie (exited, its parent has not reaped it)."""
-    from kvpool.fleet import _still_running
+    from kvpool.engine.fleet import _still_running
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     zombie = psutil.Process(child.pid)
@@ -126,7 +128,7 @@ def one_measured_request(replica):
 
     import aiohttp
 
-    from kvpool.phases import measured_request
+    from kvpool.measure.timed import measured_request
 
     async def request():
         async with aiohttp.ClientSession() as session:
@@ -146,7 +148,7 @@ def test_a_replica_killed_mid_request_is_named_in_that_request(tmp_path):
 
 def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
     """The phase keeps going and keeps its rows: the failed request says which replica died and why."""
-    from kvpool.fleet import Replica
+    from kvpool.engine.fleet import Replica
 
     replica = Replica(fake_plan("die", count=1)["replicas"][0], tmp_path / "replica-0.log")
     replica.start()
@@ -178,7 +180,7 @@ def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
     import yaml
 
     from kvpool.cells import Cell, pool_root
-    from kvpool.steps import run_populate
+    from kvpool.studies.study_a import run_populate
 
     config["tiers"] = {"disk": str(tmp_path / "tier")}
     cell = Cell("lmcache-fs", "shared", 256, "disk")
@@ -198,10 +200,11 @@ def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
 
 
 def test_a_second_run_in_one_working_directory_is_refused(tmp_path):
-    from kvpool.runlock import RunLocked, acquire
+    from kvpool.measure.runlock import RunLocked, acquire
 
     held = acquire(tmp_path)
-    other = subprocess.run([sys.executable, "-c", f"from kvpool.runlock import acquire; acquire({str(tmp_path)!r})"],
+    other = subprocess.run([sys.executable, "-c",
+                            f"from kvpool.measure.runlock import acquire; acquire({str(tmp_path)!r})"],
                            capture_output=True, text=True)
     assert other.returncode != 0 and f"another kvpool run (pid {os.getpid()})" in other.stderr
     with pytest.raises(RunLocked):  # another open file description in this process conflicts too

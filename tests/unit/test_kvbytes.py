@@ -5,7 +5,7 @@ import re
 import pandas as pd
 import pytest
 
-from kvpool import kvbytes
+from kvpool.measure import kvbytes
 
 KEYS = {"doc0": "model@1@0@aa@bfloat16", "doc1": "model@1@0@bb@bfloat16",
         "followup0": "model@1@0@cc@bfloat16", "followup1": "model@1@0@dd@bfloat16"}

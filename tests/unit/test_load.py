@@ -11,8 +11,9 @@ import pytest
 from aiohttp import web
 from support import completions_server, passing_gate_inputs
 
-from kvpool import kvbytes
-from kvpool.load import (
+from kvpool.measure import kvbytes
+from kvpool.report import gate
+from kvpool.studies.load import (
     Level,
     arrival_offsets,
     attribution,
@@ -171,7 +172,7 @@ def test_the_pool_is_restored_to_what_populate_left(tmp_path):
 
 def test_a_load_row_reports_what_the_fleet_delivered_in_the_levels_window():
     from kvpool.cells import Cell
-    from kvpool.summary import load_markdown, load_row
+    from kvpool.report.tables import load_markdown, load_row
 
     records = pd.DataFrame({"ttft_s": [0.2, 0.4, 6.0, np.nan], "e2e_s": [0.3, 0.5, 6.2, np.nan],
                             "external_hit_tokens": [2048, 2048, 2048, 0], "error": ["", "", "", "replica 1 died"]})
@@ -200,7 +201,7 @@ def test_a_load_row_reports_what_the_fleet_delivered_in_the_levels_window():
 
 
 def test_the_load_figures_draw_from_the_load_table(tmp_path):
-    from kvpool import figures
+    from kvpool.report import figures
 
     rows = []
     for arm, base in (("shared", 0.2), ("isolated", 1.0)):
@@ -232,7 +233,6 @@ def test_the_gate_fails_on_a_load_level_beyond_c1_and_counts_the_levels_it_rests
     """c1 is the cell's own reuse phase, judged by its validity gate: the load table's c1 row is not judged
     again. Every other level is, and the gate's line says how many it rests on and how many of them have
     answers that were not verified (batch composition)."""
-    from kvpool import steps
 
     cell = "backend~lmcache-fs/arm~shared/chunk~256/tier~disk"
     validity, kv_bytes = passing_gate_inputs(tmp_path, cell)
@@ -241,8 +241,8 @@ def test_the_gate_fails_on_a_load_level_beyond_c1_and_counts_the_levels_it_rests
     load_csv = tmp_path / "load.csv"
     levels.to_csv(load_csv, index=False)
     with pytest.raises(SystemExit, match="load~c4: its level.json") as failed:
-        steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), load_csv=str(load_csv))
+        gate.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), load_csv=str(load_csv))
     assert "load~c1" not in str(failed.value) and not (tmp_path / "gate.ok").exists()
     levels.assign(valid=[False, True, True]).to_csv(load_csv, index=False)
-    steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), load_csv=str(load_csv))
+    gate.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), load_csv=str(load_csv))
     assert "; 2 load levels (2 with answers not verified) valid" in (tmp_path / "gate.ok").read_text()

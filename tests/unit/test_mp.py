@@ -15,10 +15,13 @@ from support import REPO
 from support.fakes import FAKE, FAKE_ENGINE, fake_server_plan, family, write_driver
 
 from kvpool import config as kvpool_config
-from kvpool import kvbytes, mp, phases, steps
 from kvpool.cells import Cell
-from kvpool.fleet import FleetError, free_ports, resolve_server_ports, running_servers
-from kvpool.plan import fleet_plan, with_server_ports
+from kvpool.engine import mp
+from kvpool.engine.fleet import FleetError, free_ports, resolve_server_ports, running_servers
+from kvpool.engine.model import vocabulary
+from kvpool.engine.plan import fleet_plan, with_server_ports
+from kvpool.measure import kvbytes, timed
+from kvpool.studies import load, study_a
 
 TEST_PORTS = 38300
 
@@ -216,18 +219,18 @@ def test_running_servers_keep_their_ports_through_a_phase(tmp_path):
     """A memory pool's servers hold their own ports: a phase that re-checked them would find them
     taken, move them, and point the replicas at ports no server listens on (seen on the GPU)."""
     with running_servers(fake_server_plan("serve"), tmp_path, timeout_s=30) as (plan, servers):
-        assert steps.checked_ports(plan, servers) == plan
-        moved = steps.checked_ports(plan)  # a phase that starts its own servers moves taken ports
+        assert timed.checked_ports(plan, servers) == plan
+        moved = timed.checked_ports(plan)  # a phase that starts its own servers moves taken ports
         assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
         with pytest.raises(FleetError, match="running servers are"):
-            with phases.pool_servers(moved, tmp_path, {"lmcache_mp": {}}, servers):
+            with timed.pool_servers(moved, tmp_path, {"lmcache_mp": {}}, servers):
                 pass
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_stop_the_servers(tmp_path, sig):
     driver = write_driver(tmp_path, "from support.fakes import fake_server_plan",
-                          "from kvpool.fleet import running_servers",
+                          "from kvpool.engine.fleet import running_servers",
                           f"with running_servers(fake_server_plan('serve', 2), {str(tmp_path)!r}, 30):",
                           "    print('ready', flush=True)", "    time.sleep(600)")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
@@ -298,7 +301,7 @@ def test_the_readme_rerun_command_reruns_one_cell(tmp_path):
 
 def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_path):
     """The phase's rows must survive a dead pool server: its record names the exit instead."""
-    from kvpool.phases import pool_servers
+    from kvpool.measure.timed import pool_servers
 
     with pool_servers(fake_server_plan("serve"), tmp_path, gpu_config) as (_, servers, record):
         servers[0].proc.kill()
@@ -317,8 +320,8 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     set of servers; a drive tier starts a fresh server per phase on the same L2 folder. It catches
     what only the GPU had shown: running servers' ports re-checked, found taken (by themselves) and
     moved, leaving replicas to wait for a server that is not there."""
-    from kvpool import prompts
-    from kvpool.model import build_random_model
+    from kvpool.engine import prompts
+    from kvpool.engine.model import build_random_model
 
     model = tmp_path / "model"
     build_random_model(model, gpu_config["random_model"])
@@ -335,7 +338,7 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     (folder / "plan.yaml").write_text(yaml.safe_dump(plan))
     w = gpu_config["workload"]
     prompts.write_workload(tmp_path / "prompts.jsonl", prompts.make_workload(
-        steps.vocabulary(str(model)), w["documents"], w["doc_tokens"], w["followup_tokens"], w["seed"]))
+        vocabulary(str(model)), w["documents"], w["doc_tokens"], w["followup_tokens"], w["seed"]))
     out = {name: str(folder / name) for name in ("populate.csv", "populate.json", "drop.json", "reuse.csv",
                                                  "reuse.json", "populate-digests.csv", "pool-digests.csv")}
     for phase in ("populate", "reuse"):
@@ -349,25 +352,25 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     plan_path, prompts_path = str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl")
     if tier == "ram":  # only the sections the rule hands its script, as Snakemake would
         declared = {key: gpu_config[key] for key in kvpool_config.MEMORY_POOL_CELL_SETTINGS}
-        steps.run_memory_pool_cell(declared, cell, plan_path, prompts_path, populate=populate,
-                                   drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
+        study_a.run_memory_pool_cell(declared, cell, plan_path, prompts_path, populate=populate,
+                                     drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
     else:  # the three rules: each phase starts (and stops) its own servers, whose logs sit with its replicas'
-        steps.run_populate(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
-                           json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
-                           digests_csv=populate["digests"], log_dir=logs["populate"])
-        steps.run_drop(gpu_config, plan_path, out["drop.json"])
-        steps.run_reuse(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path,
-                        populate_csv=out["populate.csv"], populate_digests=populate["digests"], csv_out=reuse["csv"],
-                        json_out=reuse["meta"], drive_csv=reuse["drive"], power_csv=reuse["power"],
-                        digests_csv=reuse["digests"], log_dir=logs["reuse"])
+        study_a.run_populate(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
+                             json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
+                             digests_csv=populate["digests"], log_dir=logs["populate"])
+        study_a.run_drop(gpu_config, plan_path, out["drop.json"])
+        study_a.run_reuse(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path,
+                          populate_csv=out["populate.csv"], populate_digests=populate["digests"], csv_out=reuse["csv"],
+                          json_out=reuse["meta"], drive_csv=reuse["drive"], power_csv=reuse["power"],
+                          digests_csv=reuse["digests"], log_dir=logs["reuse"])
     # a load level: a disk cell's restores the L2 folder and starts fresh servers on it, as reuse does;
     # a memory pool's starts fresh servers and populates them again
     level = {name: str(folder / "load~c2" / name) for name in ("requests.csv", "level.json", "drive.csv", "power.csv")}
     Path(level["level.json"]).parent.mkdir()
-    steps.run_load_level(gpu_config, cell, "c2", plan_path=plan_path, prompts_path=prompts_path,
-                         populate_csv=out["populate.csv"], populate_digests=populate["digests"],
-                         csv_out=level["requests.csv"], json_out=level["level.json"], drive_csv=level["drive.csv"],
-                         power_csv=level["power.csv"], log_dir=str(tmp_path / "logs" / "c2"), remove_pool=True)
+    load.run_load_level(gpu_config, cell, "c2", plan_path=plan_path, prompts_path=prompts_path,
+                        populate_csv=out["populate.csv"], populate_digests=populate["digests"],
+                        csv_out=level["requests.csv"], json_out=level["level.json"], drive_csv=level["drive.csv"],
+                        power_csv=level["power.csv"], log_dir=str(tmp_path / "logs" / "c2"), remove_pool=True)
     level_meta = json.loads(Path(level["level.json"]).read_text())
     assert len(pd.read_csv(level["requests.csv"])) == 2
     restore = level_meta["pool_restore"]

@@ -45,7 +45,7 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
 
     from kvpool.cells import Cell
     from kvpool.config import load
-    from kvpool.plan import fleet_plan
+    from kvpool.engine.plan import fleet_plan
 
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
@@ -81,7 +81,7 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
 
     from kvpool.cells import Cell
     from kvpool.config import load, pool_bytes_per_cell, problems
-    from kvpool.plan import fleet_plan
+    from kvpool.engine.plan import fleet_plan
 
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
@@ -110,8 +110,8 @@ def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path, name,
     """Study B's design on the H200s (one replica per GPU, or both packed on one): the four blocks and
     the tables, nothing of Study A's cells; the ON blocks plan an MP server, the OFF blocks no
     connector; its contexts and sessions fit the engine."""
-    from kvpool import studyb
     from kvpool.config import load, problems
+    from kvpool.studies import studyb
 
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "results/studyb.md", "-n", "-s", str(REPO / "Snakefile"), "--directory",
@@ -125,7 +125,7 @@ def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path, name,
     assert problems(config, tmp_path, check_paths=False) == []
     study = studyb.resolved(config)
     assert (study["backend"], study["tier"], max(study["contexts"])) == ("lmcache-mp", "ram", 131072)
-    from kvpool.plan import fleet_plan
+    from kvpool.engine.plan import fleet_plan
 
     on = fleet_plan(config, studyb.block_cell(study, studyb.ON), "m", tmp_path, [18100, 18101], "auto",
                     server_ports=[18102, 18103], pool_root=tmp_path / "pool")

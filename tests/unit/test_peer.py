@@ -1,4 +1,4 @@
-"""The peer replay (kvpool.peer): kvpool's prompts as vllm bench serve's custom dataset, vLLM's own
+"""The peer replay (kvpool.studies.peer): kvpool's prompts as vllm bench serve's custom dataset, vLLM's own
 parser and entry point run for real against a stand-in server, its per-request results read back
 into kvpool's records, the replay's gate, and the table beside kvpool's own TTFT."""
 
@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from support import completions_server
 
-from kvpool import load, peer
 from kvpool.cells import Cell
-from kvpool.model import build_tokenizer
+from kvpool.engine.model import build_tokenizer
+from kvpool.studies import load, peer
 
 SHARED = Cell("lmcache-fs", "shared", 256, "disk")
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.cells import Cell, cells, pool_dirs, pool_predecessor
-from kvpool.plan import fleet_plan, reference_plan, with_port
+from kvpool.engine.plan import fleet_plan, reference_plan, with_port
 
 
 def plan_for(config, arm="shared", backend="lmcache-fs", tmp=Path("/tmp/cell"), ports=(18100, 18101)):

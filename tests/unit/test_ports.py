@@ -1,6 +1,6 @@
 import socket
 
-from kvpool.fleet import port_is_free
+from kvpool.engine.fleet import port_is_free
 
 
 def test_listening_port_is_taken_and_closed_one_is_free():

@@ -1,6 +1,6 @@
 import subprocess
 
-from kvpool import provenance
+from kvpool.measure import provenance
 
 
 def commit_in(repo):

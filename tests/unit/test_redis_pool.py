@@ -12,10 +12,11 @@ import redis
 from support.fakes import family
 
 from kvpool import config as kvpool_config
-from kvpool import kvbytes, redis_pool, steps
 from kvpool.cells import Cell, cells, is_memory_pool
-from kvpool.fleet import RedisServer, free_ports, running_servers
-from kvpool.plan import fleet_plan, with_server_ports
+from kvpool.engine import redis_pool
+from kvpool.engine.fleet import RedisServer, free_ports, running_servers
+from kvpool.engine.plan import fleet_plan, with_server_ports
+from kvpool.measure import kvbytes, timed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,13 +108,13 @@ def test_a_real_server_counts_the_pools_kv_values_digests_them_and_leaves_nothin
         assert servers[0].metrics()[redis_pool.POOL_BYTES] == 1024  # the kv_bytes values, not the metadata
         assert servers[0].metrics()[redis_pool.POOL_CHUNKS] == 2
         assert servers[1].metrics()[redis_pool.POOL_BYTES] == 0  # the isolated arm's other pool
-        digests = steps._pool_digests([], servers)
+        digests = timed.pool_digests([], servers)
         assert list(digests["copy"]) == ["replica-0", "replica-0"]
         assert list(digests["blake2b"]) == [hashlib.blake2b(values[k], digest_size=16).hexdigest()
                                             for k in (b"chunk-akv_bytes", b"chunk-bkv_bytes")]
         with redis.Redis(port=servers[0].entry["port"]) as conn:
             conn.set(b"chunk-bkv_bytes", b"\x03" * 24)  # a changed chunk shows in the pool's byte check
-        after = steps._pool_digests([], servers, digests)
+        after = timed.pool_digests([], servers, digests)
         assert kvbytes.unchanged(digests, after) == {"files": 2, "changed": 1, "missing": 0,
                                                      "example": "replica-0/chunk-bkv_bytes"}
         assert not list((tmp_path / "pool").rglob("*.rdb"))

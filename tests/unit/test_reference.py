@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 from support import completions_server
 
-from kvpool import reference
-from kvpool.reference import COLD, REPEAT, Request
+from kvpool.measure import reference
+from kvpool.measure.reference import COLD, REPEAT, Request
 
 
 def workload(doc_tokens=1000, followups=1):
@@ -128,7 +128,7 @@ def test_compute_sends_the_prefix_then_the_prompt_under_one_salt():
 
     async def run():
         async with completions_server(handler) as url:
-            from kvpool.client import new_session
+            from kvpool.engine.client import new_session
 
             async with new_session() as session:
                 requests = [Request("k", tuple(range(10)), 0, COLD), Request("k", tuple(range(10)), 8, "split")]

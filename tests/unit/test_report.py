@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from kvpool.cells import Cell
-from kvpool.steps import build_report, run_summary, run_tier_compare
+from kvpool.report.page import build_report
+from kvpool.report.tables import run_summary, run_tier_compare
 
 TREE = Path(__file__).parents[1] / "fixtures" / "results-tree"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -95,7 +96,7 @@ def test_tables_carry_bootstrap_intervals(built):
 
 
 def test_bar_labels_sit_on_top_of_the_interval(built):
-    from kvpool.figures import ttft_p50
+    from kvpool.report.figures import ttft_p50
 
     table1 = pd.read_csv(built / "report" / "tables" / "table1.csv")
     data = ttft_p50(table1).data
@@ -104,7 +105,7 @@ def test_bar_labels_sit_on_top_of_the_interval(built):
 
 
 def test_the_headline_reads_as_ratios_with_two_digits(built):
-    from kvpool.report import headline_for_reading
+    from kvpool.report.page import headline_for_reading
 
     head = pd.read_csv(built / "report" / "tables" / "headline.csv")
     shown = headline_for_reading(head)
@@ -121,7 +122,7 @@ def test_the_headline_reads_as_ratios_with_two_digits(built):
 
 
 def test_kv_bytes_read_as_chunks_equal_of_keys():
-    from kvpool.report import kv_bytes_for_reading
+    from kvpool.report.page import kv_bytes_for_reading
 
     table = pd.DataFrame([
         {"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "comparison": "store_across_arms", "keys": 184,
@@ -137,7 +138,7 @@ def test_kv_bytes_read_as_chunks_equal_of_keys():
 def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
     """Study A's matrix (3 chunk sizes x 2 tiers x 2 arms) and twice that: one column per cell, the figure at
     most 24 inches wide (plotnine refuses anything over 25: six cells' phases as columns once did)."""
-    from kvpool import figures
+    from kvpool.report import figures
 
     for backends in (["lmcache-fs"], ["lmcache-fs", "lmcache-mp"]):
         names = [Cell(backend, arm, chunk, tier).name for backend in backends for arm in ("isolated", "shared")
@@ -170,7 +171,7 @@ def test_the_page_opens_on_the_verdict_and_the_headline_figure_then_the_details(
 
 
 def test_study_b_and_the_other_sections_read_like_table_1():
-    from kvpool import report
+    from kvpool.report import page as report
 
     locality = pd.DataFrame([{"context": 1024, "step": "cross", "off_ttft_median_s": 0.41, "on_ttft_median_s": 0.052,
                               "on_local_hit_tokens": 0.0, "on_external_hit_tokens": 1024.0,

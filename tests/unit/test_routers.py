@@ -1,4 +1,4 @@
-"""The routers (kvpool.routers): where each policy sends a document's requests, what losing a replica
+"""The routers (kvpool.studies.routers): where each policy sends a document's requests, what losing a replica
 moves, the hot draws, and the router unit's gate on made-up rows."""
 
 from pathlib import Path
@@ -8,8 +8,10 @@ import pandas as pd
 import pytest
 from support import passing_gate_inputs
 
-from kvpool import routers
 from kvpool.cells import Cell
+from kvpool.report import gate as run_gate
+from kvpool.report import page
+from kvpool.studies import routers
 
 DOCS = {doc: list(range(doc * 100, doc * 100 + 64)) for doc in range(40)}
 
@@ -154,8 +156,7 @@ def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica()
 
 
 def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
-    from kvpool import steps
-    from kvpool.files import write_json
+    from kvpool.measure.files import write_json
 
     cell = Cell("lmcache-fs", "shared", 256, "disk")
     units, csvs, metas = [], [], []
@@ -169,28 +170,28 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
         units.append((cell, router))
     out = tmp_path / "results"
     out.mkdir()
-    steps.run_router_table(units, csvs=csvs, metas=metas, csv_out=str(out / "routers.csv"),
-                           md_out=str(out / "routers.md"), figures_dir=str(out / "routers"))
+    routers.run_router_table(units, csvs=csvs, metas=metas, csv_out=str(out / "routers.csv"),
+                             md_out=str(out / "routers.md"), figures_dir=str(out / "routers"))
     table = pd.read_csv(out / "routers.csv")
     assert list(table["phase"]) == ["first", "follow-up", "hot"] * 2
     assert table.loc[table["phase"] == "hot", "pool_fraction"].tolist() == [1.0, 1.0]  # the window's split
     assert {"ttft.png", "ttft.svg", "sources.png", "sources.svg"} <= {p.name for p in (out / "routers").iterdir()}
-    section = steps._routers_section(str(out / "routers.csv"))
+    section = page._routers_section(str(out / "routers.csv"))
     assert section["html"].count("INVALID") == 3 and all(Path(f["png"]).exists() for f in section["figures"])
     assert "| prefix-affinity | hot | all | **INVALID** |" in (out / "routers.md").read_text()
     validity, kv_bytes = passing_gate_inputs(tmp_path, cell.name)
     with pytest.raises(SystemExit, match="router~prefix-affinity: its run.json names the failed checks"):
-        steps.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), routers_csv=str(out / "routers.csv"))
+        run_gate.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), routers_csv=str(out / "routers.csv"))
 
 
 def test_a_router_unit_that_fails_leaves_no_pool_on_the_tier(config, tmp_path, monkeypatch):
     """The unit's pool is its own, made fresh for it: a fleet that dies mid-unit must not leave it on the
     tier (keep_pools false), where the space check of later units does not expect it."""
-    from kvpool import prompts, steps
+    from kvpool.engine import prompts
 
     config.update(tiers={"disk": str(tmp_path / "pools")}, keep_pools=False)
     cell = Cell("lmcache-fs", "shared", 256, "disk")
-    root = steps.router_pool_root(config, cell, "cross")
+    root = routers.router_pool_root(config, cell, "cross")
     seen = {}
 
     def dies(plan, measure, *args):
@@ -198,13 +199,13 @@ def test_a_router_unit_that_fails_leaves_no_pool_on_the_tier(config, tmp_path, m
         raise RuntimeError("replica 1 exited with code -9")
 
     monkeypatch.setattr(prompts, "read_workload", lambda path: {})
-    monkeypatch.setattr(steps, "_run_sampled_phase", dies)
+    monkeypatch.setattr(routers, "run_sampled_phase", dies)
     unit = tmp_path / "router~cross"
     unit.mkdir()
     with pytest.raises(RuntimeError, match="exited with code -9"):
-        steps.run_router_unit(config, cell, "cross", model=str(tmp_path / "model"), prompts_path="prompts.json",
-                              plan_out=str(unit / "plan.yaml"), manifest_out=str(unit / "manifest.json"),
-                              csv_out=str(unit / "requests.csv"), json_out=str(unit / "run.json"),
-                              drive_csv=str(unit / "drive.csv"), power_csv=str(unit / "power.csv"),
-                              log_dir=str(tmp_path / "logs"), provenance_config=config)
+        routers.run_router_unit(config, cell, "cross", model=str(tmp_path / "model"), prompts_path="prompts.json",
+                                plan_out=str(unit / "plan.yaml"), manifest_out=str(unit / "manifest.json"),
+                                csv_out=str(unit / "requests.csv"), json_out=str(unit / "run.json"),
+                                drive_csv=str(unit / "drive.csv"), power_csv=str(unit / "power.csv"),
+                                log_dir=str(tmp_path / "logs"), provenance_config=config)
     assert seen["pool"] and not root.exists()

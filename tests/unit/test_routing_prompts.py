@@ -1,7 +1,7 @@
 import pytest
 
-from kvpool.prompts import make_workload, probe_prompts
-from kvpool.routing import followup_route, populate_route
+from kvpool.engine.prompts import make_workload, probe_prompts
+from kvpool.engine.routing import followup_route, populate_route
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4])
@@ -51,7 +51,7 @@ def test_probe_spans_two_chunks_and_is_extended():
 def test_random_model_is_built_deterministically(tmp_path):
     import hashlib
 
-    from kvpool.model import build_random_model
+    from kvpool.engine.model import build_random_model
 
     spec = dict(vocab_words=50, hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1, head_dim=16,
                 max_positions=256, seed=3, init_std=0.05)

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from kvpool.cells import Cell
-from kvpool.summary import (
+from kvpool.report.tables import (
     cell_row,
     change_claim,
     mean_ci,

@@ -7,10 +7,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvpool import reference, studyb
-from kvpool.checks import verdict
-from kvpool.client import RequestResult
-from kvpool.plan import fleet_plan
+from kvpool.engine.client import RequestResult
+from kvpool.engine.plan import fleet_plan
+from kvpool.measure import reference
+from kvpool.measure.checks import verdict
+from kvpool.studies import studyb
 
 VOCAB = list(range(1000, 3000))
 
@@ -202,7 +203,7 @@ def test_the_tables_show_the_cross_step_and_alternating_sessions_gain_only_with_
 
 
 def test_the_locality_figure_draws_one_context_or_several(study, tmp_path):
-    from kvpool import figures
+    from kvpool.report import figures
 
     rows = run_blocks(study)
     for name, frame in (("both", rows), ("one", rows[rows["context"] != 256])):

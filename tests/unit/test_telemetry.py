@@ -3,9 +3,9 @@ import time
 
 import pytest
 
-from kvpool.drive import block_devices, iostat
-from kvpool.pool import resident_bytes
-from kvpool.telemetry import Sampler, rapl_delta_j
+from kvpool.measure.drive import block_devices, iostat
+from kvpool.measure.pool import resident_bytes
+from kvpool.measure.telemetry import Sampler, rapl_delta_j
 
 
 def test_sampler_attributes_a_real_read_to_the_device(tmp_path):
@@ -83,7 +83,7 @@ class RecordedNvml:
 def test_nvml_readings_become_watts_and_joules(monkeypatch):
     import sys
 
-    from kvpool.telemetry import summarize_power
+    from kvpool.measure.telemetry import summarize_power
 
     monkeypatch.setitem(sys.modules, "pynvml", RecordedNvml())
     with Sampler("c", "reuse", [], hz=20) as sampler:
@@ -106,7 +106,7 @@ def test_only_the_fleets_gpus_are_sampled(monkeypatch):
     """A cell on GPU 1 of a shared host: GPU 0's watts and joules are someone else's."""
     import sys
 
-    from kvpool.telemetry import Nvml, summarize_power
+    from kvpool.measure.telemetry import Nvml, summarize_power
 
     monkeypatch.setitem(sys.modules, "pynvml", RecordedNvml())
     with Sampler("c", "reuse", [], hz=20, gpus=[1]) as sampler:
@@ -126,7 +126,7 @@ def test_mean_power_comes_from_the_energy_counter_where_samples_miss_the_peaks()
     counter gave 388 W): the window's mean is the counter's; without one, the samples' mean, named so."""
     import pandas as pd
 
-    from kvpool.telemetry import summarize_power
+    from kvpool.measure.telemetry import summarize_power
 
     samples = pd.DataFrame({"t_s": [0.0, 0.2, 0.4], "source": ["gpu0"] * 3, "power_w": [300.0] * 3})
     counted = summarize_power(samples, {"gpu_energy_j": [3880.0], "duration_s": 10.0}, requests=10)
@@ -140,7 +140,7 @@ def test_mean_power_comes_from_the_energy_counter_where_samples_miss_the_peaks()
 def test_records_of_a_sampler_that_read_every_gpu_count_only_the_fleets():
     import pandas as pd
 
-    from kvpool.telemetry import fleet_gpus_only, summarize_power
+    from kvpool.measure.telemetry import fleet_gpus_only, summarize_power
 
     # a fleet on GPU 1 of a 4-GPU host, sampled by a sampler that read all four
     meta = {"gpu_energy_j": [50.0, 400.0, 60.0, 70.0], "host_energy_j": None}

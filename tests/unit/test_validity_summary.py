@@ -5,10 +5,10 @@ import pandas as pd
 import pytest
 from support.records import DOC, POOL_SPLIT, frames
 
-from kvpool.checks import tally
-from kvpool.metrics import delta, token_counters
-from kvpool.summary import arm_metrics, table1, table1_markdown
-from kvpool.validity import evaluate, failures
+from kvpool.engine.metrics import delta, token_counters
+from kvpool.measure.checks import tally
+from kvpool.measure.validity import evaluate, failures
+from kvpool.report.tables import arm_metrics, table1, table1_markdown
 
 
 def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), unchanged=None,
@@ -111,7 +111,7 @@ def test_memory_tiers_make_the_cold_read_and_file_checks_not_applicable(config):
 
 
 def test_a_verdict_needs_a_passed_check_and_no_failed_one():
-    from kvpool.checks import check, not_applicable, not_verified, verdict
+    from kvpool.measure.checks import check, not_applicable, not_verified, verdict
 
     assert not verdict({"a": not_applicable("why"), "b": not_verified("why")})
     assert verdict({"a": check(True, 1, 1), "b": not_verified("why")})
@@ -135,7 +135,7 @@ def test_table1_is_drawn_from_the_cell_table_with_its_intervals():
     """One cell row per arm (summary.cell_row, real records); Table 1 sets them side by side, the ratio
     isolated over shared, each TTFT percentile with its bootstrap interval."""
     from kvpool.cells import Cell
-    from kvpool.summary import cell_row
+    from kvpool.report.tables import cell_row
 
     config = {"warm_s": 3.0, "slo_s": 5.0, "workload": {"doc_tokens": 1000}}
     power = {"mean_power_w": None, "gpu_energy_j": None, "replicas": {"0": {"cpu_s": 4.0}}}
@@ -187,7 +187,7 @@ def test_a_failed_pool_write_is_named_by_the_gate(config):
 
 
 def test_write_errors_are_read_from_this_phase_s_log_lines_only(tmp_path):
-    from kvpool.logs import log_sizes, new_lines_matching
+    from kvpool.measure.logs import log_sizes, new_lines_matching
 
     old = tmp_path / "replica-0.log"
     old.write_text("[Errno 28] No space left on device (an earlier run)\n")
@@ -202,7 +202,7 @@ def test_write_errors_are_read_from_this_phase_s_log_lines_only(tmp_path):
 
 
 def test_the_run_gate_fails_on_kv_bytes_that_differ_where_they_must_agree(tmp_path):
-    from kvpool.steps import gate as run_gate
+    from kvpool.report.gate import gate as run_gate
 
     (tmp_path / "validity.csv").write_text(
         "cell,valid,reasons\nbackend~lmcache-fs/arm~shared/chunk~256/tier~disk,True,\n")
@@ -221,7 +221,7 @@ def test_the_run_gate_fails_on_kv_bytes_that_differ_where_they_must_agree(tmp_pa
 def test_the_run_gate_fails_on_an_invalid_study_b_block_or_pairing(tmp_path):
     import json
 
-    from kvpool.steps import gate as run_gate
+    from kvpool.report.gate import gate as run_gate
 
     (tmp_path / "validity.csv").write_text(
         "cell,valid,reasons\nbackend~lmcache-fs/arm~shared/chunk~256/tier~disk,True,\n")
@@ -247,7 +247,7 @@ def test_the_run_gate_fails_on_an_invalid_study_b_block_or_pairing(tmp_path):
 
 def test_a_long_write_error_is_quoted_with_its_cause(tmp_path):
     """LMCache names the whole chunk path before the errno: the quote keeps the cause, not the path's start."""
-    from kvpool.logs import new_lines_matching
+    from kvpool.measure.logs import new_lines_matching
 
     path = "/pools/" + "x" * 400 + "@float.data"
     (tmp_path / "replica-0.log").write_text(f"\x1b[31;20m[t] LMCache ERROR:\x1b[0m Failed to write file {path}: "

@@ -2,10 +2,12 @@ import re
 from pathlib import Path
 
 from kvpool import config as kvpool_config
-from kvpool import contexts, external, mp, redis_pool, runlock, studyb
+from kvpool.engine import external, mp, redis_pool
+from kvpool.measure import runlock
+from kvpool.studies import contexts, studyb
 from kvpool.cells import CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
-from kvpool.load import LEVEL_PATTERN, levels, load_chain
-from kvpool.model import RANDOM_MODEL_DIR
+from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
+from kvpool.engine.model import RANDOM_MODEL_DIR
 
 # What the config alone decides is checked while parsing, so a dry run catches it too. Paths and
 # free space belong to the machine that runs the jobs: onstart checks them there, before any job
@@ -113,7 +115,7 @@ def cell_log(step):
 
 
 # The units after the reuse phase (c1) on every cell's pool, in run order: the load levels in config
-# order, then the peer replay (vLLM's client, kvpool.peer) when peer.enabled
+# order, then the peer replay (vLLM's client, kvpool.studies.peer) when peer.enabled
 LOAD_LEVELS = [level.name for level in load_chain(config)]
 LOAD_CELLS = CELLS if LOAD_LEVELS else []
 
@@ -141,7 +143,7 @@ def last_output(cell):
     return f"results/cells/{cell.name}/reuse.json"
 
 
-# Routers compared (kvpool.routers): per cell, one unit per router, each on a fresh pool of its own
+# Routers compared (kvpool.studies.routers): per cell, one unit per router, each on a fresh pool of its own
 # that it removes when it ends. A unit needs nothing of its cell's records, so a new load level or
 # router builds only itself; the fleet resource keeps it from overlapping any other timed phase, and
 # the space check counts one router pool beside the tier's largest cell pool.
@@ -156,7 +158,7 @@ ROUTER_TARGETS = {"csv": "results/routers.csv", "md": "results/routers.md"} if R
 ROUTER_SETTINGS = ("routers", "min_hit_fraction", "max_resident_fraction")
 
 
-# Document length (kvpool.contexts): per shared cell and length in contexts.doc_tokens, one unit on a
+# Document length (kvpool.studies.contexts): per shared cell and length in contexts.doc_tokens, one unit on a
 # fresh pool of its own, independent of the cell's records, so a new length builds only its units.
 CONTEXT_UNITS = [
     (cell, tokens)
@@ -182,7 +184,7 @@ def level_after(wildcards):
     return ancient(f"results/cells/{cell.name}/{before}")
 
 
-# Study B's blocks (kvpool.studyb), in run order; with measured_only, those that finished. A config
+# Study B's blocks (kvpool.studies.studyb), in run order; with measured_only, those that finished. A config
 # whose study_b cannot run was refused above when study_b.enabled; otherwise Study B has no rules.
 try:
     STUDYB = studyb.resolved(config)

@@ -1,4 +1,4 @@
-# Document length (kvpool.contexts): per shared cell and length in contexts.doc_tokens, one fleet on a
+# Document length (kvpool.studies.contexts): per shared cell and length in contexts.doc_tokens, one fleet on a
 # fresh pool of the cell's kind sends each document's locality chain, the pool dropped from the page
 # cache before every cross-replica step. A new length builds only its units; --forcerun on a unit's
 # unit.json re-measures it.

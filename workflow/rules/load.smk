@@ -1,8 +1,8 @@
-# Load levels beyond the reuse phase (kvpool.load): each cell's follow-ups at one closed-loop
+# Load levels beyond the reuse phase (kvpool.studies.load): each cell's follow-ups at one closed-loop
 # concurrency or open-loop rate, on the pool restored to what populate left (an MP memory pool,
 # which cannot be restored, is populated again on fresh servers). Re-measure one level with
 # --forcerun on its level.json; a new level in the config builds only that level. The last unit of
-# the chain, with peer.enabled, is load~peer: vLLM's own client replaying the reuse phase (kvpool.peer).
+# the chain, with peer.enabled, is load~peer: vLLM's own client replaying the reuse phase (kvpool.studies.peer).
 
 
 rule load_level:

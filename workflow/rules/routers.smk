@@ -1,4 +1,4 @@
-# Routers compared (kvpool.routers): per cell and router, one fleet on a fresh pool of the cell's kind
+# Routers compared (kvpool.studies.routers): per cell and router, one fleet on a fresh pool of the cell's kind
 # sends each document's first request, every follow-up, a hot phase and, after one replica is
 # stopped, every follow-up again, each request where the router sends it. A new router in
 # routers.names builds only its units; --forcerun on a unit's run.json re-measures it.

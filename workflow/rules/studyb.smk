@@ -1,4 +1,4 @@
-# Study B's design (kvpool.studyb): blocks OFF, ON, ON, OFF (repeated per study_b.repeats), each a
+# Study B's design (kvpool.studies.studyb): blocks OFF, ON, ON, OFF (repeated per study_b.repeats), each a
 # fresh fleet of two replicas, ON on the study's shared pool (emptied first), OFF with no connector.
 # Re-measure one block with --forcerun on its block.json; a block waits for the one before it.
 

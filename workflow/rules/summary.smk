@@ -88,7 +88,7 @@ rule router_table:
 
 rule contexts_table:
     """results/contexts.csv: per shared cell, cold, own-cache and pool TTFT against the document's
-    length, with the prefill and reload models fitted (kvpool.contexts)."""
+    length, with the prefill and reload models fitted (kvpool.studies.contexts)."""
     input:
         csvs=[f"results/cells/{cell.name}/doc~{tokens}/requests.csv" for cell, tokens in CONTEXT_UNITS],
         metas=[f"results/cells/{cell.name}/doc~{tokens}/unit.json" for cell, tokens in CONTEXT_UNITS],
@@ -153,7 +153,7 @@ rule studyb_tables:
 
 rule crossover:
     """Where the pool pays: a prefill and a reload model fitted to Study B's chains, the crossover
-    context and the read rate below which a reload stops paying (kvpool.crossover)."""
+    context and the read rate below which a reload stops paying (kvpool.studies.crossover)."""
     input:
         locality="results/locality.csv",
     output:

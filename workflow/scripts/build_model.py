@@ -1,4 +1,5 @@
-from kvpool import logs, steps
+from kvpool.engine import model
+from kvpool.measure import logs
 
 logs.to_log(snakemake.log[0])
-steps.build_model(snakemake.output[0], snakemake.params.spec, snakemake.params.device)
+model.build_model(snakemake.output[0], snakemake.params.spec, snakemake.params.device)

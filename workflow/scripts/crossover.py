@@ -1,5 +1,6 @@
-from kvpool import logs, steps
+from kvpool.measure import logs
+from kvpool.studies import crossover
 
 logs.to_log(snakemake.log[0])
-steps.run_crossover(snakemake.params.settings, locality_csv=snakemake.input.locality, csv_out=snakemake.output.csv,
-                    md_out=snakemake.output.md, figures_dir=snakemake.output.figures)
+crossover.run_crossover(snakemake.params.settings, locality_csv=snakemake.input.locality, csv_out=snakemake.output.csv,
+                        md_out=snakemake.output.md, figures_dir=snakemake.output.figures)

@@ -1,6 +1,7 @@
-from kvpool import logs, steps
+from kvpool.measure import logs
+from kvpool.report import gate
 
 logs.to_log(snakemake.log[0])
-steps.gate(snakemake.input.validity, snakemake.input.kv_bytes, snakemake.output[0], load_csv=snakemake.input.load,
-           studyb_json=snakemake.input.get("studyb") or None, peer_csv=snakemake.input.get("peer") or None,
-           routers_csv=snakemake.input.get("routers") or None, contexts_csv=snakemake.input.get("contexts") or None)
+gate.gate(snakemake.input.validity, snakemake.input.kv_bytes, snakemake.output[0], load_csv=snakemake.input.load,
+          studyb_json=snakemake.input.get("studyb") or None, peer_csv=snakemake.input.get("peer") or None,
+          routers_csv=snakemake.input.get("routers") or None, contexts_csv=snakemake.input.get("contexts") or None)

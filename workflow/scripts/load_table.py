@@ -1,5 +1,6 @@
-from kvpool import logs, steps
 from kvpool.cells import Cell
+from kvpool.measure import logs
+from kvpool.studies import load
 
 logs.to_log(snakemake.log[0])
 cells = [Cell.from_name(name) for name in snakemake.params.cells]
@@ -9,5 +10,5 @@ reuse = {cell: {"csv": csv, "meta": meta, "validity": validity, "telemetry": tel
                                                          inputs.telemetry, strict=True)}
 levels = {(Cell.from_name(name), level): {"csv": csv, "meta": meta}
           for (name, level), csv, meta in zip(snakemake.params.levels, inputs.levels, inputs.level_meta, strict=True)}
-steps.run_load_table(snakemake.params.settings, cells, reuse=reuse, levels=levels, csv_out=snakemake.output.csv,
-                     md_out=snakemake.output.md)
+load.run_load_table(snakemake.params.settings, cells, reuse=reuse, levels=levels, csv_out=snakemake.output.csv,
+                    md_out=snakemake.output.md)

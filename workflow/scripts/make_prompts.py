@@ -1,4 +1,5 @@
-from kvpool import logs, steps
+from kvpool.engine import prompts
+from kvpool.measure import logs
 
 logs.to_log(snakemake.log[0])
-steps.make_prompts(snakemake.params.model, snakemake.params.workload, snakemake.output[0])
+prompts.make_prompts(snakemake.params.model, snakemake.params.workload, snakemake.output[0])

@@ -1,13 +1,14 @@
-from kvpool import logs, steps
 from kvpool.cells import Cell
+from kvpool.measure import logs
+from kvpool.studies import contexts
 
 logs.to_log(snakemake.log[0])
 # The manifest records the whole resolved config; only the declared settings re-measure the unit.
-steps.run_context_unit(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards),
-                       int(snakemake.wildcards.doc),
-                       model=snakemake.params.model, plan_out=snakemake.output.plan,
-                       manifest_out=snakemake.output.manifest, csv_out=snakemake.output.csv,
-                       json_out=snakemake.output.meta, reference_out=snakemake.output.reference,
-                       drive_csv=snakemake.output.drive,
-                       power_csv=snakemake.output.power, log_dir=snakemake.params.log_dir,
-                       provenance_config=snakemake.config)
+contexts.run_context_unit(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards),
+                          int(snakemake.wildcards.doc),
+                          model=snakemake.params.model, plan_out=snakemake.output.plan,
+                          manifest_out=snakemake.output.manifest, csv_out=snakemake.output.csv,
+                          json_out=snakemake.output.meta, reference_out=snakemake.output.reference,
+                          drive_csv=snakemake.output.drive,
+                          power_csv=snakemake.output.power, log_dir=snakemake.params.log_dir,
+                          provenance_config=snakemake.config)

@@ -1,12 +1,13 @@
-from kvpool import logs, steps
 from kvpool.cells import Cell
+from kvpool.measure import logs
+from kvpool.studies import load
 
 logs.to_log(snakemake.log[0])
-steps.run_load_level(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), snakemake.wildcards.level,
-                     plan_path=snakemake.input.plan, prompts_path=snakemake.input.prompts,
-                     populate_csv=snakemake.input.populate, populate_digests=snakemake.input.populate_digests,
-                     csv_out=snakemake.output.csv, json_out=snakemake.output.meta, drive_csv=snakemake.output.drive,
-                     power_csv=snakemake.output.power, log_dir=snakemake.params.log_dir,
-                     remove_pool=snakemake.params.remove_pool,
-                     reference_csv=snakemake.input.reference or None, manifest_out=snakemake.output.manifest,
-                     provenance_config=snakemake.config)
+load.run_load_level(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), snakemake.wildcards.level,
+                    plan_path=snakemake.input.plan, prompts_path=snakemake.input.prompts,
+                    populate_csv=snakemake.input.populate, populate_digests=snakemake.input.populate_digests,
+                    csv_out=snakemake.output.csv, json_out=snakemake.output.meta, drive_csv=snakemake.output.drive,
+                    power_csv=snakemake.output.power, log_dir=snakemake.params.log_dir,
+                    remove_pool=snakemake.params.remove_pool,
+                    reference_csv=snakemake.input.reference or None, manifest_out=snakemake.output.manifest,
+                    provenance_config=snakemake.config)

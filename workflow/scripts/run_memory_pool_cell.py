@@ -1,9 +1,10 @@
-from kvpool import logs, steps
 from kvpool.cells import Cell
+from kvpool.measure import logs
+from kvpool.studies import study_a
 
 logs.to_log(snakemake.log[0])
 out = snakemake.output
-steps.run_memory_pool_cell(
+study_a.run_memory_pool_cell(
     snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), snakemake.input.plan, snakemake.input.prompts,
     populate={"csv": out.populate_csv, "meta": out.populate_meta, "drive": out.populate_drive,
               "power": out.populate_power, "digests": out.populate_digests},

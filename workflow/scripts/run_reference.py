@@ -1,5 +1,6 @@
-from kvpool import logs, steps
+from kvpool.measure import logs
+from kvpool.studies import study_a
 
 logs.to_log(snakemake.log[0])
-steps.run_reference(snakemake.params.settings, snakemake.params.model, snakemake.input.prompts, snakemake.output[0],
-                    snakemake.params.log_dir)
+study_a.run_reference(snakemake.params.settings, snakemake.params.model, snakemake.input.prompts, snakemake.output[0],
+                      snakemake.params.log_dir)

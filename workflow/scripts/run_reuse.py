@@ -1,10 +1,11 @@
-from kvpool import logs, steps
 from kvpool.cells import Cell
+from kvpool.measure import logs
+from kvpool.studies import study_a
 
 logs.to_log(snakemake.log[0])
-steps.run_reuse(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), plan_path=snakemake.input.plan,
-                prompts_path=snakemake.input.prompts, populate_csv=snakemake.input.populate,
-                populate_digests=snakemake.input.populate_digests, csv_out=snakemake.output.csv,
-                json_out=snakemake.output.meta, drive_csv=snakemake.output.drive, power_csv=snakemake.output.power,
-                digests_csv=snakemake.output.digests, log_dir=snakemake.params.log_dir,
-                remove_pool=snakemake.params.remove_pool)
+study_a.run_reuse(snakemake.params.settings, Cell.from_wildcards(snakemake.wildcards), plan_path=snakemake.input.plan,
+                  prompts_path=snakemake.input.prompts, populate_csv=snakemake.input.populate,
+                  populate_digests=snakemake.input.populate_digests, csv_out=snakemake.output.csv,
+                  json_out=snakemake.output.meta, drive_csv=snakemake.output.drive, power_csv=snakemake.output.power,
+                  digests_csv=snakemake.output.digests, log_dir=snakemake.params.log_dir,
+                  remove_pool=snakemake.params.remove_pool)

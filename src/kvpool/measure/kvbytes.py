@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.pool import pool_files
+from kvpool.measure.pool import pool_files
 
 DIGEST_COLUMNS = ["copy", "key", "bytes", "blake2b", "stored_in"]
 COMPARISONS = {

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cells import MP_BACKEND as BACKEND
 from kvpool.cells import Cell
-from kvpool.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_kv_bytes_per_token
 
 CONNECTOR = "LMCacheMPConnector"
 # Counters and gauges of the server that say where chunks went (lookups, L1, L2).

@@ -1,5 +1,5 @@
 """Where a pool reload starts paying and the read rate at which it stops: a prefill model and a reload
-model fitted to measured TTFTs of Study B's locality chains (kvpool.studyb).
+model fitted to measured TTFTs of Study B's locality chains (kvpool.studies.studyb).
 
 Prefill (the OFF arm's cold step, nothing cached): ``c + a*n + b*n**2`` seconds for ``n`` tokens,
 the linear and the attention terms. Reload (the ON arm's cross step, the whole document from the
@@ -9,12 +9,17 @@ reload beats the prefill, and, at each context, the read rate below which it no 
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-# The locality chain's steps whose TTFTs the two models are fitted to (kvpool.studyb.CHAIN)
+from kvpool.measure.files import read_records
+
+# The locality chain's steps whose TTFTs the two models are fitted to (kvpool.studies.studyb.CHAIN)
 PREFILL_STEP, RELOAD_STEP = "cold", "cross"
 MIN_CONTEXTS = 3  # a quadratic through fewer points is not a fit
 
@@ -119,3 +124,26 @@ def markdown(frame: pd.DataFrame, result: Fit | str) -> str:
         lines.append(f"| {row.context:,} | {row.prefill_s:.3g} / {row.prefill_fit_s:.3g} s | {row.reload_s:.3g} / "
                      f"{row.reload_fit_s:.3g} s | {row.speedup:.1f}x | {row.kv_bytes / 1e9:.2f} GB | {rate} |")
     return "\n".join(lines + [""])
+
+
+log = logging.getLogger(__name__)
+
+
+def run_crossover(config: dict, *, locality_csv: str, csv_out: str, md_out: str, figures_dir: str) -> None:
+    """Where the pool pays (kvpool.studies.crossover), from Study B's locality table: the prefill and reload
+    models fitted per context, the crossover context and the break-even read rates."""
+    from kvpool.engine.model import engine_kv_bytes_per_token
+    from kvpool.report import figures
+    from kvpool.studies import studyb
+
+    per_token = engine_kv_bytes_per_token(config)
+    if per_token is None:
+        raise ValueError(f"the crossover needs the model's KV bytes per token, and {config['engine']['model']} "
+                         "has no config.json here to read them from")
+    frame, fit = table(read_records(locality_csv), per_token, studyb.resolved(config)["tier"])
+    frame.to_csv(csv_out, index=False)
+    drawn = figures.save(figures.crossover(frame, fit), Path(figures_dir), "crossover")
+    page = markdown(frame, fit)
+    Path(md_out).write_text(f"{page}\n![crossover]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
+    if isinstance(fit, str):
+        log.warning("no crossover fit: %s", fit)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvpool import reference as split_reference
-from kvpool.checks import check, failures, not_applicable, verdict  # noqa: F401 (failures: re-exported)
-from kvpool.checks import not_verified as unverified
+from kvpool.measure import reference as split_reference
+from kvpool.measure.checks import check, failures, not_applicable, verdict  # noqa: F401 (failures: re-exported)
+from kvpool.measure.checks import not_verified as unverified
 
 
 def hit_fractions(reuse: pd.DataFrame, doc_tokens: int) -> pd.Series:
@@ -57,7 +57,7 @@ def followup_keys(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, what: str = "follow-up") -> dict:
-    """Study A's output check of ``rows`` (kvpool.reference.output_check) with the cold and
+    """Study A's output check of ``rows`` (kvpool.measure.reference.output_check) with the cold and
     after-document recomputes' agreement beside it, as information."""
     keyed = followup_keys(rows)
     return {**split_reference.output_check(keyed, reference, what),
@@ -73,7 +73,7 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
 
     ``pool_unchanged`` (kvbytes.unchanged: populate's files against the pool after reuse) is None for
     records of runs that did not hash the pool at populate's end; the check is then left out.
-    ``not_verified`` names checks that could not be made (an external fleet's, kvpool.external) with
+    ``not_verified`` names checks that could not be made (an external fleet's, kvpool.engine.external) with
     why: each becomes a not-verified check, which counts neither way."""
     documents = config["workload"]["documents"]
     followups = documents * config["workload"].get("followups_per_document", 1)

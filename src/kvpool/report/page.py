@@ -1,6 +1,6 @@
 """The report: Study A's figures and what the study did not show, from measured results alone.
 
-Its tables are the run's (kvpool.summary, written by their rules); what is read here is every
+Its tables are the run's (kvpool.report.tables, written by their rules); what is read here is every
 request and sample behind the figures, the caveats and the servers' counters. Nothing is
 re-measured. Invalid cells are drawn and listed, flagged, and kept out of every aggregate.
 """
@@ -8,6 +8,8 @@ re-measured. Invalid cells are drawn and listed, flagged, and kept out of every 
 from __future__ import annotations
 
 import base64
+import html
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,12 +17,16 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import Cell
-from kvpool.checks import skipped, tally
-from kvpool.files import read_frame_or_empty, read_json, read_records
-from kvpool.plan import SERVER_BACKENDS
-from kvpool.summary import fmt_interval, fmt_value
-from kvpool.telemetry import energy_mean_power
-from kvpool.validity import failures
+from kvpool.engine.plan import (
+    SERVER_BACKENDS,
+)
+from kvpool.measure import kvbytes
+from kvpool.measure.checks import skipped, tally
+from kvpool.measure.files import read_frame_or_empty, read_json, read_records
+from kvpool.measure.telemetry import energy_mean_power
+from kvpool.measure.validity import failures
+from kvpool.report import tables as summary
+from kvpool.report.tables import fmt_interval, fmt_value
 
 
 @dataclass
@@ -372,3 +378,157 @@ def verdict(cells: pd.DataFrame, studyb: dict | None = None) -> dict:
     valid = not invalid and (studyb is None or studyb["valid"])
     return {"valid": valid, "word": "VALID" if valid else "INVALID",
             "text": "; ".join(parts) + (f". Invalid: {', '.join(invalid)}." if invalid else ".")}
+
+
+def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, table1_csv: str,
+                 tier_table: str | None,
+                 kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
+                 load: str | None = None, studyb: dict | None = None, peer: str | None = None,
+                 routers: str | None = None, contexts: str | None = None) -> None:
+    """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
+    ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
+    and, for the figures that draw every request and sample, the cells' records under ``root``."""
+    from kvpool.report import figures
+
+    results = collect(Path(root), cells, config)
+    tables, figs = Path(tables_dir), Path(figures_dir)
+    tables.mkdir(parents=True, exist_ok=True)
+    table1 = pd.read_csv(cell_table, keep_default_na=False, na_values=[""])
+    table1["valid"] = table1["valid"].astype(bool)
+    table2 = pd.read_csv(tier_table).merge(table1[["cell", "valid"]], on="cell") if tier_table else pd.DataFrame()
+    head = summary.headline(pd.read_csv(table1_csv))
+    servers = pool_server_table(Path(root), cells)
+    for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
+        frame.to_csv(tables / f"{name}.csv", index=False)
+        (tables / f"{name}.md").write_text(frame.to_markdown(index=False, floatfmt=".4g") + "\n")
+    study = [("fig1_ttft_p50", figures.ttft_p50(table1)), ("fig2_ttft_p99", figures.ttft_p99(table1)),
+             ("fig3_wall_clock", figures.wall_clock(table1)), ("fig4_power", figures.power(table1))]
+    extra = [("ttft_ecdf", figures.ttft_ecdf(results.requests)),
+             ("timeline", figures.timeline(results.drive, results.power, results.cells))]
+    if table1["energy_per_followup_j"].notna().any():
+        extra.append(("energy_per_followup", figures.energy(table1)))
+    else:
+        extra.append(("energy_per_followup", figures.placeholder_note(
+            "Energy per follow-up", "not measured on this machine: no GPU energy counter")))
+    rates = table2[["drive_read_active_gb_per_s", "ceiling_read_gb_per_s"]].astype(float) if len(table2) \
+        else pd.DataFrame()
+    why_not = "no drive read and no ceiling measured" if len(table2) else "no shared arm: no reload to compare"
+    extra.append(("reload_efficiency", figures.reload_efficiency(table2)) if rates.notna().any().any()
+                 else ("reload_efficiency", figures.placeholder_note(
+                     "Reload read rate against the measured ceiling", why_not)))
+    if table1["chunk"].nunique() > 1:
+        extra.append(("ttft_by_chunk", figures.by_chunk(table1)))
+    levels = pd.read_csv(load) if load and Path(load).exists() else pd.DataFrame()
+    under_load = []
+    if len(levels) and (levels["level"] != "c1").any():
+        under_load.append(("load_ttft", figures.load_ttft(levels)))
+        under_load.append(("load_throughput", figures.load_throughput(levels)))
+        if (levels["level_kind"] == "rate").any():
+            under_load.append(("load_goodput", figures.load_goodput(levels)))
+        rates = levels.reindex(columns=["drive_read_gb_per_s", "loaded_gb_per_s"]).notna().any(axis=1)
+        if (rates & (levels["arm"] == "shared")).any():
+            ceilings = (table2[["backend", "chunk", "tier", "ceiling_read_gb_per_s"]].drop_duplicates() if len(table2)
+                        else pd.DataFrame(columns=["backend", "chunk", "tier", "ceiling_read_gb_per_s"]))
+            under_load.append(("load_reload_rate", figures.load_reload_rate(levels, ceilings)))
+    drawn = {}
+    for stem, plot in study + extra + under_load:
+        drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
+    manifest = results.manifest
+    studyb_part = _studyb_section(studyb) if studyb else None
+    render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
+        "verdict": verdict(results.cells, studyb_part),
+        "headline_figure": drawn["fig1_ttft_p50"],
+        "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
+        "hardware": manifest.get("hardware", {}), "config": config, "tiers": results.tiers,
+        "cells": results.cells.to_dict("records"),
+        "headline_html": _html(headline_for_reading(head)),
+        "table1_html": _html(cells_for_reading(table1)),
+        "table2_html": _html(tiers_for_reading(table2)) if len(table2) else _html(table2),
+        "study_figures": [drawn[s] for s, _ in study[1:]], "extra_figures": [drawn[s] for s, _ in extra],
+        "caveats": caveats(results),
+        "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
+        "pool_server_html": _html(pool_servers_for_reading(servers)) if len(servers) else "",
+        "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
+        "peer_html": _peer_html(peer) if peer else "",
+        "routers": _routers_section(routers) if routers else None,
+        "contexts": _contexts_section(contexts) if contexts else None,
+        "load_figures": [drawn[s] for s, _ in under_load],
+        "studyb": studyb_part,
+    })
+
+
+def _studyb_section(files: dict) -> dict:
+    """Study B's part of the page (``files``: its validity.json, locality.csv, sessions summary,
+    figures folder, windows table, crossover table and its figure's folder): the verdict, the tables
+    and the figures."""
+    from kvpool.studies.studyb import gate_failures
+
+    gate = read_json(files["validity"])
+    # the page's columns; the CSVs hold every one, observations included
+    locality = pd.read_csv(files["locality"])[
+        ["context", "step", "off_ttft_median_s", "on_ttft_median_s", "on_local_hit_tokens", "on_external_hit_tokens",
+         "mean_paired_change_pct", "change_ci_low_pct", "change_ci_high_pct", "pairs_matched", "outputs_equal"]]
+    sessions = pd.read_csv(files["sessions"])[
+        ["placement", "off_wall_median_s", "on_wall_median_s", "mean_paired_change_pct", "change_ci_low_pct",
+         "change_ci_high_pct", "turn_ttft_change_pct", "decode_change_pct", "turns_matched", "outputs_equal"]]
+    windows = pd.read_csv(files["windows"])[
+        ["window", "placement", "off_tokens_per_s_median", "on_tokens_per_s_median", "mean_paired_change_pct",
+         "change_ci_low_pct", "change_ci_high_pct", "off_turn_ttft_median_s", "on_turn_ttft_median_s"]]
+    crossover = pd.read_csv(files["crossover"])[
+        ["context", "prefill_s", "reload_s", "speedup", "prefill_fit_s", "reload_fit_s", "break_even_read_gbps",
+         "fit_read_gbps", "fit_overhead_s", "crossover_tokens"]]
+    figures_dir = Path(files["figures"])
+    crossover_shown, crossover_fit = crossover_for_reading(crossover)
+    return {"valid": gate["valid"], "failures": gate_failures(gate), "blocks": list(gate["blocks"]),
+            "pool": f"{gate['backend']} (chunk {gate['chunk']}, tier {gate['tier']})",
+            "locality_html": _html(locality_for_reading(locality)),
+            "sessions_html": _html(sessions_for_reading(sessions)),
+            "windows_html": _html(windows_for_reading(windows)) if len(windows) else None,
+            "crossover_html": _html(crossover_shown), "crossover_fit": crossover_fit,
+            "figures": [{"png": figures_dir / f"{stem}.png", "title": title} for stem, title in
+                        (("locality", "Locality chains: TTFT per step, OFF and ON"),
+                         ("sessions", "Sessions: wall time per session, OFF and ON"))]
+            + [{"png": Path(files["crossover_figures"]) / "crossover.png",
+                "title": "Where the pool pays: prefill and reload against context, measured and fitted"}]}
+
+
+def _kv_bytes_html(path: Path | None) -> str:
+    if path is None or not path.exists():
+        return "<p>Not computed for this run (no pool digests).</p>"
+    table = pd.read_csv(path, keep_default_na=False)
+    findings = "".join(f"<p><b>Finding, {backend} chunk {chunk} {tier}:</b> {html.escape(found)}</p>"
+                       for (backend, chunk, tier), _, found in kvbytes.findings(table))
+    return _html(kv_bytes_for_reading(table)) + findings + "<ul>" + "".join(
+        f"<li><b>{name}</b>: {meaning}</li>" for name, meaning in kvbytes.COMPARISONS.items()) + "</ul>"
+
+
+def _routers_section(routers_csv: str) -> dict:
+    """The report's routers section: the table of results/routers.csv and its figures beside it."""
+    from kvpool.report.figures import ROUTER_FIGURES
+
+    folder = Path(routers_csv).with_suffix("")  # run_router_table's figures folder
+    return {"html": _html(routers_for_reading(pd.read_csv(routers_csv))),
+            "figures": [{"png": str(folder / f"{stem}.png"), "title": title}
+                        for stem, (_, title) in ROUTER_FIGURES.items()]}
+
+
+def _contexts_section(contexts_csv: str) -> dict:
+    """The report's document-length section: results/contexts.csv and its figure beside it."""
+
+    folder = Path(contexts_csv).with_suffix("")  # run_contexts_table's figures folder
+    return {"html": _html(contexts_for_reading(pd.read_csv(contexts_csv))),
+            "figure": str(folder / "contexts.png")}
+
+
+def _peer_html(peer_csv: str) -> str:
+    from kvpool.studies.peer import peer_for_reading
+
+    table = pd.read_csv(peer_csv, dtype={"replica": str})
+    return _html(peer_for_reading(table)) if len(table) else ""
+
+
+def _html(frame: pd.DataFrame) -> str:
+    if frame.empty:
+        return "<p>Nothing to show: the matrix has no cell of this kind.</p>"
+    return frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="n/a", border=0)

@@ -12,18 +12,35 @@ greedy answers across a pair show that the pool's KV is the KV the replica compu
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 
-from kvpool import reference as split_reference
-from kvpool.cells import Cell
-from kvpool.checks import FAILED, check, not_applicable, status
-from kvpool.reference import payload_sha256
-from kvpool.summary import change_claim, fmt_interval, fmt_value
+from kvpool.cells import Cell, run_pools
+from kvpool.engine.model import vocabulary
+from kvpool.engine.plan import plan_pool_dirs
+from kvpool.measure import provenance
+from kvpool.measure import reference as split_reference
+from kvpool.measure.checks import FAILED, check, not_applicable, status
+from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.reference import payload_sha256
+from kvpool.measure.timed import (
+    REPO,
+    archive,
+    chain_fleet,
+    checked_ports,
+    new_plan,
+    recompute_in_splits,
+    recording_sends,
+    unit_pool,
+)
+from kvpool.report.tables import change_claim, fmt_interval, fmt_value
 
 OFF, ON = "off", "on"
 SEQUENCE = (OFF, ON, ON, OFF)
@@ -276,7 +293,7 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     """Study B's assertions on one block, each failing the block with its reason: no errors; every
     cold step found nothing, locally or in a pool; every cross-replica step found nothing locally, and
     in ON its document's whole chunks in the pool (at least ``min_hit_fraction``), in OFF nothing; in
-    ON every answer equal to a pool-less recompute in its split (``reference``, kvpool.reference). An OFF
+    ON every answer equal to a pool-less recompute in its split (``reference``, kvpool.measure.reference). An OFF
     block has no pool: its answers are themselves pool-less computations, which the ON blocks'
     reference takes where the splits agree."""
     measured = rows[rows["kind"] != "warmup"]
@@ -318,7 +335,7 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     checks["output_matches_recompute"] = split_reference.output_check(under_test(rows, batch_invariant), reference,
                                                                       "request")
     if len(windows) and not batch_invariant:
-        from kvpool.load import outputs_check
+        from kvpool.studies.load import outputs_check
 
         checks["window_outputs_match_recompute"] = outputs_check(windows, reference, max(study["windows"]), False)
     return checks
@@ -551,7 +568,7 @@ def _pct(value) -> str:
 
 def _change_cells(row) -> tuple[str, str]:
     """A row's mean paired change and its interval as the page shows them, the interval with what it lets
-    the page say (a direction, or no difference shown; kvpool.summary.change_claim)."""
+    the page say (a direction, or no difference shown; kvpool.report.tables.change_claim)."""
     interval = fmt_interval(row.change_ci_low_pct, row.change_ci_high_pct).strip()
     claim = change_claim(row.change_ci_low_pct, row.change_ci_high_pct)
     return _pct(row.mean_paired_change_pct), f"{interval}: {claim}" if interval else claim
@@ -599,3 +616,163 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
                          f"{fmt_value(row.on_turn_ttft_median_s, 's')} |")
     lines += [""] + [f"![{Path(link).stem}]({link})" for link in figures]
     return "\n".join(lines) + "\n"
+
+
+log = logging.getLogger(__name__)
+
+
+def run_studyb_workload(config: dict, model: str, out: str) -> None:
+    """Study B's payloads, the same in every block (kvpool.studies.studyb.make_workload)."""
+
+    study = resolved(config)
+    encode = None
+    if config["engine"]["model"]:  # a real model can be asked for planted values (kvpool.studies.studyb.plant)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    workload = make_workload(vocabulary(model), study, config["replicas"], encode)
+    write_json(out, workload)
+    log.info("Study B: %d chains, %d sessions of %d turns, %d warm-ups", len(workload["chains"]),
+             len(workload["sessions"]), study["turns"], len(workload["warmups"]))
+
+
+def studyb_pool_root(config: dict, study: dict) -> Path:
+    """The folder of the ON blocks' pool in the study's tier (each block starts it empty)."""
+
+    return run_pools(config, study["tier"]) / "studyb" / block_cell(study, ON).name
+
+
+def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str, plan_out: str, manifest_out: str,
+                     csv_out: str, json_out: str, reference_out: str, log_dir: str, known: list[str] = (),
+                     provenance_config: dict | None = None) -> None:
+    """One of Study B's blocks: its plan (ON, the study's shared pool, empty at the start; OFF, no
+    connector), the requests, the block's checks in ``json_out``. An ON block's answers are compared
+    with pool-less recomputes in their splits (``reference_out``): the earlier blocks' (``known``: their
+    requests.csv, an OFF block's answers being pool-less, and reference.csv), and what none of them has,
+    computed after the block's fleet stops."""
+    from kvpool.engine.plan import batch_invariant
+    from kvpool.measure import reference
+    from kvpool.measure.checks import status, verdict
+
+    study = resolved(config)
+    arm = block_arm(block)
+    cell = block_cell(study, arm)
+    root = studyb_pool_root(config, study)
+    plan = checked_ports(new_plan(config, cell, model, Path(plan_out).parent, pool_root=root))
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
+    workload = read_json(workload_path)
+    with unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
+        rows, meta, sent = studyb_block(plan, block, workload, study, config, Path(log_dir))
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    archive(frame, Path(csv_out), f"studyb-{block}")
+    frame.to_csv(csv_out, index=False)
+    invariant = batch_invariant(config["engine"])
+    compared = pd.DataFrame(columns=reference.COLUMNS)
+    if arm == ON:
+        compared = recompute_in_splits(config, model, under_test(frame, invariant), sent,
+                                    _known_answers(known), Path(log_dir).parent / "reference")
+    compared.to_csv(reference_out, index=False)
+    checks = block_checks(frame, arm, study, config["min_hit_fraction"], compared, invariant)
+    meta.update(arm=arm, cell=cell.name, checks=checks, valid=verdict(checks),
+                information={"chain_answers_agree": answer_agreement(frame)})
+    write_json(json_out, meta)
+    for name, result in checks.items():
+        if status(result) == "failed":
+            log.error("Study B block %s invalid: %s is %s (needs %s)", block, name, result["value"],
+                      result["threshold"])
+
+
+def _known_answers(paths: list[str]) -> pd.DataFrame:
+    """Pool-less answers recorded by earlier units, as reference rows: an OFF block's requests (each in
+    its own split) and any reference.csv."""
+    from kvpool.measure import reference
+
+    frames = []
+    for path in paths:
+        rows = read_records(path)
+        if "arm" in rows:  # a Study B block's requests: only an OFF block's ran without a pool
+            off = rows[(rows["arm"] == "off") & (rows["kind"] != "warmup")]
+            frames.append(reference.twin_rows(off.assign(key=off["payload_sha256"]), "off_block"))
+        else:
+            frames.append(reference.normalized(rows))
+    return pd.concat(frames, ignore_index=True) if frames else reference.normalized(None)
+
+
+def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions_csv: str, summary_csv: str,
+                      validity_out: str, md_out: str, figures_dir: str, windows_csv: str | None = None) -> None:
+    """Study B's tables from every block (``blocks``: name -> requests.csv and block.json): the
+    locality chains (``locality_csv``), every session turn (``sessions_csv``) and the sessions per
+    placement (``summary_csv``), the study's gate (each block's checks and the ON/OFF pairing) and a
+    Markdown page with the tables and figures."""
+    from kvpool.measure.checks import FAILED, status, tally, verdict
+    from kvpool.report import figures
+
+    study = resolved(config)
+    names = list(blocks)
+    rows = pd.concat([read_records(paths["csv"]) for paths in blocks.values()], ignore_index=True)
+    pairs = block_pairs(names)
+    locality = locality_table(rows, pairs)
+    locality.to_csv(locality_csv, index=False)
+    turns = rows[rows["kind"] == "session"].merge(
+        session_walls(rows)[["block", "placement", "session", "wall_s"]], on=["block", "placement", "session"])
+    turns = turns.rename(columns={"wall_s": "session_wall_s", "context": "prompt_context"})
+    turns.drop(columns=["kind", "chain", "step", "window", "output_text"], errors="ignore").to_csv(sessions_csv,
+                                                                                                  index=False)
+    sessions = sessions_table(rows, pairs)
+    sessions.to_csv(summary_csv, index=False)
+    windows = windows_table(rows, pairs, config["workload"]["output_tokens"])
+    if windows_csv:
+        windows.to_csv(windows_csv, index=False)
+    metas = {name: read_json(paths["meta"]) for name, paths in blocks.items()}
+    checks = pairing_checks(rows, pairs)
+    gate = {"blocks": {name: {"arm": meta["arm"], "valid": meta["valid"],
+                              "failed": [c for c, check in meta["checks"].items() if status(check) == FAILED],
+                              "checks": tally(meta["checks"])}
+                       for name, meta in metas.items()},
+            "checks": checks, "information": {"outputs_equal_across_pairs": pairing_agreement(rows, pairs)},
+            "backend": study["backend"], "tier": study["tier"], "chunk": study["chunk"]}
+    gate["valid"] = all(b["valid"] for b in gate["blocks"].values()) and verdict(checks)
+    write_json(validity_out, gate)
+    folder = Path(figures_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    drawn = [figures.save(figures.locality(rows), folder, "locality"),
+             figures.save(figures.sessions(with_pairs(session_walls(rows), pairs)), folder, "sessions")]
+    links = [os.path.relpath(d["png"], Path(md_out).parent) for d in drawn]
+    Path(md_out).write_text(markdown(study, names, gate, locality, sessions, links, windows))
+    if not gate["valid"]:
+        log.error("Study B is INVALID: %s", gate_failures(gate))
+
+
+def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
+    """One of Study B's blocks (kvpool.studies.studyb) on a fresh fleet and pool (chain_fleet). Returns the
+    rows and the block's meta data (wall time, the servers' counters, what fault injection corrupted)."""
+    from kvpool.measure.pool import corrupt, pool_files
+
+    injected, before, prompts = [], set(), {}
+    fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
+
+    async def body(send, send_together, plan, replicas):
+        send, send_together = recording_sends(send, prompts), recording_sends(send_together, prompts)
+
+        def corrupt_first_chunk(step: str) -> None:
+            """Fault injection: the first chunk file the chain's cold step stored, before the cross step."""
+            files = pool_files(plan_pool_dirs(plan))
+            if step == "cold":
+                before.clear()
+                before.update(files)
+            elif step == "cross":
+                stored = [f for f in files if f not in before]
+                if stored:
+                    injected.append(corrupt(min(stored, key=lambda f: f.stat().st_mtime_ns)))
+                    log.warning("fault injection: corrupted %s", injected[-1]["file"])
+
+        return await run_block(send, block, workload, study, len(replicas), corrupt_first_chunk if fault else None,
+                               send_together)
+
+    rows, meta, _ = chain_fleet(plan, cfg, log_dir, body)
+    meta = {"block": block, **meta}
+    if fault:
+        meta["fault_injection"] = injected
+    return rows, meta, prompts

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import yaml
 
-from kvpool import mp, redis_pool
-from kvpool.plan import SERVED_MODEL_NAME, with_port, with_server_ports
+from kvpool.engine import mp, redis_pool
+from kvpool.engine.plan import SERVED_MODEL_NAME, with_port, with_server_ports
 
 log = logging.getLogger(__name__)
 

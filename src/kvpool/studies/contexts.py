@@ -1,11 +1,11 @@
 """Document length as a dimension of the matrix: per shared cell (its backend, chunk and tier) and per
 length in ``contexts.doc_tokens``, one unit ``results/cells/<cell>/doc~<tokens>/``. A unit is one fleet on
-a fresh pool of the cell's kind sending, per document, Study B's locality chain (kvpool.studyb.CHAIN):
+a fresh pool of the cell's kind sending, per document, Study B's locality chain (kvpool.studies.studyb.CHAIN):
 cold on replica A (the prefill), local on A twice (its own cache), then the pool dropped from the page
 cache and checked, cross-replica on B (a reload from the tier's device) and local on B.
 
 Per cell, the lengths' medians make ``results/contexts.csv``: cold, shared-pool and local-hit TTFT
-against the document's length, with kvpool.crossover's prefill and reload models fitted to them, so each
+against the document's length, with kvpool.studies.crossover's prefill and reload models fitted to them, so each
 tier states the length from which its reload beats the prefill and, per length, the read rate below
 which it would stop paying. Both models are fitted over the prompt's tokens (the document and its
 question: what the cold step computes and, in whole chunks, what the cross step loads), and a length's
@@ -14,16 +14,37 @@ KV bytes are the tokens its cross steps measurably loaded. A new length builds o
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
+import yaml
 
-from kvpool import crossover, studyb
-from kvpool.cells import Cell
+from kvpool.cells import Cell, run_pools
 from kvpool.cells import cells as matrix_cells
-from kvpool.checks import NOT_APPLICABLE, check, status
-from kvpool.validity import cold_reads
+from kvpool.engine.model import vocabulary
+from kvpool.measure import provenance
+from kvpool.measure.checks import NOT_APPLICABLE, check, status
+from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.timed import (
+    REPO,
+    archive,
+    chain_fleet,
+    checked_ports,
+    drop_pool,
+    new_plan,
+    recompute_in_splits,
+    recording_sends,
+    run_sampled_phase,
+    unit_pool,
+    write_unit,
+)
+from kvpool.measure.validity import cold_reads
+from kvpool.studies import crossover, studyb
 
-BLOCK = "contexts-on"  # the rows' block name: kvpool.studyb's ON arm, the only one a unit runs
+BLOCK = "contexts-on"  # the rows' block name: kvpool.studies.studyb's ON arm, the only one a unit runs
 LOCAL_STEPS = ("local-1", "local-2")
 # a local or external source that cannot deliver a cross-replica hit (no pool shared between replicas)
 NOT_SHARING = ("lmcache-local-disk",)
@@ -69,7 +90,7 @@ def problems(config: dict) -> list[str]:
 
 
 def chain_study(config: dict, cell: Cell, tokens: int) -> dict:
-    """The study kvpool.studyb's workload, block and checks read for one unit: ``contexts.chains``
+    """The study kvpool.studies.studyb's workload, block and checks read for one unit: ``contexts.chains``
     documents of ``tokens``, each followed by a question of ``workload.followup_tokens``, chains only."""
     return {"contexts": [tokens], "chains": config["contexts"]["chains"], "seed": config["contexts"]["seed"] + tokens,
             "question_tokens": config["workload"]["followup_tokens"], "chunk": cell.chunk, "placements": [],
@@ -119,7 +140,7 @@ def unit_row(cell: Cell, tokens: int, rows: pd.DataFrame, valid: bool, drive_rea
 
 
 def table(rows: list[dict], bytes_per_token: int) -> tuple[pd.DataFrame, dict[str, crossover.Fit | str]]:
-    """Per cell, its lengths' medians with the prefill and reload models fitted (kvpool.crossover) over
+    """Per cell, its lengths' medians with the prefill and reload models fitted (kvpool.studies.crossover) over
     its valid units: the length from which a reload pays and the break-even read rate per length. An
     invalid unit keeps its row, outside the fit. The fit's axis is the prompt's tokens (its crossover
     and break-even rates are in prompt tokens). Returns the table and each cell's fit or why none."""
@@ -143,7 +164,7 @@ def _gbps(value) -> str:
 
 def markdown(frame: pd.DataFrame, fits: dict[str, crossover.Fit | str]) -> str:
     lines = ["# Document length: where each tier's pool starts paying", "",
-             "Per shared cell and length, each document's locality chain (kvpool.contexts): cold on replica A, "
+             "Per shared cell and length, each document's locality chain (kvpool.studies.contexts): cold on replica A, "
              "local on A, the pool dropped from the page cache, then cross-replica on B. Prefill fitted as "
              "c + a*n + b*n^2, reload as overhead + bytes / read rate, over the valid units.", ""]
     for name, cell in frame.groupby("cell", sort=False):
@@ -170,3 +191,90 @@ def markdown(frame: pd.DataFrame, fits: dict[str, crossover.Fit | str]) -> str:
                          f"| {row.kv_bytes / 1e9:.3g} GB | {_gbps(row.drive_read_gb_per_s)} | {rate} |")
         lines.append("")
     return "\n".join(lines)
+
+
+log = logging.getLogger(__name__)
+
+
+def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_out: str, manifest_out: str,
+                     csv_out: str, json_out: str, reference_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                     provenance_config: dict) -> None:
+    """One context unit (kvpool.studies.contexts): its own plan on a fresh pool of the cell's kind, one fleet,
+    each document's locality chain with the pool dropped before the cross step; the rows, the answers'
+    split-matched reference (``reference_out``), the unit's gate and its telemetry summary."""
+    from kvpool.measure import reference
+    from kvpool.measure.checks import verdict
+    from kvpool.studies import studyb
+
+    study = chain_study(config, cell, tokens)
+    root = run_pools(config, cell.tier) / "contexts" / cell.name / f"doc~{tokens}"
+    plan = checked_ports(new_plan(config, cell, model, Path(csv_out).parent, pool_root=root))
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens))
+    workload = studyb.make_workload(vocabulary(model), study, config["replicas"])
+    with unit_pool(config, root, plan):
+        frame, meta = run_sampled_phase(
+            plan, lambda disks: context_unit(plan, workload, study, config, Path(log_dir), disks),
+            drive_csv, power_csv, log_dir)
+    archive(frame, Path(csv_out), f"doc-{tokens}")
+    frame.to_csv(csv_out, index=False)
+    # the chains' answers against pool-less recomputes in their splits, computed now that the fleet stopped
+    compared = recompute_in_splits(config, model, studyb.under_test(frame), meta.pop("prompts"),
+                                reference.normalized(None), Path(log_dir) / "reference")
+    compared.to_csv(reference_out, index=False)
+    checks = unit_checks(frame, meta["drops_before_cross"], study, config["min_hit_fraction"],
+                                  config["max_resident_fraction"], compared)
+    agreement = answer_agreement(frame)
+    if agreement["cold_agrees"] < agreement["chains"]:
+        log.info("%s doc~%d: the cold answer differs from the reuse steps' in %d of %d chains (another prefill "
+                 "split; the gate compares each step with a recompute in its own split)", cell.name, tokens,
+                 agreement["chains"] - agreement["cold_agrees"], agreement["chains"])
+    meta.update(doc_tokens=tokens, checks=checks, information={"answers_agree": agreement}, valid=verdict(checks))
+    write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
+
+
+def run_contexts_table(config: dict, units: list[tuple[Cell, int]], *, csvs: list[str], metas: list[str],
+                       csv_out: str, md_out: str, figures_dir: str) -> None:
+    """results/contexts.csv and .md and their figure: per shared cell, its lengths' cold, own-cache and
+    pool TTFT medians with the prefill and reload models fitted (kvpool.studies.contexts)."""
+    from kvpool.engine.model import engine_kv_bytes_per_token
+    from kvpool.report import figures
+
+    per_token = engine_kv_bytes_per_token(config)
+    if per_token is None:
+        raise ValueError(f"the length sweep needs the model's KV bytes per token, and {config['engine']['model']} "
+                         "has no config.json here to read them from")
+    rows = []
+    for (cell, tokens), csv, meta_path in zip(units, csvs, metas, strict=True):
+        meta = read_json(meta_path)
+        rows.append(unit_row(cell, tokens, read_records(csv), meta["valid"],
+                                      meta["summary"]["drive"].get("read_active_gb_per_s")))
+    shown, fits = table(rows, per_token)
+    shown.to_csv(csv_out, index=False)
+    drawn = figures.save(figures.contexts(shown, fits), Path(figures_dir), "contexts")
+    page = markdown(shown, fits)
+    Path(md_out).write_text(f"{page}\n![contexts]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
+    for name, fit in fits.items():
+        if isinstance(fit, str):
+            log.warning("%s: no fit over its lengths: %s", name, fit)
+
+
+def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Path, disks: list[str]):
+    """A context unit (kvpool.studies.contexts): each document's locality chain one request at a time on a fresh
+    fleet and pool (chain_fleet), the pool dropped from the page cache and checked right before every
+    cross-replica step, so each reload is a device read."""
+    from kvpool.studies.studyb import COLUMNS, run_block
+
+    drops, prompts = [], {}
+
+    async def body(send, _send_together, plan, replicas):
+        send = recording_sends(send, prompts)
+
+        def before(step: str) -> None:
+            if step == "cross":
+                drops.append(drop_pool(plan, cfg["drop_caches"]))
+
+        return await run_block(send, BLOCK, workload, study, len(replicas), before)
+
+    rows, meta, sampler = chain_fleet(plan, cfg, log_dir, body, sampled=("contexts", disks))
+    return pd.DataFrame(rows, columns=COLUMNS), {"drops_before_cross": drops, "prompts": prompts, **meta}, sampler

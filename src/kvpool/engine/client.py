@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvpool.plan import SERVED_MODEL_NAME
+from kvpool.engine.plan import SERVED_MODEL_NAME
 
 # vLLM's return_token_ids sends the prompt's token ids in the first streamed event: one line of about
 # 7 bytes per prompt token, past aiohttp's line limit (twice read_bufsize, 128 KiB by default) from

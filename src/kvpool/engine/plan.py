@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from kvpool import external, mp, redis_pool
 from kvpool.cells import Cell, is_memory_pool, pool_dirs
+from kvpool.engine import external, mp, redis_pool
 
 SERVED_MODEL_NAME = "kvpool-model"
 OFF_ARM = "off"  # no KV connector: the fleet's only cache is vLLM's own prefix cache

@@ -79,7 +79,7 @@ def pool_metrics(conn) -> dict[str, float]:
 
 def digest_rows(conn, copy: str) -> list[dict]:
     """Every chunk's KV value on the server: ``copy`` (the arm's pool name), key, bytes, digest."""
-    from kvpool.kvbytes import value_digest
+    from kvpool.measure.kvbytes import value_digest
 
     rows = []
     for key in conn.scan_iter(match=f"*{KV_SUFFIX}", count=1000):

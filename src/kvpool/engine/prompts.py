@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
+
+from kvpool.engine.model import vocabulary
 
 
 def make_workload(token_ids: list[int], documents: int, doc_tokens: int, followup_tokens: int, seed: int,
@@ -53,3 +56,14 @@ def probe_prompts(token_ids: list[int], chunk: int, seed: int) -> tuple[list[int
     rng = np.random.default_rng([seed, 0x70726F6265])  # "probe"
     probe = rng.choice(np.asarray(token_ids), size=2 * chunk + 1).tolist()
     return probe, probe + rng.choice(np.asarray(token_ids), size=8).tolist()
+
+
+log = logging.getLogger(__name__)
+
+
+def make_prompts(model: str, workload_cfg: dict, out: str) -> None:
+    items = make_workload(vocabulary(model), workload_cfg["documents"], workload_cfg["doc_tokens"],
+                                  workload_cfg["followup_tokens"], workload_cfg["seed"],
+                                  workload_cfg["followups_per_document"])
+    write_workload(Path(out), items)
+    log.info("wrote %d documents of %d tokens", len(items), workload_cfg["doc_tokens"])

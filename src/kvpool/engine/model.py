@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
@@ -107,3 +108,22 @@ def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
     summary = {"parameters": params, "kv_bytes_per_token": kv_bytes_per_token(spec, "bfloat16"), "spec": spec}
     (out_dir / "kvpool-model.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+log = logging.getLogger(__name__)
+
+
+def build_model(out_dir: str, spec: dict, device: str) -> None:
+
+    summary_ = build_random_model(Path(out_dir), spec, device=device)
+    log.info("built a random-weights model: %s parameters, %s KV bytes per token",
+             summary_["parameters"], summary_["kv_bytes_per_token"])
+
+
+def vocabulary(model: str) -> list[int]:
+    """Token ids a document may use: the tokenizer's vocabulary less its special tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]

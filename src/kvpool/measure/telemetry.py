@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 
-from kvpool.drive import read_diskstats
+from kvpool.measure.drive import read_diskstats
 
 log = logging.getLogger(__name__)
 RAPL_ROOT = Path("/sys/class/powercap")

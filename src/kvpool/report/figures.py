@@ -254,7 +254,7 @@ def locality(rows: pd.DataFrame):
     medians (log axes)."""
     from plotnine import scale_x_continuous, scale_x_log10, scale_y_log10
 
-    from kvpool.studyb import CHAIN
+    from kvpool.studies.studyb import CHAIN
 
     chains = rows[(rows["kind"] == "chain") & rows["ttft_s"].notna()].copy()
     chains["step"] = pd.Categorical(chains["step"], [step for step, _ in CHAIN])
@@ -290,7 +290,7 @@ def sessions(walls: pd.DataFrame):
 
 def crossover(frame, fit):
     """Prefill and reload TTFT against context: the measured medians (points) and the fitted models
-    (lines) of kvpool.crossover, log axes; ``fit`` is the fit, or why there is none."""
+    (lines) of kvpool.studies.crossover, log axes; ``fit`` is the fit, or why there is none."""
     import numpy as np
     from plotnine import scale_x_log10, scale_y_log10
 
@@ -316,7 +316,7 @@ CONTEXT_PATHS = {"prefill (cold)": "#d95f02", "pool (cross)": "#1b9e77", "own ca
 def contexts(table, fits):
     """Cold, shared-pool and local-hit TTFT against the document's length, one panel per shared cell:
     the measured medians (points; hollow where the unit is invalid) and the fitted prefill and reload
-    models (lines, kvpool.contexts), log axes."""
+    models (lines, kvpool.studies.contexts), log axes."""
     import numpy as np
     from plotnine import scale_shape_manual, scale_x_log10, scale_y_log10
 

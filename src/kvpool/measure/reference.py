@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kvpool.checks import check, not_verified
+from kvpool.measure.checks import check, not_verified
 
 COLUMNS = ["key", "doc_id", "followup", "path", "requested_split", "achieved_split", "prompt_tokens",
            "output_text", "error"]
@@ -97,7 +97,7 @@ async def compute(session, url: str, requests: list[Request], output_tokens: int
                   progress=None) -> list[dict]:
     """Each request on the reference replica at ``url``, one at a time: the prefix of its split first,
     then the whole prompt, both under its own cache salt. Rows in :data:`COLUMNS`."""
-    from kvpool.client import complete
+    from kvpool.engine.client import complete
 
     rows = []
     for request in requests:

@@ -5,13 +5,16 @@ report and every other reader take the files.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 from scipy.stats import binomtest, bootstrap
 
 from kvpool.cells import Cell
-from kvpool.telemetry import drive_per_tick
-from kvpool.validity import failures
+from kvpool.measure.files import read_frame_or_empty, read_json, read_records
+from kvpool.measure.telemetry import drive_per_tick, energy_mean_power
+from kvpool.measure.validity import failures
 
 PERCENTILES = (50, 95, 99)
 # Fewest samples a percentile is reported from: below it the table gives the largest sample, labelled
@@ -480,3 +483,46 @@ def load_markdown(table: pd.DataFrame) -> str:
     if table.empty:
         return "No load level was measured.\n"
     return load_for_reading(table).to_markdown(index=False) + "\n"
+
+
+def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
+                validity_jsons: list[str], telemetry_jsons: list[str], *, cells_csv: str, csv_out: str,
+                md_out: str) -> None:
+    """The per-cell table (``cells_csv``: every figure of every cell, with its intervals) and Study A's
+    Table 1 drawn from it."""
+    records = {cell.name: read_records(path) for cell, path in zip(cells, reuse_csvs, strict=True)}
+    rows = [cell_row(cell, records[cell.name], read_json(reuse_json)["wall_s"],
+                             phase_power(read_json(telemetry_json)["reuse"]), read_json(validity_json), config)
+            for cell, reuse_json, validity_json, telemetry_json in zip(
+                cells, reuse_jsons, validity_jsons, telemetry_jsons, strict=True)]
+    per_cell = pd.DataFrame(rows)
+    per_cell.to_csv(cells_csv, index=False)
+    ttft = {name: frame.loc[frame["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
+            for name, frame in records.items()}
+    table = table1(per_cell, ttft)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text("# Table 1: cross-replica follow-ups, isolated pools against a shared pool\n\n"
+                            + table1_markdown(table))
+
+
+def phase_power(phase: dict) -> dict:
+    """A phase summary's power, its mean from the energy counter over the phase (kvpool.measure.telemetry)."""
+    return energy_mean_power(phase["power"], phase.get("duration_s"))
+
+
+def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs: list[str],
+                     drive_csvs: list[str], ceilings: list[str], *, tiers_csv: str,
+                     csv_out: str, md_out: str) -> None:
+    """The per-tier table (``tiers_csv``: each shared cell's drive and TTFT figures, with intervals) and
+    Study A's Table 2 drawn from it."""
+    ceiling_by_tier = {path.split("/")[-2]: read_json(path) for path in ceilings}
+    rows = [tier_row(cell, read_json(summary_path)["reuse"], read_records(reuse_csv),
+                             read_frame_or_empty(drive_csv), ceiling_by_tier[cell.tier])
+            for cell, summary_path, reuse_csv, drive_csv in zip(
+                shared_cells, summaries, reuse_csvs, drive_csvs, strict=True)]
+    tiers = pd.DataFrame(rows)
+    tiers.to_csv(tiers_csv, index=False)
+    table = tier_compare(tiers)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text("# Table 2: drive tiers during the shared arm's reuse phase\n\n"
+                            + tier_compare_markdown(table))

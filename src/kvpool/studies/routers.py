@@ -24,17 +24,47 @@ serving replica's ``/metrics`` around it (one request in flight) or, in the hot 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
+import logging
 import random as random_module
+import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
+from tqdm import tqdm
 
-from kvpool import validity
-from kvpool.checks import check, verdict
-from kvpool.load import outputs_check
-from kvpool.summary import reported_percentile
+from kvpool.cells import Cell, run_pools
+from kvpool.engine import prompts
+from kvpool.engine.client import RequestResult, new_session
+from kvpool.engine.fleet import (
+    Replica,
+    running_fleet,
+)
+from kvpool.measure import provenance, validity
+from kvpool.measure.checks import check, verdict
+from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.timed import (
+    REPO,
+    archive,
+    checked_ports,
+    counter_window,
+    drop_pool,
+    measured_request,
+    new_plan,
+    phase_sampler,
+    pool_servers,
+    request_row,
+    run_sampled_phase,
+    scrape_serving,
+    unit_pool,
+    write_unit,
+)
+from kvpool.report.tables import reported_percentile
+from kvpool.studies.load import outputs_check
 
 ROUTERS = ("cross", "round-robin", "random", "prefix-affinity")
 PHASES = ("first", "follow-up", "hot", "after-loss")
@@ -221,3 +251,164 @@ def markdown(table: pd.DataFrame) -> str:
             f"{row.local_cache_fraction:.0%} | {row.pool_fraction:.0%} | {row.computed_fraction:.0%} | "
             f"{row.moved_fraction:.0%} | {row.max_replica_share:.0%} |")
     return "\n".join(lines) + "\n"
+
+
+log = logging.getLogger(__name__)
+
+
+def router_pool_root(config: dict, cell: Cell, router: str) -> Path:
+    """A router unit's own pool folder in the cell's tier (each unit starts it empty)."""
+    return run_pools(config, cell.tier) / "routers" / cell.name / f"router~{router}"
+
+
+def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompts_path: str, plan_out: str,
+                    manifest_out: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                    provenance_config: dict, reference_csv: str | None = None) -> None:
+    """One router unit (kvpool.studies.routers): its own plan on a fresh pool of the cell's kind, one fleet, every
+    request where the router sends it; the rows, the unit's gate and its telemetry summary."""
+
+    unit_dir = Path(csv_out).parent
+    root = router_pool_root(config, cell, router)
+    plan = checked_ports(new_plan(config, cell, model, unit_dir, pool_root=root))
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
+    workload = prompts.read_workload(Path(prompts_path))
+    with unit_pool(config, root, plan):
+        frame, meta = run_sampled_phase(
+            plan, lambda disks: router_unit(plan, workload, router, config, Path(log_dir), disks),
+            drive_csv, power_csv, log_dir)
+    archive(frame, Path(csv_out), f"router-{router}")
+    frame.to_csv(csv_out, index=False)
+    from kvpool.engine.plan import batch_invariant
+
+    meta.update(checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
+                               config["workload"]["doc_tokens"], config["min_hit_fraction"],
+                               config["max_resident_fraction"], read_records(reference_csv) if reference_csv else None,
+                               batch_invariant(config["engine"]), config["routers"]["hot"]["concurrency"]))
+    write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} router~{router}")
+
+
+def run_router_table(units: list[tuple[Cell, str]], *, csvs: list[str], metas: list[str], csv_out: str,
+                     md_out: str, figures_dir: str) -> None:
+    """results/routers.csv and .md, and their figures: per cell, router and phase."""
+    from kvpool.report import figures
+
+    rows = []
+    for (cell, router), csv, meta_path in zip(units, csvs, metas, strict=True):
+        frame, meta = read_records(csv), read_json(meta_path)
+        for phase in PHASES:
+            sent = frame[frame["phase"] == phase]
+            if sent.empty:
+                continue
+            for group, part in groups(sent, phase):
+                sources = phase_sources(part, meta["windows"].get(phase) if group == "all" else None)
+                rows.append(phase_row(cell, router, phase, part, sources, meta["valid"], group=group))
+    table = pd.DataFrame(rows)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text(markdown(table))
+    out = Path(figures_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stem, (draw, _) in figures.ROUTER_FIGURES.items():
+        figures.save(draw(table), out, stem)
+
+
+def _routed_row(router: str, phase: str, seq: int, doc_id: int, first: int | None, serve: Replica, seen: bool,
+                result: RequestResult, counts: dict[str, int] | None) -> dict:
+    counts = counts or {}
+    row = request_row(doc_id, first, serve.index, result, counts)
+    row.update(router=router, phase=phase, seq=seq, first_replica=row.pop("prefill_replica"), seen_before=seen,
+               local_cache_hit_tokens=counts.get("local_cache_hit"))
+    return row
+
+
+async def _routed_one_at_a_time(by_index: dict[int, Replica], router, phase: str, sends: list[tuple[int, list[int]]],
+                                tokens: dict[int, list[int]], seen: dict[int, set[int]], cfg: dict) -> list[dict]:
+    """Requests ``sends`` (doc_id, prompt) one at a time, each where the router sends it, with the serving
+    replica's counter deltas around it."""
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    rows = []
+    async with new_session() as session:
+        for seq, (doc_id, prompt) in enumerate(tqdm(sends, desc=f"{router.name} {phase}", unit="request")):
+            place = router.first if phase == "first" else router.followup
+            index = place(doc_id, tokens[doc_id])
+            result, counts = await measured_request(session, by_index[index], prompt, output_tokens, timeout_s)
+            rows.append(_routed_row(router.name, phase, seq, doc_id, router.placed.get(doc_id), by_index[index],
+                                    index in seen[doc_id], result, counts))
+            seen[doc_id].add(index)
+    return rows
+
+
+async def _routed_hot(by_index: dict[int, Replica], router, sends: list[tuple[int, list[int]]],
+                      tokens: dict[int, list[int]], seen: dict[int, set[int]], cfg: dict, in_flight: int):
+    """The hot phase: ``in_flight`` requests at a time; per request only its response's ``cached_tokens``
+    (own cache and pool together), the split by source from the serving replicas' counters over the phase."""
+    from kvpool.studies.load import Level, send_level
+
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    placed = [(doc_id, router.followup(doc_id, tokens[doc_id]), prompt) for doc_id, prompt in sends]
+    seen_then = []
+    for doc_id, index, _ in placed:  # in send order: a hot document's second request finds its first
+        seen_then.append(index in seen[doc_id])
+        seen[doc_id].add(index)
+    serving = sorted({index for _, index, _ in placed})
+    async with new_session() as session:
+        before = await scrape_serving(session, by_index, serving)
+        sent = await send_level(session, Level("concurrency", in_flight),
+                                [(doc_id, by_index[index].url, prompt) for doc_id, index, prompt in placed],
+                                output_tokens, timeout_s, in_flight, 1.0, 0)
+        after = await scrape_serving(session, by_index, serving)
+    window = {source: counter_window(before, after, source) for source in SOURCES}
+    rows = [_routed_row(router.name, "hot", seq, doc_id, router.placed.get(doc_id), by_index[index], was_seen, result,
+                        None)
+            for seq, ((doc_id, index, _), was_seen, (_, _, result)) in enumerate(zip(placed, seen_then, sent,
+                                                                                       strict=True))]
+    return rows, window
+
+
+def router_unit(plan: dict, workload: list[dict], router_name: str, cfg: dict, log_dir: Path, disks: list[str]):
+    """A router unit (kvpool.studies.routers): one fleet on a fresh pool; each document's first request, the
+    pool dropped from the page cache and checked, every follow-up, the hot phase, then a replica stopped
+    and every follow-up again, each request where ``router_name`` sends it."""
+    from collections import defaultdict
+
+
+    settings = cfg["routers"]
+    tokens = {item["doc_id"]: item["document"] for item in workload}
+    followups = {item["doc_id"]: item["followup"] for item in workload}
+    doc_ids = [item["doc_id"] for item in workload]
+    seen: dict[int, set[int]] = defaultdict(set)
+    windows, loss = {}, None
+    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            by_index = {r.index: r for r in replicas}
+            router = Router(router_name, sorted(by_index), settings["seed"])
+            with phase_sampler(plan, f"router~{router_name}", disks, cfg, replicas) as sampler:
+                started = time.time()
+                rows = asyncio.run(_routed_one_at_a_time(by_index, router, "first",
+                                                         [(d, tokens[d]) for d in doc_ids], tokens, seen, cfg))
+                drop = drop_pool(plan, cfg["drop_caches"])
+                order = followup_order(doc_ids, settings["seed"])
+                rows += asyncio.run(_routed_one_at_a_time(by_index, router, "follow-up",
+                                                          [(d, followups[d]) for d in order], tokens, seen, cfg))
+                hot = settings["hot"]
+                if hot["requests"]:
+                    draws = hot_draws(doc_ids, hot["requests"], hot["zipf_exponent"], settings["seed"])
+                    hot_rows, windows["hot"] = asyncio.run(_routed_hot(
+                        by_index, router, [(d, followups[d]) for d in draws], tokens, seen, cfg, hot["concurrency"]))
+                    rows += hot_rows
+                if settings["lose_replica"]:
+                    lost = replicas[-1]
+                    lost.stop()
+                    loss = {"replica": lost.index, "stopped": not lost.alive(), "at": time.time()}
+                    log.info("%s: replica %d stopped; %s routes around it", plan["cell"], lost.index, router_name)
+                    router.lose(lost.index)
+                    order = followup_order(doc_ids, settings["seed"] + 1)
+                    rows += asyncio.run(_routed_one_at_a_time(by_index, router, "after-loss",
+                                                              [(d, followups[d]) for d in order], tokens, seen, cfg))
+                finished = time.time()
+    frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    meta = {"router": router_name, "drop_before_followups": drop, "windows": windows, "loss": loss,
+            "wall_s": finished - started, "started_at": started, "finished_at": finished}
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return frame, meta, sampler

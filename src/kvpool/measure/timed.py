@@ -1,0 +1,419 @@
+"""One timed unit on a fleet, the same for every unit kind: its plan and ports, its own pool made fresh
+and removed, the fleet started and stopped around it, each request measured and its hits proven from the
+serving replica's counters, telemetry sampled over its window, and its records archived and written."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import aiohttp
+import pandas as pd
+from tqdm import tqdm
+
+from kvpool.cells import Cell
+from kvpool.engine import external, metrics, mp
+from kvpool.engine.client import RequestResult, complete, new_session
+from kvpool.engine.fleet import (
+    FleetError,
+    PoolServer,
+    Replica,
+    free_ports,
+    resolve_ports,
+    resolve_server_ports,
+    running_fleet,
+    running_servers,
+)
+from kvpool.engine.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
+from kvpool.measure import kvbytes, logs
+from kvpool.measure import reference as split_reference
+from kvpool.measure.files import read_frame_or_empty, write_json
+from kvpool.measure.pool import drop_from_page_cache
+from kvpool.measure.telemetry import Sampler
+
+log = logging.getLogger(__name__)
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def archive(frame: pd.DataFrame, out_csv: Path, phase: str) -> None:
+    runs = Path(out_csv).parent / "runs"
+    runs.mkdir(exist_ok=True)
+    frame.to_csv(runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{phase}.csv", index=False)
+
+
+def _ports(config: dict, count: int) -> tuple[list[int], str]:
+    ports = config["engine"]["ports"]
+    if ports == "auto":
+        return free_ports(config["engine"]["host"], count), "auto"
+    return list(ports[:count]), "config"
+
+
+def new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Path | None = None) -> dict:
+    """``cell``'s fleet plan on free (or configured) ports; an lmcache-mp cell's servers get a ZMQ and an
+    HTTP port each, clear of the replicas' (one server shared, one per replica isolated, none off).
+    An external fleet's plan is its endpoints."""
+    if external.is_external(config):
+        return external_plan(config, cell, model)
+    ports, source = _ports(config, config["replicas"])
+    server_ports = None
+    if count := server_port_count(cell, config["replicas"]):
+        server_ports = free_ports(config["engine"]["host"], count, exclude=ports)
+    return fleet_plan(config, cell, model, Path(cell_dir).resolve(), ports, source, server_ports=server_ports,
+                      pool_root=pool_root)
+
+
+def checked_ports(plan: dict, servers=None) -> dict:
+    """The plan with its replicas' ports, and its servers' unless they run already (``servers``: a memory
+    pool's, whose ports are theirs, not taken), checked free; taken auto ports move."""
+    plan = resolve_ports(plan)
+    return plan if servers else resolve_server_ports(plan)
+
+
+def fresh_pool(root: Path, plan: dict) -> None:
+    """Empty ``root`` (a cell's, a Study B block's or a router unit's own pool folder) and create the
+    plan's pool directories in it."""
+    if root.exists():
+        shutil.rmtree(root)
+    for directory in set(plan_pool_dirs(plan)):
+        directory.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def unit_pool(config: dict, root: Path, plan: dict):
+    """A unit's own pool (a Study B block's, a length unit's, a router unit's): emptied before its fleet
+    starts and removed when the unit ends, however it ends (unless keep_pools), so a failed unit leaves
+    nothing on the tier that the space check does not expect."""
+    fresh_pool(root, plan)
+    try:
+        yield root
+    finally:
+        if not config["keep_pools"]:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The pool's chunks digested: a Redis pool's values from its servers, else the pool's files (an MP
+    memory pool has none: its L1 cannot be read from outside)."""
+    if servers and all(hasattr(server, "digest_rows") for server in servers):
+        return kvbytes.with_stored_in([row for server in servers for row in server.digest_rows()], populate)
+    return kvbytes.pool_digests(dirs, populate)
+
+
+def refuse_failed_reference(frame: pd.DataFrame) -> None:
+    """A reference that could not compute every request would leave answers unverified: stop, naming why."""
+    failed = frame[frame["error"].fillna("") != ""]
+    if len(failed):
+        for row in failed.head(5).itertuples():
+            log.error("reference request %s, split %s, failed: %s", row.key, row.requested_split, row.error)
+        raise RuntimeError(f"{len(failed)} of {len(frame)} reference requests failed, e.g. {failed['key'].iloc[0]} "
+                           f"split {failed['requested_split'].iloc[0]}: {failed['error'].iloc[0]}")
+
+
+def reference_replica(config: dict, model: str) -> dict:
+    """The plan of one replica with no pool, on a free (or the first configured) port."""
+    ports, source = _ports(config, 1)
+    return checked_ports(reference_plan(config, model, ports[0], source))
+
+
+def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
+    """The whole disks behind a plan's pool directories, and how each directory resolved."""
+    from kvpool.measure.drive import block_devices
+
+    resolved = [block_devices(d) for d in dict.fromkeys(plan_pool_dirs(plan))]
+    return sorted({disk for record in resolved for disk in record["disks"]}), resolved
+
+
+def run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: str) -> tuple:
+    """Run one timed phase with telemetry; record drive health before and after it, and the pool
+    writes that failed in it (a full tier shows only in the replicas' and servers' logs)."""
+    from kvpool.measure.drive import drive_health
+
+    disks, resolved = tier_disks(plan)
+    health_before = [drive_health(d) for d in disks]
+    log_start = logs.log_sizes(Path(log_dir))
+    frame, meta, sampler = run(disks)
+    meta["pool_write_errors"] = logs.new_lines_matching(Path(log_dir), log_start)
+    for line in meta["pool_write_errors"]:
+        log.error("a pool write failed (is the tier full?): %s", line)
+    drive, power = sampler.frames()
+    drive.to_csv(drive_csv, index=False)
+    power.to_csv(power_csv, index=False)
+    meta["telemetry"] = {**sampler.meta, "devices": resolved, "health_before": health_before,
+                         "health_after": [drive_health(d) for d in disks]}
+    return frame, meta
+
+
+def phase_summary(raw_drive: pd.DataFrame, power: pd.DataFrame, telemetry: dict, requests: int,
+                  gpus: list[int]) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """One timed window's telemetry (a phase, or a load level): the raw drive samples with iostat's
+    derived columns for the interval each closes, the fleet's GPUs' power samples alone (a sampler may
+    read every GPU of the host) and the window's summary."""
+    from kvpool.measure.drive import iostat
+    from kvpool.measure.telemetry import fleet_gpus_only, summarize_drive, summarize_power
+
+    derived = iostat(raw_drive) if not raw_drive.empty else pd.DataFrame()
+    if not raw_drive.empty:
+        raw_drive = raw_drive.merge(derived.drop(columns=["phase", "cell"], errors="ignore"), on=["t_s", "device"],
+                                    how="left")
+    meta, power = fleet_gpus_only(telemetry, power, gpus)
+    summary = {"started_at": meta["started_at"], "finished_at": meta["finished_at"], "duration_s": meta["duration_s"],
+               "hz": meta["hz"], "devices": meta["devices"], "disks": meta["disks"],
+               "drive": summarize_drive(derived, meta["duration_s"]), "power": summarize_power(power, meta, requests),
+               "health_before": meta["health_before"], "health_after": meta["health_after"]}
+    return raw_drive, power, summary
+
+
+def write_unit(meta: dict, requests: int, drive_csv: str, power_csv: str, plan: dict, json_out: str,
+                name: str) -> None:
+    """A measured unit's record (a load level's, a router unit's, a length unit's), its telemetry window summarized
+    beside its gate, and each failed check logged under ``name``."""
+    _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
+                                 requests, plan_gpus(plan))
+    meta["summary"] = {"drive": window["drive"], "power": window["power"]}
+    write_json(json_out, meta)
+    for check_name, check in meta["checks"].items():
+        if check["ok"] is False:
+            log.error("%s invalid: %s is %s (needs %s)", name, check_name, check["value"], check["threshold"])
+
+
+def recompute_in_splits(config: dict, model: str, measured: pd.DataFrame, prompts: dict[str, list[int]],
+                     known: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
+    """The reference rows for ``measured`` (requests keyed by payload): those of ``known`` for its
+    prompts, and every (prompt, split) none of them matches, computed now on one replica with no pool."""
+    from kvpool.measure import reference
+
+    known = reference.normalized(known)
+    requests = reference.requests_for(reference.missing(measured, known), prompts)
+    used = known[known["key"].isin(set(measured["key"]))]
+    if not requests:
+        return used
+    log.info("reference: %d prompts in their measured splits on a replica with no pool", len(requests))
+    computed = reference_phase(reference_replica(config, model), requests, config, log_dir)
+    refuse_failed_reference(computed)
+    return pd.concat([used, computed], ignore_index=True)
+
+
+RECORD_COLUMNS = ["doc_id", "prefill_replica", "serve_replica", "ttft_s", "e2e_s", "prompt_tokens",
+                  "cached_tokens", "external_hit_tokens", "local_compute_tokens", "error", "started_at", "output_text",
+                  "followup", "local_cache_hit_tokens"]
+
+
+async def measured_request(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
+                    timeout_s: float, cache_salt: str | None = None,
+                    token_ids: bool = False) -> tuple[RequestResult, dict[str, int]]:
+    """One request and the serving replica's token-counter deltas around it (one request in flight per replica).
+
+    Failures come back as data: a replica that cannot be scraped or has died gives a row whose error
+    names it (its exit code and log tail), and the phase goes on, so the rows measured so far are kept.
+    """
+    try:
+        before = await metrics.scrape(session, replica.url)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        await asyncio.to_thread(await_exit, replica, 2.0)  # as below: let a dead replica's exit show
+        return RequestResult(error=replica_error(replica, "its /metrics before the request", exc)), {}
+    result = await complete(session, replica.url, prompt, output_tokens, timeout_s, cache_salt, token_ids)
+    try:
+        after = await metrics.scrape(session, replica.url)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # a server that stopped answering has usually just died: give its exit a moment to show
+        await asyncio.to_thread(await_exit, replica, 2.0)
+        result.error = replica_error(replica, "the request" if result.error else "its /metrics after the request",
+                                      result.error or exc)
+        return result, {}
+    if result.error:
+        result.error = replica_error(replica, "the request", result.error)
+    return result, metrics.delta(after, before)
+
+
+def await_exit(replica: Replica, timeout_s: float) -> None:
+    if replica.proc is None:  # an external replica: no process of ours to wait for
+        return
+    try:
+        replica.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def replica_error(replica: Replica, what: str, cause) -> str:
+    """A failed request's error, naming the replica, and its exit code and log tail if it died."""
+    if replica.alive():
+        return f"replica {replica.index}: {what} failed: {cause}"
+    return f"{what} failed ({cause}): {replica.died_error()}"
+
+
+def request_row(doc_id: int, prefill: int | None, serve: int, result: RequestResult, counts: dict[str, int]) -> dict:
+    row = dataclasses.asdict(result)
+    row.update(doc_id=doc_id, prefill_replica=prefill, serve_replica=serve,
+               external_hit_tokens=counts.get("external_kv_transfer"),
+               local_compute_tokens=counts.get("local_compute"), local_cache_hit_tokens=counts.get("local_cache_hit"))
+    return {column: row.get(column) for column in RECORD_COLUMNS}
+
+
+def phase_sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
+    gpus = plan_gpus(plan)
+    return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"],
+                   pids=lambda: {r.index: r.proc.pid for r in replicas if r.proc is not None},
+                   gpus=gpus or None)
+
+
+def server_settings(cfg: dict, plan: dict) -> dict:
+    """The config section of the plan's pool servers: ``lmcache_redis`` for Redis servers, else ``lmcache_mp``
+    (its startup and drain timeouts)."""
+    redis = any(server.get("kind") == "redis" for server in plan.get("servers", []))
+    if redis:
+        return {"drain_timeout_s": 0, **cfg["lmcache_redis"]}
+    return cfg["lmcache_mp"]
+
+
+@contextmanager
+def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer] | None = None):
+    """The cell's LMCache MP servers for one phase, and what they did in it (``record``, filled on exit).
+
+    Servers handed in (a memory pool, which lives only as long as its server) keep running; otherwise
+    the phase starts its own and stops them. Before the record is taken, every L2 store a server
+    accepted has reached the drive, so a server stopped afterwards loses nothing.
+    """
+    record: dict = {}
+    if not plan.get("servers"):
+        yield plan, [], record
+        return
+    settings = server_settings(cfg, plan)
+    if servers is not None:
+        planned = [(s["index"], s["port"], s["http_port"]) for s in plan["servers"]]
+        serving = [(s.entry["index"], s.entry["port"], s.entry["http_port"]) for s in servers]
+        if planned != serving:  # replicas would wait their whole startup for a server that is not there
+            raise FleetError(f"the phase's plan names servers (index, port, http port) {planned}, "
+                             f"but the running servers are {serving}")
+    running = running_servers(plan, log_dir, settings["startup_timeout_s"]) if servers is None \
+        else nullcontext((plan, servers))
+    with running as (plan, servers):
+        before = {s.index: s.metrics() for s in servers}
+        yield plan, servers, record
+        for server in servers:
+            try:
+                drain = server.drain(settings["drain_timeout_s"])
+                after = server.metrics()
+            except OSError as exc:  # a server that died mid-phase: its record says so, the phase's rows stay
+                cause = server.died_error() if not server.alive() else exc
+                record[str(server.index)] = {"drain": {"pending_l2_stores": None}, "metrics": {}, "l1_bytes": None,
+                                             "error": f"{server.name}: {cause}"}
+                log.error("%s could not be read after the phase: %s", server.name, cause)
+                continue
+            record[str(server.index)] = {"drain": drain, "metrics": mp.metrics_delta(after, before[server.index]),
+                                         "l1_bytes": after.get(server.pool_bytes_metric)}
+
+
+async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica) -> str:
+    """Empty ``replica``'s own prefix cache through vLLM's /reset_prefix_cache (open with
+    VLLM_SERVER_DEV_MODE); an error message, or "" when vLLM reports success. The next request's
+    local-cache-hit counter delta proves it."""
+    try:
+        async with session.post(f"{replica.url}/reset_prefix_cache",
+                                timeout=aiohttp.ClientTimeout(total=60)) as response:
+            body = await response.text()
+            if response.status != 200:
+                return f"replica {replica.index}: /reset_prefix_cache answered HTTP {response.status}: {body[:200]}"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return replica_error(replica, "/reset_prefix_cache", exc)
+    # vLLM answers {"success": false} while blocks are still held; older versions answer with no body
+    if body.strip().startswith("{") and not json.loads(body).get("success", True):
+        return f"replica {replica.index}: /reset_prefix_cache reported no success (blocks still held)"
+    return ""
+
+
+def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
+    """Evict the plan's pool files from the page cache and verify; a memory pool has none to drop."""
+    record = drop_from_page_cache(plan_pool_dirs(plan), use_proc_drop_caches)
+    if plan.get("memory_pool"):
+        redis = any(server.get("kind") == "redis" for server in plan["servers"])
+        record.update(memory_backed=True, pool_in="the Redis servers' memory" if redis
+                      else "the LMCache server's L1 (host RAM)")
+    return record
+
+
+def reference_phase(plan: dict, requests: list, cfg: dict, log_dir: Path) -> pd.DataFrame:
+    """Greedy answers of ``requests`` (kvpool.measure.reference.Request: a prompt and the split to compute it in)
+    from one replica with no pool, started for them and stopped after: the split-matched reference."""
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+
+    async def run(url: str) -> list[dict]:
+        async with new_session() as session:
+            with tqdm(total=len(requests), desc="reference", unit="request") as bar:
+                return await split_reference.compute(session, url, requests, output_tokens, timeout_s, bar)
+
+    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+        rows = asyncio.run(run(replicas[0].url))
+    return pd.DataFrame(rows, columns=split_reference.COLUMNS)
+
+
+async def scrape_serving(session: aiohttp.ClientSession, by_index: dict[int, Replica],
+                          serving: list[int]) -> dict[int, dict]:
+    """The ``/metrics`` counters of each serving replica now."""
+    return {i: await metrics.scrape(session, by_index[i].url) for i in serving}
+
+
+def counter_window(before: dict[int, dict], after: dict[int, dict], source: str) -> int:
+    """Prompt tokens of ``source`` the serving replicas counted between two scrapes."""
+    return sum(metrics.delta(after[i], before[i]).get(source, 0) for i in before)
+
+
+def external_window(before: dict[int, dict], after: dict[int, dict]) -> int:
+    """Tokens the serving replicas loaded from the pool between two scrapes, by their own count."""
+    return counter_window(before, after, "external_kv_transfer")
+
+
+def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None):
+    """Study B's request path, shared by its blocks and the length units: the plan's pool servers if
+    any and a fresh fleet, then ``await body(send, send_together, plan, replicas)``, timed, everything
+    stopped after. ``send`` sends one request at a time with its serving replica's /metrics deltas,
+    ``send_together`` one among concurrent ones (its hits from the response's cached tokens); ``plan``
+    is the plan as the pool servers resolved it; ``sampled`` (a sampler's name and disks) samples the
+    drives and power around the requests. Returns the body's rows, the meta data (wall time, the
+    servers' counters) and the sampler (None unless sampled)."""
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            by_index = {r.index: r for r in replicas}
+
+            async def requests():
+                async with new_session() as session:
+                    async def send(replica: int, prompt: list[int]):
+                        return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
+                                                      token_ids=True)
+
+                    async def send_together(replica: int, prompt: list[int]):
+                        result = await complete(session, by_index[replica].url, prompt, output_tokens, timeout_s,
+                                                token_ids=True)
+                        if result.error:
+                            result.error = replica_error(by_index[replica], "the request", result.error)
+                        return result, {}
+
+                    return await body(send, send_together, plan, replicas)
+
+            with (phase_sampler(plan, sampled[0], sampled[1], cfg, replicas) if sampled else nullcontext()) as sampler:
+                started = time.time()
+                rows = asyncio.run(requests())
+                finished = time.time()
+    meta = {"started_at": started, "finished_at": finished, "wall_s": finished - started}
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return rows, meta, sampler
+
+
+def recording_sends(send, prompts: dict[str, list[int]]):
+    """``send`` that also keeps each prompt by its payload's SHA-256, for the reference to compute."""
+    async def recorded(replica: int, prompt: list[int]):
+        prompts[split_reference.payload_sha256(prompt)] = prompt
+        return await send(replica, prompt)
+
+    return recorded

@@ -1,0 +1,109 @@
+"""The run's gate: every unit's verdict in one table, and the run failed, last, if any unit is invalid or
+any KV bytes differ where they must agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from kvpool.measure import kvbytes, validity
+from kvpool.measure.files import read_json
+
+
+def run_validity_table(validity_jsons: list[str], out: str) -> None:
+    """results/validity.csv: each cell's verdict, the checks it rests on (passed, failed), the reasons of a
+    failure, and the checks that were not applicable or not verified, by name."""
+    from kvpool.measure.checks import NOT_APPLICABLE, NOT_VERIFIED, status, tally
+
+    rows = []
+    for path in validity_jsons:
+        record = read_json(path)
+
+        named = {wanted: [name for name, check in record["checks"].items() if status(check) == wanted]
+                 for wanted in (NOT_APPLICABLE, NOT_VERIFIED)}
+        counts = tally(record["checks"])
+        rows.append({"cell": record["cell"], "valid": record["valid"], "checks_passed": counts["passed"],
+                     "checks_failed": counts["failed"], "reasons": "; ".join(validity.failures(record)),
+                     # records from before statuses kept an external fleet's unverified checks apart
+                     "not_verified": "; ".join([*record.get("not_verified", {}), *named[NOT_VERIFIED]]),
+                     "not_applicable": "; ".join(named[NOT_APPLICABLE])})
+    pd.DataFrame(rows, columns=VALIDITY_COLUMNS).to_csv(out, index=False)
+
+
+VALIDITY_COLUMNS = ["cell", "valid", "checks_passed", "checks_failed", "reasons", "not_verified", "not_applicable"]
+
+
+def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
+         studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
+         contexts_csv: str | None = None) -> None:
+    """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
+    must agree bit for bit, and why; the measured data stays where it is."""
+    table = pd.read_csv(validity_csv, keep_default_na=False)
+    invalid = table[~table["valid"].astype(bool)]
+    damaged = kvbytes.unexpected(pd.read_csv(kv_bytes_csv, keep_default_na=False))
+    lines = [f"  {row.cell}: {row.reasons}" for row in invalid.itertuples()]
+    counted = []  # the units beyond the cells that the verdict also rests on, for the gate's line
+    if load_csv is not None:  # the load levels beyond reuse (c1 is the cell's own gate, above)
+        levels = pd.read_csv(load_csv)
+        beyond = levels[levels["level"] != "c1"] if len(levels) else levels
+        if len(beyond):
+            unverified = int((beyond.get("outputs_checked", pd.Series(dtype=str)) == "not_verified").sum())
+            counted.append(f"{len(beyond)} load levels ({unverified} with answers not verified)")
+        bad_levels = beyond[~beyond["valid"].astype(bool)] if len(beyond) else beyond
+        lines += [f"  {row.cell} load~{row.level}: its level.json names the failed checks"
+                  for row in bad_levels.itertuples()]
+        invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
+    if peer_csv is not None:  # vLLM's replay of a cell: an invalid one measured something else
+        from kvpool.studies.peer import cell_rows
+
+        replays = pd.read_csv(peer_csv, dtype={"replica": str})
+        replays = replays[cell_rows(replays)] if len(replays) else replays
+        bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
+        lines += [f"  {row.cell} load~peer: the cell or vllm bench serve's replay of it is invalid (its level.json "
+                  f"names the failed checks)" for row in bad.itertuples()]
+    if routers_csv is not None:  # a router unit whose pool missed, leaked, or whose tokens are unattributed
+        units = pd.read_csv(routers_csv).drop_duplicates(["cell", "router"])
+        bad = units[~units["valid"].astype(bool)]
+        lines += [f"  {row.cell} router~{row.router}: its run.json names the failed checks" for row in bad.itertuples()]
+        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
+        counted.append(f"{len(units)} router units")
+    if contexts_csv is not None:  # a length's unit whose chain missed the pool, read warm, or answered apart
+        units = pd.read_csv(contexts_csv)
+        bad = units[~units["valid"].astype(bool)]
+        lines += [f"  {row.cell} doc~{row.context}: its unit.json names the failed checks" for row in bad.itertuples()]
+        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
+        counted.append(f"{len(units)} length units")
+    lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
+              f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
+              for row in damaged.itertuples()]
+    study = read_json(studyb_json) if studyb_json is not None else None
+    if study is not None and not study["valid"]:
+        from kvpool.studies.studyb import gate_failures
+
+        lines += [f"  Study B {reason} (results/studyb.md)" for reason in gate_failures(study)]
+    if lines:
+        raise SystemExit(
+            f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate, "
+            f"{len(damaged)} KV byte comparisons found damage, and Study B's blocks are "
+            f"{'not run' if study is None else 'valid' if study['valid'] else 'INVALID'} "
+            "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
+            + "\n".join(lines))
+    Path(out).write_text(f"{len(table)} cells valid ({_rests_on(table)}); no KV bytes differ where they must agree"
+                         + "".join(f"; {unit} valid" for unit in counted)
+                         + ("; Study B's blocks valid" if study is not None else "") + "\n")
+
+
+def _rests_on(table: pd.DataFrame) -> str:
+    """What the cells' verdicts rest on, from results/validity.csv: passed checks per cell and the
+    checks that were not applicable or not verified, counted."""
+    if "checks_passed" not in table or table.empty:
+        return "checks not counted in this table"
+
+    def count(column: str) -> int:
+        return sum(len([name for name in str(value).split("; ") if name]) for value in table[column])
+
+    passed = table["checks_passed"].astype(int)
+    span = f"{passed.min()}" if passed.min() == passed.max() else f"{passed.min()}-{passed.max()}"
+    return (f"each on {span} passed checks; {count('not_applicable')} not applicable, "
+            f"{count('not_verified')} not verified")

@@ -1,0 +1,425 @@
+"""Load as a dimension: each cell's follow-ups at several closed-loop concurrencies and open-loop rates.
+
+A level is named ``c<N>`` (N follow-ups in flight across the fleet, each starting when one ends) or
+``r<rate>`` (requests per second, seeded Poisson arrivals, optional gamma burstiness as ``vllm bench
+serve`` draws them, at most ``load.max_in_flight`` in flight). ``c1`` is the cell's reuse phase itself;
+every other level is its own measured unit, ``results/cells/<cell>/load~<level>/``, run on the pool
+restored to exactly what populate left.
+
+At more than one request in flight a replica's ``/metrics`` deltas no longer belong to one request, so
+each request's hits are its response's ``usage.prompt_tokens_details.cached_tokens`` (a serving replica
+that never held the document has nothing of it in its own cache: every cached token came from the
+pool), and their sum is checked against the serving replicas' ``/metrics`` deltas over the level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pandas as pd
+import yaml
+
+from kvpool.cells import Cell, pool_root
+from kvpool.engine import prompts
+from kvpool.engine.client import RequestResult, complete, new_session
+from kvpool.engine.fleet import (
+    PoolServer,
+    running_fleet,
+    running_servers,
+)
+from kvpool.engine.plan import plan_pool_dirs
+from kvpool.engine.routing import followup_route
+from kvpool.measure import kvbytes, provenance, validity
+from kvpool.measure.checks import check, not_verified, verdict
+from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.pool import pool_files
+from kvpool.measure.telemetry import energy_mean_power
+from kvpool.measure.timed import (
+    RECORD_COLUMNS,
+    REPO,
+    archive,
+    checked_ports,
+    drop_pool,
+    external_window,
+    phase_sampler,
+    pool_servers,
+    replica_error,
+    request_row,
+    run_sampled_phase,
+    scrape_serving,
+    server_settings,
+    write_unit,
+)
+from kvpool.report import tables as summary
+from kvpool.report.tables import phase_power
+from kvpool.studies.peer import replay_with_vllm_bench
+from kvpool.studies.study_a import prefill_replicas, run_populate
+
+LEVEL_PATTERN = r"c[0-9]+|r[0-9]+(\.[0-9]+)?|peer"
+
+
+@dataclass(frozen=True)
+class Level:
+    """A unit of a cell's load chain: ``concurrency`` (N in flight), ``rate`` (open-loop arrivals per
+    second) or ``peer`` (vLLM's own client replaying the reuse phase one at a time, kvpool.studies.peer)."""
+
+    kind: str
+    value: float
+
+    @property
+    def name(self) -> str:
+        if self.kind == "peer":
+            return "peer"
+        if self.kind == "concurrency":
+            return f"c{int(self.value)}"
+        return f"r{self.value:g}"
+
+    @classmethod
+    def from_name(cls, name: str) -> Level:
+        if name == "peer":
+            return cls("peer", 1)
+        if name.startswith("c"):
+            return cls("concurrency", int(name[1:]))
+        if name.startswith("r"):
+            return cls("rate", float(name[1:]))
+        raise ValueError(f"a load level is c<concurrency>, r<rate> or peer, not {name!r}")
+
+
+def levels(config: dict) -> list[Level]:
+    """The configured levels other than ``c1`` (the reuse phase), in config order."""
+    load = config["load"]
+    return ([Level("concurrency", n) for n in load["concurrency"] if n != 1]
+            + [Level("rate", float(r)) for r in load["rates"]])
+
+
+def load_chain(config: dict) -> list[Level]:
+    """Every unit that runs on a cell's pool after its reuse phase, in run order: the peer replay of
+    that phase first when ``peer.enabled``, then the load levels in config order, so that a level added
+    later builds only itself. The last unit removes the pool when pools are not kept."""
+    return ([Level("peer", 1)] if config["peer"]["enabled"] else []) + levels(config)
+
+
+def arrival_offsets(rate: float, count: int, burstiness: float, seed: int) -> np.ndarray:
+    """Seconds from the level's start at which each of ``count`` requests is sent: gamma-distributed
+    gaps of mean 1/rate, shape ``burstiness`` (1: a Poisson process; below 1 burstier), the first at 0."""
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if count else np.array([])
+
+
+def in_flight_limit(level: Level, max_in_flight: int) -> int:
+    return int(level.value) if level.kind == "concurrency" else max_in_flight
+
+
+async def send_level(session, level: Level, requests: list[tuple[int, str, list[int]]], output_tokens: int,
+                     timeout_s: float, max_in_flight: int, burstiness: float, seed: int
+                     ) -> list[tuple[int, float, RequestResult]]:
+    """Send ``requests`` (doc_id, serving replica URL, prompt) at ``level``: closed loop, N in flight; or
+    open loop, each at its seeded arrival time, no more than ``max_in_flight`` at once. Returns
+    (doc_id, offset the request was due at, result) per request, in request order."""
+    limit = asyncio.Semaphore(in_flight_limit(level, max_in_flight))
+    due = (arrival_offsets(level.value, len(requests), burstiness, seed) if level.kind == "rate"
+           else np.zeros(len(requests)))
+    start = time.monotonic()
+
+    async def one(offset: float, doc_id: int, url: str, prompt: list[int]):
+        await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+        async with limit:
+            return doc_id, float(offset), await complete(session, url, prompt, output_tokens, timeout_s)
+
+    return await asyncio.gather(*(one(offset, *request) for offset, request in zip(due, requests, strict=True)))
+
+
+def attribution(rows: pd.DataFrame, window_external: int | None) -> dict:
+    """The level's pool hits two ways: the responses' ``cached_tokens`` summed, and the serving replicas'
+    ``/metrics`` external-transfer deltas over the level's window; they must agree."""
+    per_request = int(rows["cached_tokens"].fillna(0).sum())
+    agree = window_external is not None and per_request == window_external
+    return {"per_request_cached_tokens": per_request, "window_external_tokens": window_external, "agree": agree,
+            "used": "per-request usage.prompt_tokens_details.cached_tokens, checked against /metrics deltas "
+                    "over the level's window"}
+
+
+def restore_pool(dirs: list[Path], populate_digests: pd.DataFrame) -> dict:
+    """Back to what populate left: remove every pool file populate did not store (an earlier level's
+    serving replicas stored documents and follow-up chunks). What populate stored is left as it is;
+    the level's gate checks it is unchanged."""
+    kept = set(zip(populate_digests["copy"], populate_digests["key"], strict=True))
+    removed = 0
+    for directory in dict.fromkeys(map(Path, dirs)):
+        for path in pool_files([directory]):
+            if (directory.name, str(path.relative_to(directory))) not in kept:
+                path.unlink()
+                removed += 1
+    return {"removed_files": removed, "kept_files": len(kept)}
+
+
+def files_restored(unchanged: dict) -> dict:
+    """The ``pool_restored`` check of a pool of files: populate's files unchanged (kvbytes.unchanged)."""
+    return check(unchanged["changed"] == 0 and unchanged["missing"] == 0, unchanged, "populate's files unchanged")
+
+
+def repopulated(cell_rows: pd.DataFrame, cell_meta: dict, rows: pd.DataFrame, meta: dict) -> dict:
+    """What a memory pool's level populated (``rows``, ``meta``) against the cell's own populate:
+    placement (document -> replica), errors, the preflight, and the bytes its servers held afterwards."""
+    def placement(frame: pd.DataFrame) -> dict:
+        return dict(zip(frame["doc_id"].astype(int), frame["prefill_replica"].astype(int), strict=True))
+
+    return {"repopulated": True, "same_placement": placement(cell_rows) == placement(rows),
+            "errors": int((rows["error"].fillna("") != "").sum()), "preflight_ok": bool(meta["preflight"]["ok"]),
+            "bytes": int(meta["pool"]["bytes"]), "cell_bytes": int(cell_meta["pool"]["bytes"])}
+
+
+def memory_restored(restored: dict) -> dict:
+    """The ``pool_restored`` check of a memory pool populated again for its level (``repopulated``)."""
+    ok = (restored["same_placement"] and restored["errors"] == 0 and restored["preflight_ok"]
+          and restored["bytes"] == restored["cell_bytes"])
+    return check(ok, restored, "populated again without errors, in the same placement, to the cell's pool bytes")
+
+
+def request_checks(rows: pd.DataFrame) -> dict:
+    """What every unit of the load chain asks of its requests: no errors, every follow-up cross-replica."""
+    errors = int((rows["error"].fillna("") != "").sum())
+    cross = rows["prefill_replica"] != rows["serve_replica"]
+    return {"zero_errors": check(errors == 0, errors, 0),
+            "cross_replica": check(bool(len(rows)) and bool(cross.all()), float(cross.mean()) if len(rows) else 0.0,
+                                   1.0)}
+
+
+def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, in_flight: int, batch_invariant: bool) -> dict:
+    """A level's answers against the split-matched reference (kvpool.measure.reference). With more than one
+    request in flight the batch a request shares changes the kernels' numerics, so its answer is only
+    comparable under vLLM's batch-invariant kernels; without them the check is not verified, and says why."""
+    if in_flight > 1 and not batch_invariant:
+        answered = int((rows["error"].fillna("") == "").sum())
+        return not_verified(f"{answered} answers sent up to {in_flight} at a time: the batch each shared changes "
+                            "the numerics, so they are not comparable with a recompute sent alone; "
+                            "engine.batch_invariant: true (vLLM's batch-invariant kernels) makes them so",
+                            {"answers": answered, "in_flight": in_flight})
+    return validity.outputs_check(rows, reference)
+
+
+def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_restored: dict, doc_tokens: int,
+                 min_hit_fraction: float, max_resident_fraction: float, outputs: dict | None = None) -> dict:
+    """A level's gate: what the cell's gate asks of its reuse, on this level's requests, with its
+    answers against the recompute (``outputs``: :func:`outputs_check`)."""
+    fractions = rows["cached_tokens"].fillna(0).astype(float) / doc_tokens
+    checks = {
+        **request_checks(rows),
+        "pool_restored": pool_restored,
+        "hit_attribution": check(hits["agree"], hits, "the two sums equal"),
+    }
+    checks["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)  # as the cell's gate
+    if arm == "shared":
+        worst = float(fractions.min()) if len(fractions) else 0.0
+        checks["pool_hits"] = check(worst >= min_hit_fraction, worst, min_hit_fraction)
+    else:
+        loaded = int(rows["cached_tokens"].fillna(0).sum())
+        checks["isolation"] = check(loaded == 0, loaded, 0)
+    if outputs is not None:
+        checks["output_matches_recompute"] = outputs
+    return {"valid": verdict(checks), "checks": checks}
+
+
+log = logging.getLogger(__name__)
+
+
+def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str, prompts_path: str,
+                   populate_csv: str, populate_digests: str, csv_out: str, json_out: str, drive_csv: str,
+                   power_csv: str, log_dir: str, remove_pool: bool, reference_csv: str | None = None,
+                   manifest_out: str | None = None, provenance_config: dict | None = None) -> None:
+    """One load level of a cell (kvpool.studies.load): the pool restored to what populate left, a fresh fleet,
+    the follow-ups at the level, the level's own gate and telemetry summary in ``json_out``.
+
+    A pool of files is restored by removing what earlier levels stored. A memory pool (an MP server's
+    L1) cannot be: it went with the cell's servers, and the isolated arm's serving servers would keep
+    what they stored. The level then starts fresh servers and populates them again, as the cell did,
+    with the populate records beside the level's (``populate.csv``, ``populate.json``)."""
+
+    level = Level.from_name(level_name)
+    plan = checked_ports(yaml.safe_load(Path(plan_path).read_text()))
+    if manifest_out:
+        write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name,
+                                                     level=level.name))
+    workload = prompts.read_workload(Path(prompts_path))
+    prefill = prefill_replicas(populate_csv, workload, cell)
+    reference = read_records(reference_csv) if reference_csv else None
+    if plan.get("memory_pool"):
+        _run_memory_pool_level(config, cell, level, plan, plan_path, prompts_path, prefill, workload,
+                               populate_csv, csv_out, json_out, drive_csv, power_csv, log_dir, reference)
+        return
+    root = pool_root(config, cell)
+    if not root.is_dir():
+        raise RuntimeError(f"the pool of {cell.name} is gone ({root}); re-run the cell from its populate: "
+                           f"snakemake {Path(csv_out).parent}/reuse.csv --forcerun populate")
+    dirs = plan_pool_dirs(plan)
+    stored = kvbytes.read_digests(populate_digests)
+    restored = restore_pool(dirs, stored)
+    unchanged = kvbytes.unchanged(stored, kvbytes.pool_digests(dirs, stored))
+    log.info("%s %s: pool restored to populate's %d files (%d removed)", cell.name, level.name,
+             restored["kept_files"], restored["removed_files"])
+    frame, meta = run_sampled_phase(
+        plan, lambda disks: load_level(plan, workload, prefill, config, Path(log_dir) / "replicas", disks,
+                                              level, out_dir=Path(csv_out).parent),
+        drive_csv, power_csv, log_dir)
+    restored = {**restored, "unchanged_before": unchanged}
+    pool_ok = files_restored(unchanged)
+    if remove_pool:  # the cell's last level: the tier holds one cell's pool at a time
+        shutil.rmtree(root)
+        log.info("removed the pool %s (keep_pools: false)", root)
+    _finish_level(config, cell, level, frame, meta, restored, pool_ok, remove_pool, csv_out, json_out, drive_csv,
+                  power_csv, plan, workload, reference)
+
+
+def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_path: str, prompts_path: str,
+                           prefill: dict[int, int], workload: list[dict], populate_csv: str, csv_out: str,
+                           json_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                           reference: pd.DataFrame | None) -> None:
+    """A memory pool's level: fresh servers, populated again (its own fleet), then the level's fleet."""
+
+    level_dir, logs_at = Path(csv_out).parent, Path(log_dir)
+    again = {name: str(level_dir / name) for name in ("populate.csv", "populate.json", "populate-drive.csv",
+                                                     "populate-power.csv", "populate-digests.csv")}
+    timeout_s = server_settings(config, plan)["startup_timeout_s"]
+    with running_servers(plan, logs_at / "servers", timeout_s) as (plan, servers):
+        run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=again["populate.csv"],
+                     json_out=again["populate.json"], drive_csv=again["populate-drive.csv"],
+                     power_csv=again["populate-power.csv"], digests_csv=again["populate-digests.csv"],
+                     log_dir=str(logs_at / "populate"), servers=servers, plan=plan)
+        frame, meta = run_sampled_phase(
+            plan, lambda disks: load_level(plan, workload, prefill, config, logs_at / "replicas", disks,
+                                                  level, servers, out_dir=level_dir),
+            drive_csv, power_csv, log_dir)
+    restored = repopulated(read_records(populate_csv), read_json(Path(populate_csv).with_suffix(".json")),
+                                read_records(again["populate.csv"]), read_json(again["populate.json"]))
+    log.info("%s %s: memory pool populated again (%d bytes, the cell's populate held %d)", cell.name, level.name,
+             restored["bytes"], restored["cell_bytes"])
+    _finish_level(config, cell, level, frame, meta, restored, memory_restored(restored), False, csv_out,
+                  json_out, drive_csv, power_csv, plan, workload, reference)
+
+
+def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: dict, restored: dict, pool_ok: dict,
+                  pool_removed: bool, csv_out: str, json_out: str, drive_csv: str, power_csv: str,
+                  plan: dict, workload: list[dict], reference: pd.DataFrame | None = None) -> None:
+    """A level's rows, its gate (its answers against the split-matched ``reference``) and its telemetry
+    summary."""
+    from kvpool.engine.plan import batch_invariant
+    from kvpool.studies import peer
+
+    archive(frame, Path(csv_out), f"load-{level.name}")
+    frame.to_csv(csv_out, index=False)
+    in_flight = in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
+    if level.kind == "peer":  # vLLM's client reports no hits per request: the window's, against reuse's
+        reused = read_records(str(Path(csv_out).parents[1] / "reuse.csv"))
+        expected = int(reused["external_hit_tokens"].fillna(0).sum()) if cell.arm == "shared" else 0
+        followups = {item["doc_id"]: len(item["followup"]) for item in workload}
+        outputs = outputs_check(peer.with_reuse_splits(frame, reused), reference, in_flight,
+                                     batch_invariant(config["engine"]))
+        meta.update(pool_restore=restored,
+                    **peer.checks(cell.arm, frame, followups, meta["window_external_tokens"], expected, pool_ok,
+                                  validity.cold_reads(meta["drop_before_level"], config["max_resident_fraction"]),
+                                  outputs))
+    else:
+        hits = attribution(frame, meta["window_external_tokens"])
+        outputs = outputs_check(frame, reference, in_flight, batch_invariant(config["engine"]))
+        meta.update(pool_restore=restored,
+                    **level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok,
+                                        config["workload"]["doc_tokens"], config["min_hit_fraction"],
+                                        config["max_resident_fraction"], outputs))
+    meta["pool_removed"] = pool_removed
+    write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} {level.name}")
+
+
+def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: dict, csv_out: str,
+                   md_out: str) -> None:
+    """``results/load.csv``: one row per cell and level (``c1`` is the cell's reuse phase; ``reuse``
+    maps a cell to its reuse.csv, reuse.json, validity.json and telemetry summary; ``levels`` maps
+    (cell, level) to the level's csv and json)."""
+    from kvpool.engine.model import engine_kv_bytes_per_token
+
+    per_token, rows = engine_kv_bytes_per_token(config), []
+    for cell in cells_run:
+        files = reuse[cell]
+        summary_ = read_json(files["telemetry"])["reuse"]
+        cell_gate = read_json(files["validity"])
+        rows.append(summary.load_row(cell, "c1", read_records(files["csv"]), {**read_json(files["meta"]), **cell_gate},
+                                     summary_["drive"], phase_power(summary_), cell_gate["valid"], config, per_token))
+        for (level_cell, level), paths in levels.items():
+            if level_cell == cell:
+                meta = read_json(paths["meta"])
+                power = energy_mean_power(meta["summary"]["power"], meta["telemetry"].get("duration_s"))
+                rows.append(summary.load_row(cell, level, read_records(paths["csv"]), meta,
+                                             meta["summary"]["drive"], power, meta["valid"], config, per_token))
+    table = pd.DataFrame(rows)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))
+
+
+LOAD_COLUMNS = [*RECORD_COLUMNS, "level", "due_s"]
+
+
+async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[dict], float, float, int | None]:
+
+    # a closed-loop level has no arrivals to draw and keeps its own N in flight
+    load = cfg["load"] if level.kind == "rate" else {"max_in_flight": int(level.value), "burstiness": 1.0, "seed": 0}
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    by_index = {r.index: r for r in replicas}
+    serving = sorted({route[item["doc_id"]] for item in workload})
+    requests = [(item["doc_id"], by_index[route[item["doc_id"]]].url, item["followup"]) for item in workload]
+    async with new_session() as session:
+        before = await scrape_serving(session, by_index, serving)
+        started = time.time()
+        sent = await send_level(session, level, requests, output_tokens, timeout_s, load["max_in_flight"],
+                                load["burstiness"], load["seed"])
+        finished = time.time()
+        try:
+            window = external_window(before, await scrape_serving(session, by_index, serving))
+        except (aiohttp.ClientError, TimeoutError):
+            window = None
+    rows = []
+    for doc_id, due, result in sent:
+        serve = by_index[route[doc_id]]
+        if result.error:
+            result.error = replica_error(serve, "the request", result.error)
+        # a serving replica that never held the document: every cached token came from the pool
+        hits = {"external_kv_transfer": result.cached_tokens,
+                "local_compute": None if result.prompt_tokens is None or result.cached_tokens is None
+                else result.prompt_tokens - result.cached_tokens}
+        rows.append({**request_row(doc_id, prefill[doc_id], serve.index, result, hits), "level": level.name,
+                     "due_s": due})
+    return rows, started, finished, window
+
+
+def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path,
+               disks: list[str], level, servers: list[PoolServer] | None = None, out_dir: Path | None = None):
+    """One load level: a fresh fleet on the restored pool, the drop checked again right before the
+    first request, every follow-up to a replica that did not prefill its document, sent at ``level``
+    (the ``peer`` level: by vLLM's own client, its files in ``out_dir``). An lmcache-mp cell's level
+    starts fresh servers on the restored L2 folder, as its reuse does, unless ``servers`` (a memory
+    pool's, re-populated for the level) run already."""
+    route = followup_route(prefill, len(plan["replicas"]))
+    commands = None
+    with pool_servers(plan, log_dir, cfg, servers) as (plan, _, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            drop = drop_pool(plan, cfg["drop_caches"])
+            with phase_sampler(plan, f"load~{level.name}", disks, cfg, replicas) as sampler:
+                if level.kind == "peer":
+                    rows, started, finished, window, commands = replay_with_vllm_bench(
+                        plan, replicas, workload, route, prefill, cfg, log_dir, out_dir)
+                else:
+                    rows, started, finished, window = asyncio.run(_load(replicas, workload, route, prefill, cfg,
+                                                                        level))
+    frame = pd.DataFrame(rows, columns=LOAD_COLUMNS)
+    meta = {"level": level.name, "drop_before_level": drop, "wall_s": finished - started, "started_at": started,
+            "finished_at": finished, "window_external_tokens": window}
+    if commands is not None:
+        meta["commands"] = commands
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return frame, meta, sampler

@@ -1,0 +1,457 @@
+"""Study A's cell: populate the pool, drop it from the page cache, reuse it cross-replica, and judge it;
+the cell's plan, its recompute reference, its telemetry and the tier's ceiling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from tqdm import tqdm
+
+from kvpool.cells import Cell, is_memory_pool, pool_root
+from kvpool.engine import external, mp, prompts, redis_pool
+from kvpool.engine.client import complete, new_session
+from kvpool.engine.fleet import (
+    PoolServer,
+    Replica,
+    running_fleet,
+    running_servers,
+)
+from kvpool.engine.model import vocabulary
+from kvpool.engine.plan import plan_gpus, plan_pool_dirs
+from kvpool.engine.routing import followup_route, populate_route
+from kvpool.measure import kvbytes, pool, provenance, validity
+from kvpool.measure.files import read_frame_or_empty, read_json, read_records, write_json
+from kvpool.measure.reference import followups
+from kvpool.measure.timed import (
+    RECORD_COLUMNS,
+    REPO,
+    archive,
+    checked_ports,
+    drop_pool,
+    fresh_pool,
+    measured_request,
+    new_plan,
+    phase_sampler,
+    phase_summary,
+    pool_digests,
+    pool_servers,
+    reference_phase,
+    reference_replica,
+    refuse_failed_reference,
+    request_row,
+    reset_prefix_cache,
+    run_sampled_phase,
+    server_settings,
+)
+
+log = logging.getLogger(__name__)
+
+
+def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out: str,
+              provenance_config: dict | None = None) -> None:
+    """The cell's plan from ``config`` (the settings the plan rule declares) and its manifest, which
+    records ``provenance_config`` (the whole resolved config; default ``config``)."""
+    plan = new_plan(config, cell, model, Path(plan_out).parent)
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
+    notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
+    write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name, **notes))
+
+
+def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
+                 drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, servers=None,
+                 plan: dict | None = None) -> None:
+    """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
+
+    Once the fleet has stopped (nothing more is stored), every pool file is hashed into ``digests_csv``:
+    the validity gate checks that reuse read exactly these bytes.
+    """
+    plan = plan or yaml.safe_load(Path(plan_path).read_text())
+    if plan.get("external"):
+        _refuse_a_used_external_pool(plan)
+    else:
+        # a configured port that is busy fails here, before the cell's old pool is cleared
+        plan = checked_ports(plan, servers)
+        fresh_pool(pool_root(config, cell), plan)  # only this cell's own folder is ever removed
+    workload = prompts.read_workload(Path(prompts_path))
+    probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
+    frame, meta = run_sampled_phase(
+        plan,
+        lambda disks: populate_phase(plan, workload, config, probe, Path(log_dir), disks, servers,
+                                      expect_shared=cell.arm == "shared"),
+        drive_csv, power_csv, log_dir)
+    archive(frame, Path(csv_out), "populate")
+    frame.to_csv(csv_out, index=False)
+    dirs = plan_pool_dirs(plan)
+    if plan.get("memory_pool"):  # no files: the pool is what the servers hold in memory
+        held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
+        measure = redis_pool.POOL_BYTES if cell.backend == redis_pool.BACKEND else mp.L1_BYTES
+        meta["pool"] = {"files": 0, "bytes": int(held), "resident_bytes": None, "resident_fraction": None,
+                        "source": f"{measure} of the pool's servers after populate"}
+    else:
+        meta["pool"] = pool.residency(dirs)
+    pool_digests(dirs, servers).to_csv(digests_csv, index=False)
+    write_json(json_out, meta)
+
+
+def _refuse_a_used_external_pool(plan: dict) -> None:
+    """An external fleet's pool is not kvpool's to clear: populate must find the directories it can see
+    empty, or the reuse phase would count hits that an earlier run stored."""
+    for directory in dict.fromkeys(plan_pool_dirs(plan)):
+        if not directory.is_dir():
+            raise RuntimeError(f"fleet.pool_dirs: {directory} is not a directory this machine can see")
+        if files := pool.pool_files([directory]):
+            raise RuntimeError(
+                f"the external fleet's pool {directory} already holds {len(files)} files; kvpool never removes a pool "
+                "it did not create, and a used pool would count an earlier run's chunks as hits: empty it (or start "
+                f"the fleet on a new directory) and re-run {plan['cell']} from its populate")
+
+
+def run_drop(config: dict, plan_path: str, out: str) -> None:
+    plan = yaml.safe_load(Path(plan_path).read_text())
+    injected = None
+    if config["fault_injection"]["corrupt_stored_chunk"]:  # the self-test: reuse must not pass on this pool
+        files = pool.pool_files(plan_pool_dirs(plan))
+        if not files:
+            raise RuntimeError(f"fault_injection.corrupt_stored_chunk: {plan['cell']}'s pool holds no file to corrupt")
+        injected = pool.corrupt(max(files, key=lambda p: p.stat().st_size))
+        log.warning("fault injection: corrupted %s (%d bytes at %d)", injected["file"], injected["bytes"],
+                    injected["offset"])
+    record = drop_pool(plan, config["drop_caches"])
+    if injected:
+        record["fault_injection"] = injected
+    write_json(out, record)
+    log.info("pool: %d files, %d bytes, %d resident after the drop", record["files"], record["bytes"],
+             record["resident_bytes"])
+
+
+def prefill_replicas(populate_csv: str, workload: list[dict], cell: Cell) -> dict[int, int]:
+    """Document -> the replica that prefilled it, as populate recorded; every document must have one."""
+    populated = pd.read_csv(populate_csv)
+    prefill = dict(zip(populated["doc_id"].astype(int), populated["prefill_replica"].astype(int), strict=True))
+    missing = [item["doc_id"] for item in workload if item["doc_id"] not in prefill]
+    if missing:
+        raise RuntimeError(f"{populate_csv} has no prefill for documents {missing}; re-run populate for {cell.name}")
+    return prefill
+
+
+def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, populate_csv: str,
+              populate_digests: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, digests_csv: str,
+              log_dir: str, servers=None, plan: dict | None = None, remove_pool: bool | None = None) -> None:
+    """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
+
+    It measures only a pool exactly as populate left it: reuse adds chunks to a pool (follow-up
+    chunks, and the isolated arm's recomputed documents), so a pool holding more files than populate
+    hashed was warmed by an earlier reuse (a forced or interrupted one) and is refused.
+    """
+    plan = plan or yaml.safe_load(Path(plan_path).read_text())
+    workload = prompts.read_workload(Path(prompts_path))
+    prefill = prefill_replicas(populate_csv, workload, cell)
+    root, cell_dir = pool_root(config, cell), Path(csv_out).parent
+    if not plan.get("external") and not root.is_dir():
+        raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
+                           f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
+    dirs = plan_pool_dirs(plan)
+    stored = kvbytes.read_digests(populate_digests)
+    found = len(pool.pool_files(dirs))
+    if found > len(stored):
+        raise RuntimeError(
+            f"the pool of {cell.name} holds {found} files, {found - len(stored)} "
+            f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; "
+            f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
+    drops = []
+
+    def between_reloads() -> None:
+        """A pool of files back to what populate stored (the last follow-up's stores removed) and out of
+        the page cache again, so the next follow-up reloads it from the device."""
+        from kvpool.studies.load import restore_pool
+
+        restore_pool(dirs, stored)
+        drops.append(drop_pool(plan, config["drop_caches"]))
+
+    files = not plan.get("memory_pool") and not plan.get("external")
+    frame, meta = run_sampled_phase(
+        plan, lambda disks: reuse_phase(plan, workload, prefill, config, Path(log_dir), disks, servers,
+                                         between_reloads if files else None),
+        drive_csv, power_csv, log_dir)
+    if drops:
+        meta["drops_between_reloads"] = drops
+    archive(frame, Path(csv_out), "reuse")
+    frame.to_csv(csv_out, index=False)
+    # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
+    digests = pool_digests(dirs, servers, stored)
+    digests.to_csv(digests_csv, index=False)
+    log.info("pool digests: %d files, %d stored during reuse", len(digests),
+             int((digests["stored_in"] == "reuse").sum()))
+    # measured; the tier holds one cell's pool at a time (load levels remove it after the last level)
+    remove_pool = not config["keep_pools"] if remove_pool is None else remove_pool
+    remove_pool = remove_pool and not plan.get("external")  # an external fleet's pool is never kvpool's
+    if remove_pool:
+        shutil.rmtree(root)
+        log.info("removed the pool %s (keep_pools: false)", root)
+    meta["pool_removed"] = remove_pool
+    write_json(json_out, meta)
+
+
+def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate: dict, drop_out: str,
+                         reuse: dict, log_dirs: dict) -> None:
+    """Populate, drop and reuse of an lmcache-mp cell on a memory tier, around one set of servers: the
+    pool is their L1, so it lives exactly as long as they do. Each phase still starts its own fleet.
+
+    ``populate`` and ``reuse`` map the phase's output names (csv, meta, drive, power, digests) to
+    paths; ``log_dirs`` maps populate, reuse and servers to log folders.
+    """
+    plan = yaml.safe_load(Path(plan_path).read_text())
+    timeout_s = server_settings(config, plan)["startup_timeout_s"]
+    with running_servers(plan, Path(log_dirs["servers"]), timeout_s) as (plan, servers):
+        run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
+                     json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
+                     digests_csv=populate["digests"], log_dir=log_dirs["populate"], servers=servers, plan=plan)
+        run_drop(config, plan_path, drop_out)
+        run_reuse(config, cell, plan_path=plan_path, prompts_path=prompts_path, populate_csv=populate["csv"],
+                  populate_digests=populate["digests"], csv_out=reuse["csv"], json_out=reuse["meta"],
+                  drive_csv=reuse["drive"], power_csv=reuse["power"], digests_csv=reuse["digests"],
+                  log_dir=log_dirs["reuse"], servers=servers, plan=plan)
+
+
+def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
+    """Study A's split-matched reference: every follow-up in each split the workload's arithmetic
+    predicts (kvpool.measure.reference.predicted_requests), on one replica with no pool."""
+    from kvpool.measure import reference
+
+    requests = reference.predicted_requests(prompts.read_workload(Path(prompts_path)), config["chunk_sizes"])
+    frame = reference_phase(reference_replica(config, model), requests, config, Path(log_dir))
+    frame.to_csv(csv_out, index=False)
+    refuse_failed_reference(frame)
+
+
+def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
+                 reference_csv: str | None, populate_digests: str | None, reuse_digests: str | None,
+                 out: str) -> None:
+    """The cell's gate; ``populate_digests``/``reuse_digests`` None only for records kept from runs that
+    did not hash the pool at populate's end (the check is then absent, not passed); ``reference_csv``
+    None where no recompute replica ran (an external fleet's, listed as not verified)."""
+    populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
+    unchanged = None
+    if populate_digests is not None and reuse_digests is not None:
+        unchanged = kvbytes.unchanged(kvbytes.read_digests(populate_digests), kvbytes.read_digests(reuse_digests))
+    result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv),
+                               read_records(reference_csv) if reference_csv else None,
+                               reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
+                               populate_meta["preflight"], chunk=cell.chunk,
+                               write_errors=populate_meta.get("pool_write_errors", [])
+                               + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged,
+                               not_verified=external.not_verified(config, cell.arm),
+                               reload_drops=reuse_meta.get("drops_between_reloads", []))
+    write_json(out, {"cell": cell.name, **result})
+    for reason in validity.failures(result):
+        log.error("%s invalid: %s", cell.name, reason)
+
+
+def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], csv_out: str, md_out: str) -> None:
+    """Compare each chunk's bytes across the arms' pools (see kvbytes); differences are logged."""
+    digests = {(c.backend, c.chunk, c.tier, c.arm): kvbytes.read_digests(path)
+               for c, path in zip(cells_run, digests_csvs, strict=True)}
+    # an MP memory pool is the server's L1: nothing of it is a file, so there are no bytes to hash (a
+    # Redis pool's values are read from its servers and hashed like files)
+    no_files = {(c.backend, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
+                "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
+                for c in cells_run if is_memory_pool(config, c) and c.backend == mp.BACKEND}
+    no_files |= {(c.backend, c.chunk, c.tier): external.not_verified(config, c.arm)["pool_unchanged"]
+                 for c in cells_run if "pool_unchanged" in external.not_verified(config, c.arm)}
+    table = kvbytes.kv_bytes_table(digests, config, no_files)
+    table.to_csv(csv_out, index=False)
+    Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
+    bad = kvbytes.unexpected(table)
+    tolerated = table[table["differ"] > 0].drop(index=bad.index)
+    tolerated_why = "; not expected to agree bit for bit (the document is not whole chunks)"
+    for rows, report, why in ((bad, log.error, ""), (tolerated, log.info, tolerated_why)):
+        for row in rows.itertuples():
+            report("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s)%s", row.backend, row.chunk,
+                   row.tier, row.comparison, row.differ, row.keys, row.example_key, why)
+    for (backend, chunk, tier), _, found in kvbytes.findings(table):
+        log.info("KV bytes, %s/chunk %s/%s: %s", backend, chunk, tier, found)
+
+
+def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary: str, plan_path: str) -> None:
+    """Merge a cell's per-phase samples into drive.csv / power.csv and summarize each phase.
+
+    ``phase_files`` maps phase -> {"meta": json, "drive": csv, "power": csv, "records": csv}.
+    Power counts the fleet's GPUs only (``plan_path``: the cell's plan), also in records of samplers
+    that read every GPU of the host.
+    """
+    gpus = plan_gpus(yaml.safe_load(Path(plan_path).read_text()))
+    drives, powers, summary = [], [], {}
+    for phase, files in phase_files.items():
+        drive, power, summary[phase] = phase_summary(
+            read_frame_or_empty(files["drive"]), read_frame_or_empty(files["power"]),
+            read_json(files["meta"])["telemetry"], len(read_records(files["records"])), gpus)
+        drives.append(drive)
+        powers.append(power)
+    pd.concat(drives, ignore_index=True).to_csv(out_drive, index=False)
+    pd.concat(powers, ignore_index=True).to_csv(out_power, index=False)
+    write_json(out_summary, summary)
+
+
+def run_ceiling(config: dict, tier: str, out: str) -> None:
+    from kvpool.cells import tier_root
+    from kvpool.measure.drive import block_devices, sequential_read_ceiling
+
+    root = tier_root(config, tier)
+    result = sequential_read_ceiling(root / "kvpool-ceiling", config["drive_ceiling_bytes"])
+    result["rated_gb_per_s"] = config["tier_rated_read_gbps"].get(tier)
+    result["devices"] = block_devices(root)
+    write_json(out, result)
+    log.info("tier %s: sequential read %.2f GB/s (%s)", tier, result["gb_per_s"], result["method"])
+
+
+class PreflightFailed(RuntimeError):
+    """Replicas of a shared pool cannot find each other's chunks or get different KV back (or an
+    isolated arm finds them)."""
+
+
+async def _preflight(session, replicas: list[Replica], probe: list[int], probe_followup: list[int],
+                     output_tokens: int, timeout_s: float, expect_shared: bool) -> dict:
+    """Replica 0 stores a probe; replica 1 asks for its extension. Shared pools must hit, isolated must not.
+
+    Replica 0 then answers the extension itself, on the probe's KV in its own GPU cache. The pool and
+    that cache both cover the probe's two whole chunks, so a shared pool that returned the KV replica 0
+    stored gives replica 1 the same greedy tokens; a pool that returns damaged KV is caught here,
+    before the populate phase is spent.
+    """
+    stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
+    found, counts = await measured_request(session, replicas[1], probe_followup, output_tokens, timeout_s)
+    local = await complete(session, replicas[0].url, probe_followup, output_tokens, timeout_s)
+    hits = counts.get("external_kv_transfer", 0)
+    errors = [e for e in (stored.error, found.error, local.error) if e]
+    outputs_match = not errors and found.output_text == local.output_text
+    # Only a pool hit puts the pool's KV under test; an isolated arm's replica 1 computes cold.
+    ok = not errors and ((hits > 0 and outputs_match) if expect_shared else hits == 0)
+    return {"ok": ok, "expect_shared": expect_shared, "probe_tokens": len(probe), "hit_tokens": hits,
+            "outputs_match": outputs_match, "pool_output": found.output_text, "local_output": local.output_text,
+            "errors": errors}
+
+
+def preflight_failure(cell: str, preflight: dict) -> str:
+    """Why a preflight failed, in one line."""
+    if preflight["errors"]:
+        return f"preflight failed for {cell}: a probe request failed: {'; '.join(preflight['errors'])}"
+    if preflight["expect_shared"] and preflight["hit_tokens"] > 0 and not preflight.get("outputs_match", True):
+        return (f"preflight failed for {cell}: replica 1 loaded {preflight['hit_tokens']} tokens of replica 0's "
+                f"probe from the pool but answered {preflight['pool_output']!r}, while replica 0, on the probe's "
+                f"KV in its own GPU cache, answered {preflight['local_output']!r}: the pool returned different KV "
+                "than was stored (e.g. LMCache's in-process connector on vLLM 0.26, LMCache issue #4463)")
+    expected = ("expected a hit: the pool is not shared" if preflight["expect_shared"]
+                else "expected none: the arm is not isolated")
+    return (f"preflight failed for {cell}: replica 1 loaded {preflight['hit_tokens']} of the "
+            f"{preflight['probe_tokens']}-token probe replica 0 stored ({expected})")
+
+
+async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) -> tuple[list[dict], dict]:
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    async with new_session() as session:
+        preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s, expect_shared=expect_shared)
+        log.info("preflight %s: replica 1 loaded %d tokens of the %d-token probe replica 0 stored (%s)",
+                 "passed" if preflight["ok"] else "FAILED", preflight["hit_tokens"], preflight["probe_tokens"],
+                 "a hit expected" if expect_shared else "none expected")
+        if not preflight["ok"] and cfg["preflight_on_failure"] == "abort":
+            return [], preflight
+        rows: list[dict] = []
+        bar = tqdm(total=len(workload), desc="populate", unit="doc")
+
+        async def feed(replica: Replica):
+            # One request in flight per replica keeps each replica's counter deltas exact.
+            for item in workload:
+                if route[item["doc_id"]] != replica.index:
+                    continue
+                result, counts = await measured_request(session, replica, item["document"], output_tokens, timeout_s)
+                rows.append(request_row(item["doc_id"], replica.index, replica.index, result, counts))
+                bar.update()
+
+        await asyncio.gather(*(feed(r) for r in replicas))
+        bar.close()
+    return sorted(rows, key=lambda r: r["doc_id"]), preflight
+
+
+def populate_phase(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
+             disks: list[str], servers: list[PoolServer] | None = None, *, expect_shared: bool):
+    """Start the fleet (and its pool servers unless ``servers`` run already), run the preflight (replica 1
+    must find replica 0's probe when ``expect_shared``, must not otherwise), send each document once
+    round robin, stop the fleet.
+
+    Returns the per-document records, the phase's meta data and its telemetry sampler.
+    """
+    route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
+    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
+            endpoints = [external.describe(r.url) for r in replicas] if plan.get("external") else None
+            started = time.time()
+            with phase_sampler(plan, "populate", disks, cfg, replicas) as sampler:
+                rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe, expect_shared))
+            wall_s = time.time() - started
+    if not preflight["ok"]:
+        message = preflight_failure(plan["cell"], preflight)
+        if cfg["preflight_on_failure"] == "abort":
+            raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
+        log.error(message)
+    frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
+    meta = {"preflight": preflight, "wall_s": wall_s, "started_at": started}
+    if endpoints is not None:
+        meta["endpoints"] = endpoints
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return frame, meta, sampler
+
+
+async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) -> tuple[list[dict], float, float]:
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    by_index = {r.index: r for r in replicas}
+    rows = []
+    async with new_session() as session:
+        started = time.time()
+        with tqdm(total=sum(len(followups(item)) for item in workload), desc="reuse", unit="follow-up") as bar:
+            for item in workload:
+                serve = by_index[route[item["doc_id"]]]
+                for number, prompt in enumerate(followups(item)):
+                    reset = ""
+                    if number:  # a reload again: nothing of the document left in the serving replica or warm
+                        reset = await reset_prefix_cache(session, serve)
+                        if between_reloads is not None:
+                            await asyncio.to_thread(between_reloads)
+                    result, counts = await measured_request(session, serve, prompt, output_tokens, timeout_s)
+                    if reset and not result.error:
+                        result.error = f"the prefix cache reset before this follow-up failed: {reset}"
+                    row = request_row(item["doc_id"], prefill[item["doc_id"]], serve.index, result, counts)
+                    rows.append({**row, "followup": number})
+                    bar.update()
+        finished = time.time()
+    return rows, started, finished
+
+
+def reuse_phase(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str],
+          servers: list[PoolServer] | None = None, between_reloads=None):
+    """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty),
+    drop the pool from the page cache again, send every follow-up to a replica that did not prefill
+    its document, one at a time, and stop the fleet. Before each of a document's later follow-ups the
+    serving replica's prefix cache is emptied and ``between_reloads`` runs (a pool of files restored
+    and dropped again)."""
+    route = followup_route(prefill, len(plan["replicas"]))
+    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
+        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+            # Starting the fleet may have touched the pool; the drop must hold right before the reads.
+            drop = drop_pool(plan, cfg["drop_caches"])
+            with phase_sampler(plan, "reuse", disks, cfg, replicas) as sampler:
+                rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg,
+                                                             between_reloads))
+    frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
+    meta = {"drop_before_reuse": drop, "wall_s": finished - started, "started_at": started, "finished_at": finished}
+    if pool_record:
+        meta["pool_server"] = pool_record
+    return frame, meta, sampler
