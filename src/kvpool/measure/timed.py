@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def archive(frame: pd.DataFrame, out_csv: Path, phase: str) -> None:
+    """A timestamped copy of a unit's raw records in its folder's ``runs/``, which Snakemake never deletes,
+    so a forced re-run cannot lose an earlier measurement."""
     runs = Path(out_csv).parent / "runs"
     runs.mkdir(exist_ok=True)
     frame.to_csv(runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{phase}.csv", index=False)

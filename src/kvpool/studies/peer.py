@@ -300,25 +300,25 @@ def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[d
         async with new_session() as session:
             return await scrape_serving(session, by_index, serving)
 
-    rows, commands = [], []
+    replayed, commands = [], []
     before = asyncio.run(scrape_all())
     started = time.time()
     for index in serving:
         items = [item for item in workload if route[item["doc_id"]] == index]
-        dataset = bench_dir / f"replica-{index}.jsonl"
-        write_dataset(dataset, dataset([item["followup"] for item in items], tokenizer, output_tokens))
+        dataset_path = bench_dir / f"replica-{index}.jsonl"
+        write_dataset(dataset_path, dataset([item["followup"] for item in items], tokenizer, output_tokens))
         result_name = f"vllm-bench-replica-{index}.json"
-        args = bench_args(by_index[index].url, SERVED_MODEL_NAME, plan["model"], dataset, len(items),
-                               output_tokens, out_dir, result_name)
+        args = bench_args(by_index[index].url, SERVED_MODEL_NAME, plan["model"], dataset_path, len(items),
+                          output_tokens, out_dir, result_name)
         commands.append("vllm bench serve " + " ".join(args))
         log.info("vllm bench serve: %d follow-ups to replica %d", len(items), index)
         run_bench(args, bench_dir / f"replica-{index}.log", cfg["peer"]["timeout_s"], env)
         result = read_result(out_dir / result_name, len(items))
-        rows += [{**row, "level": "peer", "due_s": 0.0}
-                 for row in rows(result, [item["doc_id"] for item in items], prefill, index)]
+        replayed += [{**row, "level": "peer", "due_s": 0.0}
+                     for row in rows(result, [item["doc_id"] for item in items], prefill, index)]
     finished = time.time()
     try:
         window = external_window(before, asyncio.run(scrape_all()))
     except (aiohttp.ClientError, TimeoutError):
         window = None
-    return rows, started, finished, window, commands
+    return replayed, started, finished, window, commands
