@@ -9,6 +9,7 @@ import pytest
 from support import passing_gate_inputs
 
 from kvpool.cells import Cell
+from kvpool.measure import timed
 from kvpool.report import gate as run_gate
 from kvpool.report import page
 from kvpool.studies import routers
@@ -199,7 +200,7 @@ def test_a_router_unit_that_fails_leaves_no_pool_on_the_tier(config, tmp_path, m
         raise RuntimeError("replica 1 exited with code -9")
 
     monkeypatch.setattr(prompts, "read_workload", lambda path: {})
-    monkeypatch.setattr(routers, "run_sampled_phase", dies)
+    monkeypatch.setattr(timed, "run_sampled_phase", dies)
     unit = tmp_path / "router~cross"
     unit.mkdir()
     with pytest.raises(RuntimeError, match="exited with code -9"):

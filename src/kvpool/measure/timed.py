@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pandas as pd
+import yaml
 from tqdm import tqdm
 
 from kvpool.cells import Cell
@@ -101,6 +102,20 @@ def unit_pool(config: dict, root: Path, plan: dict):
     finally:
         if not config["keep_pools"]:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def run_unit(config: dict, plan: dict, root: Path, measure, *, plan_out: str, manifest: dict, manifest_out: str,
+             drive_csv: str, power_csv: str, log_dir: str, csv_out: str, name: str) -> tuple[pd.DataFrame, dict]:
+    """One unit on a fleet and a pool of its own (a length unit, a router unit): its plan and manifest
+    written, ``measure(disks)`` run with telemetry on a fresh pool that is removed however the unit ends,
+    and its records archived under ``runs/`` and written to ``csv_out``."""
+    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_json(manifest_out, manifest)
+    with unit_pool(config, root, plan):
+        frame, meta = run_sampled_phase(plan, measure, drive_csv, power_csv, log_dir)
+    archive(frame, Path(csv_out), name)
+    frame.to_csv(csv_out, index=False)
+    return frame, meta
 
 
 def pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:

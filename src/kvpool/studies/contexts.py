@@ -20,25 +20,22 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from kvpool.cells import Cell, run_pools
 from kvpool.cells import cells as matrix_cells
 from kvpool.engine.model import vocabulary
 from kvpool.measure import provenance
 from kvpool.measure.checks import NOT_APPLICABLE, check, status
-from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.files import read_json, read_records
 from kvpool.measure.timed import (
     REPO,
-    archive,
     chain_fleet,
     checked_ports,
     drop_pool,
     new_plan,
     recompute_in_splits,
     recording_sends,
-    run_sampled_phase,
-    unit_pool,
+    run_unit,
     write_unit,
 )
 from kvpool.measure.validity import cold_reads
@@ -209,15 +206,12 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     study = chain_study(config, cell, tokens)
     root = run_pools(config, cell.tier) / "contexts" / cell.name / f"doc~{tokens}"
     plan = checked_ports(new_plan(config, cell, model, Path(csv_out).parent, pool_root=root))
-    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
-    write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens))
     workload = studyb.make_workload(vocabulary(model), study, config["replicas"])
-    with unit_pool(config, root, plan):
-        frame, meta = run_sampled_phase(
-            plan, lambda disks: context_unit(plan, workload, study, config, Path(log_dir), disks),
-            drive_csv, power_csv, log_dir)
-    archive(frame, Path(csv_out), f"doc-{tokens}")
-    frame.to_csv(csv_out, index=False)
+    frame, meta = run_unit(
+        config, plan, root, lambda disks: context_unit(plan, workload, study, config, Path(log_dir), disks),
+        plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens),
+        manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
+        name=f"doc-{tokens}")
     # the chains' answers against pool-less recomputes in their splits, computed now that the fleet stopped
     compared = recompute_in_splits(config, model, studyb.under_test(frame), meta.pop("prompts"),
                                 reference.normalized(None), Path(log_dir) / "reference")

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 from tqdm import tqdm
 
 from kvpool.cells import Cell, run_pools
@@ -46,10 +45,9 @@ from kvpool.engine.fleet import (
 )
 from kvpool.measure import provenance, validity
 from kvpool.measure.checks import check, verdict
-from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.files import read_json, read_records
 from kvpool.measure.timed import (
     REPO,
-    archive,
     checked_ports,
     counter_window,
     drop_pool,
@@ -58,9 +56,8 @@ from kvpool.measure.timed import (
     phase_sampler,
     pool_servers,
     request_row,
-    run_sampled_phase,
+    run_unit,
     scrape_serving,
-    unit_pool,
     write_unit,
 )
 from kvpool.report.tables import reported_percentile
@@ -270,15 +267,12 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
     unit_dir = Path(csv_out).parent
     root = router_pool_root(config, cell, router)
     plan = checked_ports(new_plan(config, cell, model, unit_dir, pool_root=root))
-    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
-    write_json(manifest_out, provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
     workload = prompts.read_workload(Path(prompts_path))
-    with unit_pool(config, root, plan):
-        frame, meta = run_sampled_phase(
-            plan, lambda disks: router_unit(plan, workload, router, config, Path(log_dir), disks),
-            drive_csv, power_csv, log_dir)
-    archive(frame, Path(csv_out), f"router-{router}")
-    frame.to_csv(csv_out, index=False)
+    frame, meta = run_unit(
+        config, plan, root, lambda disks: router_unit(plan, workload, router, config, Path(log_dir), disks),
+        plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, router=router),
+        manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
+        name=f"router-{router}")
     from kvpool.engine.plan import batch_invariant
 
     meta.update(checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
