@@ -163,7 +163,7 @@ def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
 def test_the_page_opens_on_the_verdict_and_the_headline_figure_then_the_details(built):
     html = (built / "report.html").read_text()
     verdict = re.search(r'<p class="verdict invalid"><b><span class="flag">INVALID</span></b>: ([^<]*)</p>', html)
-    assert verdict and verdict.group(1) == f"2 of 3 cells valid. Invalid: {INVALID}."
+    assert verdict and verdict.group(1).startswith(f"2 of 3 cells valid. Failed: {INVALID}: ")
     order = [html.index(marker) for marker in ('class="verdict', "Figure 1. Cross-replica TTFT, p50",
                                                "Isolated / shared", 'id="summary"', 'id="table1"', 'id="figures"')]
     assert order == sorted(order)
@@ -197,3 +197,21 @@ def test_study_b_and_the_other_sections_read_like_table_1():
     # no raw column name reaches the page
     for frame in (report.locality_for_reading(locality), shown, report.pool_servers_for_reading(servers)):
         assert not [c for c in frame.columns if "_" in c], frame.columns
+
+
+def test_the_page_verdict_is_the_gates_so_an_invalid_load_level_is_not_called_valid(tmp_path):
+    """Every cell valid, one load level beyond c1 invalid: the gate fails the run, and so does the page's
+    first line, from the same judgement (kvpool.report.gate.judge)."""
+    from kvpool.report.gate import judge
+    from kvpool.report.page import verdict
+
+    cells = pd.DataFrame([{"cell": CELLS[0].name, "valid": True, "reasons": ""}])
+    load_csv = tmp_path / "load.csv"
+    pd.DataFrame([{"cell": CELLS[0].name, "level": level, "valid": level == "c1", "outputs_checked": "passed"}
+                  for level in ("c1", "c2")]).to_csv(load_csv, index=False)
+    failed, counted, *_ = judge(cells, None, str(load_csv))
+    shown = verdict(cells, failed, counted)
+    assert not shown["valid"] and shown["word"] == "INVALID"
+    assert shown["text"] == (f"1 of 1 cells valid; 1 load levels (0 with answers not verified) judged. Failed: "
+                             f"{CELLS[0].name} load~c2: its level.json names the failed checks")
+    assert verdict(cells, *judge(cells, None)[:2])["valid"]

@@ -40,8 +40,29 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
+    lines, counted, invalid, damaged, study = judge(table, kv_bytes_csv, load_csv, studyb_json, peer_csv,
+                                                    routers_csv, contexts_csv)
+    if lines:
+        raise SystemExit(
+            f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate, "
+            f"{len(damaged)} KV byte comparisons found damage, and Study B's blocks are "
+            f"{'not run' if study is None else 'valid' if study['valid'] else 'INVALID'} "
+            "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
+            + "\n".join(lines))
+    Path(out).write_text(f"{len(table)} cells valid ({_rests_on(table)}); no KV bytes differ where they must agree"
+                         + "".join(f"; {unit} valid" for unit in counted)
+                         + ("; Study B's blocks valid" if study is not None else "") + "\n")
+
+
+def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = None,
+          studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
+          contexts_csv: str | None = None) -> tuple[list[str], list[str], pd.DataFrame, pd.DataFrame, dict | None]:
+    """The run's verdict, for the gate and the report page alike: a line per failure (an invalid cell, load
+    level, replay, router or length unit, damaged KV bytes, Study B), the units beyond the cells it rests on,
+    the invalid cells, the damaged comparisons and Study B's record."""
     invalid = table[~table["valid"].astype(bool)]
-    damaged = kvbytes.unexpected(pd.read_csv(kv_bytes_csv, keep_default_na=False))
+    damaged = (kvbytes.unexpected(pd.read_csv(kv_bytes_csv, keep_default_na=False))
+               if kv_bytes_csv is not None else pd.DataFrame())
     lines = [f"  {row.cell}: {row.reasons}" for row in invalid.itertuples()]
     counted = []  # the units beyond the cells that the verdict also rests on, for the gate's line
     if load_csv is not None:  # the load levels beyond reuse (c1 is the cell's own gate, above)
@@ -82,16 +103,7 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
         from kvpool.studies.studyb import gate_failures
 
         lines += [f"  Study B {reason} (results/studyb.md)" for reason in gate_failures(study)]
-    if lines:
-        raise SystemExit(
-            f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate, "
-            f"{len(damaged)} KV byte comparisons found damage, and Study B's blocks are "
-            f"{'not run' if study is None else 'valid' if study['valid'] else 'INVALID'} "
-            "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
-            + "\n".join(lines))
-    Path(out).write_text(f"{len(table)} cells valid ({_rests_on(table)}); no KV bytes differ where they must agree"
-                         + "".join(f"; {unit} valid" for unit in counted)
-                         + ("; Study B's blocks valid" if study is not None else "") + "\n")
+    return lines, counted, invalid, damaged, study
 
 
 def _rests_on(table: pd.DataFrame) -> str:

@@ -26,6 +26,7 @@ from kvpool.measure.files import read_frame_or_empty, read_json, read_records
 from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.validity import failures
 from kvpool.report import tables as summary
+from kvpool.report.gate import judge
 from kvpool.report.tables import fmt_interval, fmt_value
 
 
@@ -369,15 +370,15 @@ def pool_servers_for_reading(table: pd.DataFrame) -> pd.DataFrame:
     } for _, r in table.iterrows()])
 
 
-def verdict(cells: pd.DataFrame, studyb: dict | None = None) -> dict:
-    """The page's first line: whether every measured unit passed its gate, and which did not."""
-    invalid = list(cells.loc[~cells["valid"], "cell"])
-    parts = [f"{len(cells) - len(invalid)} of {len(cells)} cells valid"]
+def verdict(cells: pd.DataFrame, failed: list[str], counted: list[str], studyb: dict | None = None) -> dict:
+    """The page's first line, from the run's gate (kvpool.report.gate.judge: ``failed`` holds a line per
+    failure, ``counted`` the units beyond the cells it rests on): valid only where the gate will pass."""
+    valid = not failed
+    parts = [f"{int(cells['valid'].sum())} of {len(cells)} cells valid", *(f"{unit} judged" for unit in counted)]
     if studyb is not None:
         parts.append("Study B's blocks " + ("valid" if studyb["valid"] else "INVALID"))
-    valid = not invalid and (studyb is None or studyb["valid"])
     return {"valid": valid, "word": "VALID" if valid else "INVALID",
-            "text": "; ".join(parts) + (f". Invalid: {', '.join(invalid)}." if invalid else ".")}
+            "text": "; ".join(parts) + ("." if valid else ". Failed: " + "; ".join(line.strip() for line in failed))}
 
 
 def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, table1_csv: str,
@@ -435,8 +436,11 @@ def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str,
         drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
     manifest = results.manifest
     studyb_part = _studyb_section(studyb) if studyb else None
+    failed, counted, *_ = judge(results.cells[["cell", "valid", "reasons"]],
+                                kv_bytes if kv_bytes and Path(kv_bytes).exists() else None, load,
+                                studyb["validity"] if studyb else None, peer, routers, contexts)
     render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
-        "verdict": verdict(results.cells, studyb_part),
+        "verdict": verdict(results.cells, failed, counted, studyb_part),
         "headline_figure": drawn["fig1_ttft_p50"],
         "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
