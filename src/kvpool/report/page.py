@@ -27,7 +27,8 @@ from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.validity import failures
 from kvpool.report import tables as summary
 from kvpool.report.gate import judge
-from kvpool.report.tables import fmt_interval, fmt_value
+from kvpool.report.tables import fmt_interval, fmt_supported, fmt_value
+from kvpool.studies.studyb import change_cells, pct
 
 
 @dataclass
@@ -244,22 +245,17 @@ def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _setting(row) -> str:
+def _cell_label(name: str) -> str:
     """A cell's name as the tables show it: backend / arm / chunk / tier, with spaces a line can break at."""
-    cell = Cell.from_name(row["cell"]) if "cell" in row and isinstance(row["cell"], str) else None
-    if cell is None:
-        return f"{row['backend']} / chunk {row['chunk']} / {row['tier']}"
+    cell = Cell.from_name(name)
     return f"{cell.backend} / {cell.arm} / chunk {cell.chunk} / {cell.tier}"
 
 
-def _change(row, mean="mean_paired_change_pct", low="change_ci_low_pct", high="change_ci_high_pct") -> str:
-    """A paired ON/OFF change in percent with its 95% interval in brackets, where one was computed."""
-    if pd.isna(row.get(mean)):
-        return "n/a"
-    shown = f"{row[mean]:+.1f}%"
-    if pd.notna(row.get(low)) and pd.notna(row.get(high)):
-        shown += f" [{row[low]:+.1f}, {row[high]:+.1f}]"
-    return shown
+def _paired_change(row) -> dict:
+    """ON against OFF as Study B's own page (results/studyb.md) shows it: the mean paired change, and its
+    95% interval with what it lets the page say."""
+    change, interval = change_cells(row)
+    return {"ON against OFF (mean paired)": change, "95% CI": interval}
 
 
 def _of(part, whole) -> str:
@@ -274,7 +270,7 @@ def locality_for_reading(table: pd.DataFrame) -> pd.DataFrame:
         "TTFT OFF (median)": fmt_value(r["off_ttft_median_s"], "s"),
         "TTFT ON (median)": fmt_value(r["on_ttft_median_s"], "s"),
         "ON tokens: own cache / pool": f"{r['on_local_hit_tokens']:.0f} / {r['on_external_hit_tokens']:.0f}",
-        "ON against OFF [95% CI]": _change(r),
+        **_paired_change(r),
         "answers equal": _of(r["outputs_equal"], r["pairs_matched"]),
     } for _, r in table.iterrows()])
 
@@ -286,9 +282,9 @@ def sessions_for_reading(table: pd.DataFrame) -> pd.DataFrame:
         "placement": r["placement"],
         "session wall OFF (median)": fmt_value(r["off_wall_median_s"], "s"),
         "session wall ON (median)": fmt_value(r["on_wall_median_s"], "s"),
-        "ON against OFF [95% CI]": _change(r),
-        "turn TTFT change": _change(r, "turn_ttft_change_pct", "", ""),
-        "decode change": _change(r, "decode_change_pct", "", ""),
+        **_paired_change(r),
+        "turn TTFT change": pct(r["turn_ttft_change_pct"]),
+        "decode change": pct(r["decode_change_pct"]),
         "turns' answers equal": _of(r["outputs_equal"], r["turns_matched"]),
     } for _, r in table.iterrows()])
 
@@ -299,7 +295,7 @@ def windows_for_reading(table: pd.DataFrame) -> pd.DataFrame:
         "sessions at once": int(r["window"]), "placement": r["placement"],
         "tokens/s OFF (median)": fmt_value(r["off_tokens_per_s_median"], ""),
         "tokens/s ON (median)": fmt_value(r["on_tokens_per_s_median"], ""),
-        "ON against OFF [95% CI]": _change(r),
+        **_paired_change(r),
         "turn TTFT OFF / ON (median)": f"{fmt_value(r['off_turn_ttft_median_s'], 's')} / "
                                        f"{fmt_value(r['on_turn_ttft_median_s'], 's')}",
     } for _, r in table.iterrows()])
@@ -330,12 +326,11 @@ def routers_for_reading(table: pd.DataFrame) -> pd.DataFrame:
     """results/routers.csv as a person reads it: per unit and phase, TTFT with its interval and where the
     phase's prompt tokens came from."""
     return pd.DataFrame([{
-        "cell": _setting(r), "router": r["router"],
+        "cell": _cell_label(r["cell"]), "router": r["router"],
         "phase": r["phase"] if r.get("group", "all") == "all" else f"{r['phase']} ({r['group']})",
         "gate": "valid" if r["valid"] else "INVALID", "requests": int(r["requests"]),
         "TTFT p50": _with_interval(r, "ttft_p50_s", "s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s"),
-        "TTFT p99": (f"{r['ttft_p99_basis']}: " if str(r.get("ttft_p99_basis", "p99")).startswith("max of") else "")
-                    + fmt_value(r["ttft_p99_s"], "s"),
+        "TTFT p99": fmt_supported(r["ttft_p99_s"], "s", r.get("ttft_p99_basis"), None, None, None),
         "tokens: own cache / pool / computed": " / ".join(fmt_value(r[c], "fraction") for c in
                                                           ("local_cache_fraction", "pool_fraction",
                                                            "computed_fraction")),
@@ -348,7 +343,7 @@ def contexts_for_reading(table: pd.DataFrame) -> pd.DataFrame:
     """results/contexts.csv as a person reads it: per cell and length, the three TTFTs, the speedup, the
     KV moved and where the pool stops paying."""
     return pd.DataFrame([{
-        "cell": _setting(r), "document": f"{int(r['context'])} tokens",
+        "cell": _cell_label(r["cell"]), "document": f"{int(r['context'])} tokens",
         "gate": "valid" if r["valid"] else "INVALID",
         "prefill": fmt_value(r["prefill_s"], "s"), "own cache": fmt_value(r["local_s"], "s"),
         "pool reload": fmt_value(r["reload_s"], "s"),
@@ -364,7 +359,7 @@ def pool_servers_for_reading(table: pd.DataFrame) -> pd.DataFrame:
     backend, so they are listed by name rather than spread over columns most rows leave empty."""
     fixed = {"cell", "phase", "server"}
     return pd.DataFrame([{
-        "cell": _setting(r), "phase": r["phase"], "server": int(r["server"]),
+        "cell": _cell_label(r["cell"]), "phase": r["phase"], "server": int(r["server"]),
         "counters over the phase": ", ".join(f"{name} {value:.4g}" for name, value in r.items()
                                              if name not in fixed and pd.notna(value)),
     } for _, r in table.iterrows()])

@@ -562,16 +562,16 @@ def _agreement_lines(gate: dict) -> list[str]:
             "block's gate compares its answers with a pool-less recompute in their own split).", ""]
 
 
-def _pct(value) -> str:
+def pct(value) -> str:
     return "n/a" if pd.isna(value) else fmt_value(value, "") + "%"
 
 
-def _change_cells(row) -> tuple[str, str]:
+def change_cells(row) -> tuple[str, str]:
     """A row's mean paired change and its interval as the page shows them, the interval with what it lets
     the page say (a direction, or no difference shown; kvpool.report.tables.change_claim)."""
     interval = fmt_interval(row.change_ci_low_pct, row.change_ci_high_pct).strip()
     claim = change_claim(row.change_ci_low_pct, row.change_ci_high_pct)
-    return _pct(row.mean_paired_change_pct), f"{interval}: {claim}" if interval else claim
+    return pct(row.mean_paired_change_pct), f"{interval}: {claim}" if interval else claim
 
 
 def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
@@ -589,7 +589,7 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
              "| context | step | OFF median | ON median | ON external hit tokens | mean paired change | 95% CI | "
              "pairs (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
     for row in locality.itertuples():
-        change, ci = _change_cells(row)
+        change, ci = change_cells(row)
         lines.append(f"| {row.context} | {row.step} | {fmt_value(row.off_ttft_median_s, 's')} | "
                      f"{fmt_value(row.on_ttft_median_s, 's')} | {fmt_value(row.on_external_hit_tokens, 'count')} | "
                      f"{change} | {ci} | {row.pairs_matched} ({row.outputs_equal}) |")
@@ -597,10 +597,10 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
               "| placement | OFF median wall | ON median wall | mean paired change | 95% CI | turn TTFT change | "
               "decode rate change | turns paired (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
     for row in sessions.itertuples():
-        change, ci = _change_cells(row)
+        change, ci = change_cells(row)
         lines.append(f"| {row.placement} | {fmt_value(row.off_wall_median_s, 's')} | "
                      f"{fmt_value(row.on_wall_median_s, 's')} | {change} | {ci} | "
-                     f"{_pct(row.turn_ttft_change_pct)} | {_pct(row.decode_change_pct)} | "
+                     f"{pct(row.turn_ttft_change_pct)} | {pct(row.decode_change_pct)} | "
                      f"{row.turns_matched} ({row.outputs_equal}) |")
     if windows is not None and not windows.empty:
         lines += ["", "## Short concurrency windows", "",
@@ -609,7 +609,7 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
                   "| sessions at once | placement | OFF median | ON median | mean paired change | 95% CI | "
                   "turn TTFT OFF / ON |", "|---|---|---|---|---|---|---|"]
         for row in windows.itertuples():
-            change, ci = _change_cells(row)
+            change, ci = change_cells(row)
             lines.append(f"| {row.window} | {row.placement} | {fmt_value(row.off_tokens_per_s_median, '')} tok/s | "
                          f"{fmt_value(row.on_tokens_per_s_median, '')} tok/s | {change} | {ci} | "
                          f"{fmt_value(row.off_turn_ttft_median_s, 's')} / "
