@@ -43,6 +43,33 @@ PHASE_SETTINGS = (
 MEMORY_POOL_CELL_SETTINGS = (*PHASE_SETTINGS, "fault_injection")
 
 
+def reads(*sections: str, picked=None):
+    """Declare, on a step (the function a rule's script calls), the config it reads: whole top-level
+    ``sections``, and what ``picked(config, wildcards)`` returns (sections that only some of the rule's
+    jobs read, or a part of one). Its rule hands the step exactly these (``step_settings``, the rule's
+    ``settings`` param), so a step reading anything else fails with a KeyError, and a change to any of
+    them re-runs the rule's jobs, and only theirs."""
+    def declare(step):
+        step.reads, step.picked = sections, picked
+        return step
+
+    return declare
+
+
+def step_settings(step, config: dict, wildcards=None) -> dict:
+    """The config that ``step`` declares it reads (``reads``), for one job (``wildcards``)."""
+    values = {key: config[key] for key in step.reads}
+    if step.picked is not None:
+        values.update(step.picked(config, wildcards))
+    return values
+
+
+def external_fleet(config: dict, wildcards=None) -> dict:
+    """``fleet``, for a step that reads it only when the fleet is external (a launched fleet's cells are not
+    re-planned or re-judged for it)."""
+    return {"fleet": config["fleet"]} if external.is_external(config) else {}
+
+
 def resolve_extends(config: dict, repo: Path) -> None:
     """Resolve ``extends`` in place: the named config file (a path in this repository, or absolute) is
     the base, itself resolved first, and ``config`` is merged over it as Snakemake merges config files

@@ -10,7 +10,8 @@ import pytest
 
 from kvpool.cells import Cell
 from kvpool.measure import reference, validity
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
 from kvpool.report import tables
 from kvpool.studies import study_a
 
@@ -93,7 +94,7 @@ def test_the_table_rebuilds_from_the_records(tmp_path):
     config = read_json(folder(CHUNKS, cells[0]) / "manifest.json")["config"]
     files = {name: [folder(CHUNKS, cell) / name for cell in cells] for name in ("reuse.csv", "reuse.json",
                                                                                  "validity.json")}
-    tables.run_summary(config, cells, files["reuse.csv"], files["reuse.json"], files["validity.json"],
+    tables.run_table1(config, cells, files["reuse.csv"], files["reuse.json"], files["validity.json"],
                        [folder(CHUNKS, cell) / "telemetry" / "summary.json" for cell in cells],
                        cells_csv=tmp_path / "cell_table.csv", csv_out=tmp_path / "table1.csv",
                        md_out=tmp_path / "table1.md")

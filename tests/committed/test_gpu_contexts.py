@@ -11,7 +11,8 @@ from support.committed import measured_only_rebuild
 
 from kvpool.cells import Cell
 from kvpool.measure.checks import verdict
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
 from kvpool.studies import contexts
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-mp-contexts"

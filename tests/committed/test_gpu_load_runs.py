@@ -22,7 +22,8 @@ from support.committed import assert_same_gate
 from kvpool.cells import Cell
 from kvpool.measure import reference as reference_module
 from kvpool.measure import validity
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
 from kvpool.studies import load
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from kvpool.cells import Cell
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
 from kvpool.studies import load, peer
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-mp-peer"

@@ -14,7 +14,8 @@ from support.committed import assert_same_gate
 
 from kvpool.cells import Cell, cells
 from kvpool.measure import kvbytes
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
 from kvpool.report import page as report
 from kvpool.studies import study_a
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from kvpool.cells import Cell
 from kvpool.measure.checks import NOT_APPLICABLE, status
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
 from kvpool.studies import routers
 from support import REPO
 

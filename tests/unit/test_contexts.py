@@ -13,7 +13,9 @@ from snakemake.utils import validate
 from support import REPO, passing_gate_inputs
 
 from kvpool.cells import Cell
+from kvpool.measure import records
 from kvpool.measure.checks import verdict
+from kvpool.measure.records import ChainRecord
 from kvpool.report import gate, page
 from kvpool.studies import contexts, studyb
 
@@ -47,7 +49,7 @@ def chain_rows(tokens: int, prefill_s: float, reload_s: float, local_s: float, c
                          "payload_sha256": f"prompt-{tokens}-{chain}", "cached_tokens": local + external,
                          "local_hit_tokens": local, "external_hit_tokens": external, "computed_tokens": 64,
                          "ttft_s": ttft[step], "output_text": f"answer {chain}", "error": None})
-    return pd.DataFrame(rows).reindex(columns=studyb.COLUMNS)
+    return records.frame(ChainRecord, rows)
 
 
 def split_reference(rows: pd.DataFrame, answer=lambda key, split: None) -> pd.DataFrame:

@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.cells import Cell
 from kvpool.report.page import build_report
-from kvpool.report.tables import run_summary, run_tier_compare
+from kvpool.report.tables import run_table1, run_tier_compare
 
 TREE = Path(__file__).parents[1] / "fixtures" / "results-tree"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +31,7 @@ def built(tmp_path_factory):
     results = root / "results"
     folders = [results / "cells" / cell.name for cell in CELLS]
     # the tables first, as their rules make them; the report only reads them
-    run_summary(config, CELLS, [f / "reuse.csv" for f in folders], [f / "reuse.json" for f in folders],
+    run_table1(config, CELLS, [f / "reuse.csv" for f in folders], [f / "reuse.json" for f in folders],
                 [f / "validity.json" for f in folders], [f / "telemetry" / "summary.json" for f in folders],
                 cells_csv=results / "cell_table.csv", csv_out=results / "table1.csv", md_out=results / "table1.md")
     shared = [(cell, f) for cell, f in zip(CELLS, folders, strict=True) if cell.arm == "shared"]

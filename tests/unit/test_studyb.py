@@ -9,8 +9,9 @@ import pytest
 
 from kvpool.engine.client import RequestResult
 from kvpool.engine.plan import fleet_plan
-from kvpool.measure import reference
+from kvpool.measure import records, reference
 from kvpool.measure.checks import verdict
+from kvpool.measure.records import ChainRecord
 from kvpool.studies import studyb
 
 VOCAB = list(range(1000, 3000))
@@ -103,13 +104,13 @@ def run_blocks(study, damage=False):
     for block in studyb.blocks({"repeats": 1}):
         fleet = StandIn(study["chunk"], pooled=studyb.block_arm(block) == studyb.ON, damage=damage)
         rows += asyncio.run(studyb.run_block(fleet.send, block, workload, study, 2))
-    return pd.DataFrame(rows, columns=studyb.COLUMNS)
+    return records.frame(ChainRecord, rows)
 
 
 def test_a_block_sends_warmups_chains_then_sessions_that_grow_by_answer_and_new_tokens(study):
     workload = studyb.make_workload(VOCAB, study, replicas=2)
     fleet = StandIn(study["chunk"], pooled=True)
-    rows = pd.DataFrame(asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2)), columns=studyb.COLUMNS)
+    rows = records.frame(ChainRecord, asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2)))
     assert list(rows["kind"].drop_duplicates()) == ["warmup", "chain", "session", "window"]
     chain = rows[(rows["kind"] == "chain") & (rows["context"] == 256)]
     assert list(chain["step"]) == [step for step, _ in studyb.CHAIN] and list(chain["replica"]) == [0, 0, 0, 1, 1]
@@ -250,7 +251,7 @@ def test_a_real_models_chains_carry_three_planted_codes_and_the_block_checks_the
         assert where == sorted(where) and len(set(codes)) == 3 and all(len(c) == 6 for c in codes)
     assert workload == studyb.make_workload(VOCAB, study, replicas=2, encode=encode)  # seeded
     fleet = StandIn(study["chunk"], pooled=True)
-    rows = pd.DataFrame(asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2)), columns=studyb.COLUMNS)
+    rows = records.frame(ChainRecord, asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2)))
     assert not rows.loc[rows["kind"] == "chain", "planted_recalled"].any()  # the stand-in cannot answer
     check = studyb.block_checks(rows, studyb.ON, study, 0.9)["planted_values_recalled"]
     assert not check["ok"] and check["value"] == 0 and check["threshold"] == 10
@@ -282,8 +283,8 @@ def test_a_windows_sessions_run_at_once_through_the_concurrent_send(study):
         return await fleet.send(replica, prompt)
 
     fleet.most = 0
-    rows = pd.DataFrame(asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2, None, send_together)),
-                        columns=studyb.COLUMNS)
+    sent = asyncio.run(studyb.run_block(fleet.send, "2-on", workload, study, 2, None, send_together))
+    rows = records.frame(ChainRecord, sent)
     windows = rows[rows["kind"] == "window"]
     assert len(windows) == len(together) == 2 * 2 * study["window_turns"]  # 2 at once, 2 placements
     assert fleet.most == 2  # only the windows overlap

@@ -9,6 +9,6 @@ rule ceiling:
     resources:
         fleet=1,
     params:
-        settings=settings("tiers", "drive_ceiling_bytes", "tier_rated_read_gbps"),
+        settings=settings(study_a.run_ceiling),
     script:
         "../scripts/run_ceiling.py"

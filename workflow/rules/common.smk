@@ -4,7 +4,8 @@ from pathlib import Path
 from kvpool import config as kvpool_config
 from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import runlock
-from kvpool.studies import contexts, studyb
+from kvpool.report import tables
+from kvpool.studies import contexts, crossover, load, routers, study_a, studyb
 from kvpool.cells import CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.engine.model import RANDOM_MODEL_DIR
@@ -60,14 +61,11 @@ def model_input(wildcards=None):
     return [] if config["engine"]["model"] else [RANDOM_MODEL_DIR]
 
 
-def settings(*keys):
-    """The config sections a rule's script reads, declared as the rule's ``settings`` param: its script
-    hands on exactly these (and fails on any other), and a change to one of them re-runs the rule.
-    """
-    return {key: config[key] for key in keys}
-
-
-PHASE_SETTINGS = kvpool_config.PHASE_SETTINGS
+def settings(step):
+    """The config that ``step`` (the function the rule's script calls) declares it reads, beside its code
+    (kvpool.config.reads), as the rule's ``settings`` param: the script hands on exactly these, and a
+    change to one of them re-runs the rule's jobs."""
+    return lambda wildcards: kvpool_config.step_settings(step, config, wildcards)
 
 
 def cell_names(cells=None):
@@ -155,7 +153,6 @@ ROUTER_UNITS = [
     if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/router~{router}/run.json").exists()
 ]
 ROUTER_TARGETS = {"csv": "results/routers.csv", "md": "results/routers.md"} if ROUTER_UNITS else {}
-ROUTER_SETTINGS = ("routers", "min_hit_fraction", "max_resident_fraction")
 
 
 # Document length (kvpool.studies.contexts): per shared cell and length in contexts.doc_tokens, one unit on a
@@ -166,7 +163,6 @@ CONTEXT_UNITS = [
     if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/doc~{tokens}/unit.json").exists()
 ]
 CONTEXT_TARGETS = {"csv": "results/contexts.csv", "md": "results/contexts.md"} if CONTEXT_UNITS else {}
-CONTEXT_SETTINGS = ("contexts", "min_hit_fraction", "max_resident_fraction")
 
 
 # the cells whose pool files were hashed (runs before the byte-level check did not hash them)
@@ -184,12 +180,13 @@ def level_after(wildcards):
     return ancient(f"results/cells/{cell.name}/{before}")
 
 
-# Study B's blocks (kvpool.studies.studyb), in run order; with measured_only, those that finished. A config
-# whose study_b cannot run was refused above when study_b.enabled; otherwise Study B has no rules.
-try:
-    STUDYB = studyb.resolved(config)
-except ValueError:
-    STUDYB = None
+# Study B (kvpool.studies.studyb), resolved once, here: its pool named and checked. A config whose
+# study_b cannot run was refused above when enabled; with study_b disabled, Study B has no blocks.
+STUDYB = studyb.resolved(config) if config["study_b"]["enabled"] else None
+# What Study B's steps are handed: the study less how many blocks run and whether all builds them, so
+# neither re-runs a measured block
+STUDYB_MEASURED = studyb.measured(STUDYB) if STUDYB else None
+# Its blocks in run order; with measured_only, those that finished
 STUDYB_DIR = (
     f"results/studyb/backend~{STUDYB['backend']}/chunk~{STUDYB['chunk']}/tier~{STUDYB['tier']}" if STUDYB else None
 )
@@ -225,16 +222,6 @@ STUDYB_REPORT = (
     if STUDYB_TARGETS
     else {}
 )
-# What Study B's steps read: study_b less how many blocks run and whether all builds them (so neither
-# re-runs a measured block), and what resolving it reads
-STUDYB_SETTINGS = ("study_b", "backends", "tiers", "chunk_sizes", "engine", "workload", "replicas")
-
-
-def studyb_settings(*keys):
-    """``settings`` of Study B's steps: ``study_b`` without ``repeats`` and ``enabled``."""
-    values = settings(*keys)
-    values["study_b"] = {k: v for k, v in config["study_b"].items() if k not in ("repeats", "enabled")}
-    return values
 
 
 def studyb_known(wildcards):

@@ -26,12 +26,7 @@ rule context_unit:
         fleet=1,
     params:
         model=model_path(),
-        # a unit reads its own length from the path, not contexts.doc_tokens: a new length leaves the
-        # measured units as they are
-        settings={
-            **settings(*PHASE_SETTINGS, *CONTEXT_SETTINGS, "hash_keys", "lmcache", "random_model"),
-            "contexts": {key: config["contexts"][key] for key in ("chains", "seed")},
-        },
+        settings=settings(contexts.run_context_unit),
         log_dir=lambda wc: f"logs/contexts/{Cell.from_wildcards(wc).name}/doc~{wc.doc}",
     script:
         "../scripts/run_context_unit.py"

@@ -12,6 +12,6 @@ rule drop:
     resources:
         fleet=1,
     params:
-        settings=settings("drop_caches", "fault_injection"),
+        settings=settings(study_a.run_drop),
     script:
         "../scripts/run_drop.py"

@@ -33,17 +33,7 @@ rule load_level:
     resources:
         fleet=1,
     params:
-        # an open-loop level reads its arrival settings; a closed-loop one none of load's keys, so a
-        # new level in the lists leaves the measured levels as they are
-        settings=lambda wc: {
-            **settings(*PHASE_SETTINGS, "min_hit_fraction", "max_resident_fraction"),
-            "load": (
-                {key: config["load"][key] for key in ("max_in_flight", "burstiness", "seed")}
-                if wc.level.startswith("r")
-                else {}
-            ),
-            "peer": config["peer"] if wc.level == "peer" else {},
-        },
+        settings=settings(load.run_load_level),
         remove_pool=lambda wc: not config["keep_pools"] and wc.level == LOAD_LEVELS[-1],
         log_dir=lambda wc: f"logs/load/{Cell.from_wildcards(wc).name}/load~{wc.level}",
     script:

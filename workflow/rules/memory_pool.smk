@@ -46,7 +46,7 @@ rule memory_pool_cell:
     resources:
         fleet=1,
     params:
-        settings=settings(*kvpool_config.MEMORY_POOL_CELL_SETTINGS),
+        settings=settings(study_a.run_memory_pool_cell),
         log_dir=lambda wc: f"logs/memory_pool_cell/{Cell.from_wildcards(wc).name}",
     script:
         "../scripts/run_memory_pool_cell.py"

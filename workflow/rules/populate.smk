@@ -19,7 +19,7 @@ rule populate:
     resources:
         fleet=1,
     params:
-        settings=settings(*PHASE_SETTINGS),
+        settings=settings(study_a.run_populate),
         log_dir=lambda wc: f"logs/populate/{Cell.from_wildcards(wc).name}/replicas",
     script:
         "../scripts/run_populate.py"

@@ -21,7 +21,7 @@ rule reuse:
     resources:
         fleet=1,
     params:
-        settings=settings(*PHASE_SETTINGS),
+        settings=settings(study_a.run_reuse),
         log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",
         # load levels restore and reuse the pool after this phase; the last of them removes it
         remove_pool=lambda wc: not config["keep_pools"] and Cell.from_wildcards(wc) not in LOAD_CELLS,

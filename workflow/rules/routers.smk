@@ -29,7 +29,7 @@ rule router_unit:
         fleet=1,
     params:
         model=model_path(),
-        settings=settings(*PHASE_SETTINGS, *ROUTER_SETTINGS, "hash_keys", "lmcache", "random_model"),
+        settings=settings(routers.run_router_unit),
         log_dir=lambda wc: f"logs/routers/{Cell.from_wildcards(wc).name}/router~{wc.router}",
     script:
         "../scripts/run_router_unit.py"

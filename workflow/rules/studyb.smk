@@ -15,7 +15,8 @@ rule studyb_workload:
         CONDA_ENV
     params:
         model=model_path(),
-        settings=studyb_settings(*STUDYB_SETTINGS),
+        settings=settings(studyb.run_studyb_workload),
+        study=STUDYB_MEASURED,
     script:
         "../scripts/run_studyb_workload.py"
 
@@ -44,15 +45,8 @@ rule studyb_block:
         fleet=1,
     params:
         model=model_path(),
-        # only an ON block injects a fault (fault_injection): turning it on re-measures no OFF block
-        settings=lambda wc: studyb_settings(
-            *STUDYB_SETTINGS,
-            *PHASE_SETTINGS,
-            "hash_keys",
-            "lmcache",
-            "min_hit_fraction",
-            *(["fault_injection"] if wc.block.endswith("-on") else []),
-        ),
+        settings=settings(studyb.run_studyb_block),
+        study=STUDYB_MEASURED,
         log_dir=lambda wc: f"logs/studyb/block~{wc.block}/replicas",
     script:
         "../scripts/run_studyb_block.py"

@@ -16,7 +16,7 @@ rule table1:
         CONDA_ENV
     params:
         cells=cell_names(),
-        settings=settings("warm_s", "slo_s", "workload"),
+        settings=settings(tables.run_table1),
     script:
         "../scripts/table1.py"
 
@@ -62,7 +62,7 @@ rule load_table:
     params:
         cells=cell_names(),
         levels=[[cell.name, level] for cell, level in LOAD_DONE],
-        settings=settings("workload", "slo_s", "engine", "random_model"),
+        settings=settings(load.run_load_table),
     script:
         "../scripts/load_table.py"
 
@@ -102,7 +102,7 @@ rule contexts_table:
         CONDA_ENV
     params:
         units=[[cell.name, tokens] for cell, tokens in CONTEXT_UNITS],
-        settings=settings("engine", "random_model"),
+        settings=settings(contexts.run_contexts_table),
     script:
         "../scripts/contexts_table.py"
 
@@ -146,7 +146,8 @@ rule studyb_tables:
         CONDA_ENV
     params:
         blocks=STUDYB_BLOCKS,
-        settings=studyb_settings(*STUDYB_SETTINGS),
+        settings=settings(studyb.run_studyb_tables),
+        study=STUDYB_MEASURED,
     script:
         "../scripts/studyb_tables.py"
 
@@ -165,6 +166,7 @@ rule crossover:
     conda:
         CONDA_ENV
     params:
-        settings=studyb_settings(*STUDYB_SETTINGS, "random_model"),
+        settings=settings(crossover.run_crossover),
+        study=STUDYB_MEASURED,
     script:
         "../scripts/crossover.py"

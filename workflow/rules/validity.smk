@@ -16,14 +16,7 @@ rule validity:
     conda:
         CONDA_ENV
     params:
-        settings=settings(
-            "workload",
-            "chunk_sizes",
-            "min_pool_bytes",
-            "min_hit_fraction",
-            "max_resident_fraction",
-            *(("fleet",) if external.is_external(config) else ()),
-        ),
+        settings=settings(study_a.run_validity),
     script:
         "../scripts/run_validity.py"
 
@@ -82,12 +75,6 @@ rule kv_bytes:
         CONDA_ENV
     params:
         cells=cell_names(DIGESTED),
-        settings=settings(
-            "engine",
-            "workload",
-            "tiers",
-            "lmcache_mp",
-            *(("fleet",) if external.is_external(config) else ()),
-        ),
+        settings=settings(study_a.run_kv_bytes),
     script:
         "../scripts/kv_bytes.py"

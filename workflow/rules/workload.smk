@@ -34,7 +34,7 @@ rule reference:
         fleet=1,
     params:
         model=model_path(),
-        settings=settings("engine", "workload", "hash_keys", "chunk_sizes"),
+        settings=settings(study_a.run_reference),
         log_dir="logs/reference/replicas",
     script:
         "../scripts/run_reference.py"

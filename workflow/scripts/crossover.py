@@ -2,5 +2,5 @@ from kvpool.measure import logs
 from kvpool.studies import crossover
 
 logs.to_log(snakemake.log[0])
-crossover.run_crossover(snakemake.params.settings, locality_csv=snakemake.input.locality, csv_out=snakemake.output.csv,
-                        md_out=snakemake.output.md, figures_dir=snakemake.output.figures)
+crossover.run_crossover(snakemake.params.settings, snakemake.params.study, locality_csv=snakemake.input.locality,
+                        csv_out=snakemake.output.csv, md_out=snakemake.output.md, figures_dir=snakemake.output.figures)

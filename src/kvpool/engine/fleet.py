@@ -219,7 +219,7 @@ class ExternalReplica(Replica):
                           "/v1/models: serve it with --served-model-name <name> kvpool-model)")
 
 
-class PoolServer(ManagedProcess):
+class MPServer(ManagedProcess):
     """One LMCache multi-process server (the lmcache-mp pool): ZMQ for replicas, HTTP for health and metrics."""
 
     kind = "lmcache server"
@@ -305,6 +305,10 @@ class RedisServer(ManagedProcess):
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Nothing to wait for: a SET has been applied once LMCache's put returns."""
         return {"pending_l2_stores": 0, "waited_s": 0.0}
+
+
+# A pool server of either kind: what phases hand around when a memory pool's servers run already
+PoolServer = MPServer | RedisServer
 
 
 def _still_running(members: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
@@ -394,12 +398,12 @@ def resolve_server_ports(plan: dict) -> dict:
     return plan
 
 
-def pool_server(entry: dict, log_dir: Path) -> ManagedProcess:
+def pool_server(entry: dict, log_dir: Path) -> PoolServer:
     """The process of one planned pool server: a Redis server, or an LMCache MP server (plans written
     before servers had a kind are MP plans)."""
     if entry.get("kind") == "redis":
         return RedisServer(entry, Path(log_dir) / f"redis-server-{entry['index']}.log")
-    return PoolServer(entry, Path(log_dir) / f"lmcache-server-{entry['index']}.log")
+    return MPServer(entry, Path(log_dir) / f"lmcache-server-{entry['index']}.log")
 
 
 @contextmanager

@@ -16,11 +16,6 @@ def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def read_records(path) -> pd.DataFrame:
-    """Per-request records (populate.csv, reuse.csv, reference.csv): an empty error or output is ''."""
-    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype={"output_text": str, "error": str})
-
-
 def read_frame_or_empty(path) -> pd.DataFrame:
     """A telemetry CSV; a phase on a memory tier samples no drive and leaves it empty."""
     try:

@@ -34,7 +34,7 @@ from kvpool.engine.fleet import (
     running_servers,
 )
 from kvpool.engine.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
-from kvpool.measure import kvbytes, logs
+from kvpool.measure import kvbytes, logs, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.files import read_frame_or_empty, write_json
 from kvpool.measure.pool import drop_from_page_cache
@@ -44,14 +44,6 @@ log = logging.getLogger(__name__)
 
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def archive(frame: pd.DataFrame, out_csv: Path, phase: str) -> None:
-    """A timestamped copy of a unit's raw records in its folder's ``runs/``, which Snakemake never deletes,
-    so a forced re-run cannot lose an earlier measurement."""
-    runs = Path(out_csv).parent / "runs"
-    runs.mkdir(exist_ok=True)
-    frame.to_csv(runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{phase}.csv", index=False)
 
 
 def _ports(config: dict, count: int) -> tuple[list[int], str]:
@@ -113,8 +105,7 @@ def run_unit(config: dict, plan: dict, root: Path, measure, *, plan_out: str, ma
     write_json(manifest_out, manifest)
     with unit_pool(config, root, plan):
         frame, meta = run_sampled_phase(plan, measure, drive_csv, power_csv, log_dir)
-    archive(frame, Path(csv_out), name)
-    frame.to_csv(csv_out, index=False)
+    records.write_records(frame, csv_out, name)
     return frame, meta
 
 
@@ -220,9 +211,6 @@ def recompute_in_splits(config: dict, model: str, measured: pd.DataFrame, prompt
     return pd.concat([used, computed], ignore_index=True)
 
 
-RECORD_COLUMNS = ["doc_id", "prefill_replica", "serve_replica", "ttft_s", "e2e_s", "prompt_tokens",
-                  "cached_tokens", "external_hit_tokens", "local_compute_tokens", "error", "started_at", "output_text",
-                  "followup", "local_cache_hit_tokens"]
 
 
 async def measured_request(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,
@@ -273,7 +261,7 @@ def request_row(doc_id: int, prefill: int | None, serve: int, result: RequestRes
     row.update(doc_id=doc_id, prefill_replica=prefill, serve_replica=serve,
                external_hit_tokens=counts.get("external_kv_transfer"),
                local_compute_tokens=counts.get("local_compute"), local_cache_hit_tokens=counts.get("local_cache_hit"))
-    return {column: row.get(column) for column in RECORD_COLUMNS}
+    return {column: row.get(column) for column in records.columns(records.RequestRecord)}
 
 
 def phase_sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
@@ -368,8 +356,8 @@ def reference_phase(plan: dict, requests: list, cfg: dict, log_dir: Path) -> pd.
             with tqdm(total=len(requests), desc="reference", unit="request") as bar:
                 return await split_reference.compute(session, url, requests, output_tokens, timeout_s, bar)
 
-    with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-        rows = asyncio.run(run(replicas[0].url))
+    with timed_fleet(plan, cfg, log_dir) as fleet:
+        rows = asyncio.run(run(fleet.replicas[0].url))
     return pd.DataFrame(rows, columns=split_reference.COLUMNS)
 
 
@@ -389,42 +377,86 @@ def external_window(before: dict[int, dict], after: dict[int, dict]) -> int:
     return counter_window(before, after, "external_kv_transfer")
 
 
-def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None):
-    """Study B's request path, shared by its blocks and the length units: the plan's pool servers if
-    any and a fresh fleet, then ``await body(send, send_together, plan, replicas)``, timed, everything
-    stopped after. ``send`` sends one request at a time with its serving replica's /metrics deltas,
-    ``send_together`` one among concurrent ones (its hits from the response's cached tokens); ``plan``
-    is the plan as the pool servers resolved it; ``sampled`` (a sampler's name and disks) samples the
-    drives and power around the requests. Returns the body's rows, the meta data (wall time, the
-    servers' counters) and the sampler (None unless sampled)."""
-    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
+@dataclasses.dataclass
+class TimedFleet:
+    """A unit's fleet (and its pool servers) while it runs: the plan as the servers resolved it, the
+    replicas, the servers, the measured window (timed, and sampled when named), and what the servers did
+    in it (``pool_record``, filled when the servers stop)."""
+
+    plan: dict
+    replicas: list[Replica]
+    servers: list
+    cfg: dict
+    pool_record: dict
+    sampler: Sampler | None = None
+    started: float | None = None
+    finished: float | None = None
+
+    @property
+    def by_index(self) -> dict[int, Replica]:
+        return {replica.index: replica for replica in self.replicas}
+
+    @contextmanager
+    def window(self, sampled: str | None = None, disks: list[str] | None = None):
+        """The unit's measured window: timed, and its drives and power sampled under the name ``sampled``."""
+        sampling = phase_sampler(self.plan, sampled, disks or [], self.cfg, self.replicas) if sampled else nullcontext()
+        with sampling as sampler:
+            self.sampler = sampler
+            self.started = time.time()
+            try:
+                yield self
+            finally:
+                self.finished = time.time()
+
+    def meta(self, **fields) -> dict:
+        """The unit's meta data: ``fields``, the window's times unless ``fields`` time a narrower span (a
+        load level's schedule), and the pool servers' record. Read it once the fleet has stopped."""
+        meta = {"wall_s": self.finished - self.started, "started_at": self.started, "finished_at": self.finished,
+                **fields}
+        if self.pool_record:
+            meta["pool_server"] = self.pool_record
+        return meta
+
+
+@contextmanager
+def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] | None = None):
+    """Every unit kind's fleet: the plan's pool servers (started here and stopped after, unless
+    ``servers`` run already), then the replicas, healthy, as a ``TimedFleet``; everything this started is
+    stopped however the unit ends."""
+    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
         with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-            by_index = {r.index: r for r in replicas}
+            yield TimedFleet(plan, replicas, servers, cfg, pool_record)
 
-            async def requests():
-                async with new_session() as session:
-                    async def send(replica: int, prompt: list[int]):
-                        return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
-                                                      token_ids=True)
 
-                    async def send_together(replica: int, prompt: list[int]):
-                        result = await complete(session, by_index[replica].url, prompt, output_tokens, timeout_s,
-                                                token_ids=True)
-                        if result.error:
-                            result.error = replica_error(by_index[replica], "the request", result.error)
-                        return result, {}
+def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None):
+    """Study B's request path, shared by its blocks and the length units, on a ``timed_fleet``:
+    ``await body(send, send_together, plan, replicas)``, timed. ``send`` sends one request at a time with
+    its serving replica's /metrics deltas, ``send_together`` one among concurrent ones (its hits from the
+    response's cached tokens); ``plan`` is the plan as the pool servers resolved it; ``sampled`` (a
+    sampler's name and disks) samples the drives and power around the requests. Returns the body's rows,
+    the meta data (wall time, the servers' counters) and the sampler (None unless sampled)."""
+    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+    with timed_fleet(plan, cfg, log_dir) as fleet:
+        by_index = fleet.by_index
 
-                    return await body(send, send_together, plan, replicas)
+        async def requests():
+            async with new_session() as session:
+                async def send(replica: int, prompt: list[int]):
+                    return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
+                                                  token_ids=True)
 
-            with (phase_sampler(plan, sampled[0], sampled[1], cfg, replicas) if sampled else nullcontext()) as sampler:
-                started = time.time()
-                rows = asyncio.run(requests())
-                finished = time.time()
-    meta = {"started_at": started, "finished_at": finished, "wall_s": finished - started}
-    if pool_record:
-        meta["pool_server"] = pool_record
-    return rows, meta, sampler
+                async def send_together(replica: int, prompt: list[int]):
+                    result = await complete(session, by_index[replica].url, prompt, output_tokens, timeout_s,
+                                            token_ids=True)
+                    if result.error:
+                        result.error = replica_error(by_index[replica], "the request", result.error)
+                    return result, {}
+
+                return await body(send, send_together, fleet.plan, fleet.replicas)
+
+        with fleet.window(*(sampled or ())):
+            rows = asyncio.run(requests())
+    return rows, fleet.meta(), fleet.sampler
 
 
 def recording_sends(send, prompts: dict[str, list[int]]):

@@ -22,7 +22,8 @@ from kvpool.engine.plan import (
 )
 from kvpool.measure import kvbytes
 from kvpool.measure.checks import skipped, tally
-from kvpool.measure.files import read_frame_or_empty, read_json, read_records
+from kvpool.measure.files import read_frame_or_empty, read_json
+from kvpool.measure.records import read_records
 from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.validity import failures
 from kvpool.report import tables as summary

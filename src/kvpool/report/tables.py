@@ -12,7 +12,9 @@ import pandas as pd
 from scipy.stats import binomtest, bootstrap
 
 from kvpool.cells import Cell
-from kvpool.measure.files import read_frame_or_empty, read_json, read_records
+from kvpool.config import reads
+from kvpool.measure.files import read_frame_or_empty, read_json
+from kvpool.measure.records import read_records
 from kvpool.measure.telemetry import drive_per_tick, energy_mean_power
 from kvpool.measure.validity import failures
 
@@ -485,7 +487,8 @@ def load_markdown(table: pd.DataFrame) -> str:
     return load_for_reading(table).to_markdown(index=False) + "\n"
 
 
-def run_summary(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
+@reads("warm_s", "slo_s", "workload")
+def run_table1(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
                 validity_jsons: list[str], telemetry_jsons: list[str], *, cells_csv: str, csv_out: str,
                 md_out: str) -> None:
     """The per-cell table (``cells_csv``: every figure of every cell, with its intervals) and Study A's

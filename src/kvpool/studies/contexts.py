@@ -23,10 +23,12 @@ import pandas as pd
 
 from kvpool.cells import Cell, run_pools
 from kvpool.cells import cells as matrix_cells
+from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine.model import vocabulary
-from kvpool.measure import provenance
+from kvpool.measure import provenance, records
 from kvpool.measure.checks import NOT_APPLICABLE, check, status
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import ChainRecord, read_records
 from kvpool.measure.timed import (
     REPO,
     chain_fleet,
@@ -193,6 +195,14 @@ def markdown(frame: pd.DataFrame, fits: dict[str, crossover.Fit | str]) -> str:
 log = logging.getLogger(__name__)
 
 
+def _unit_sections(config: dict, wildcards=None) -> dict:
+    """A unit reads its own length from its path, not contexts.doc_tokens: a new length leaves the measured
+    units as they are."""
+    return {"contexts": {key: config["contexts"][key] for key in ("chains", "seed")}}
+
+
+@reads(*PHASE_SETTINGS, "min_hit_fraction", "max_resident_fraction", "hash_keys", "lmcache", "random_model",
+       picked=_unit_sections)
 def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_out: str, manifest_out: str,
                      csv_out: str, json_out: str, reference_out: str, drive_csv: str, power_csv: str, log_dir: str,
                      provenance_config: dict) -> None:
@@ -227,6 +237,7 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
 
 
+@reads("engine", "random_model")
 def run_contexts_table(config: dict, units: list[tuple[Cell, int]], *, csvs: list[str], metas: list[str],
                        csv_out: str, md_out: str, figures_dir: str) -> None:
     """results/contexts.csv and .md and their figure: per shared cell, its lengths' cold, own-cache and
@@ -257,7 +268,7 @@ def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Pa
     """A context unit (kvpool.studies.contexts): each document's locality chain one request at a time on a fresh
     fleet and pool (chain_fleet), the pool dropped from the page cache and checked right before every
     cross-replica step, so each reload is a device read."""
-    from kvpool.studies.studyb import COLUMNS, run_block
+    from kvpool.studies.studyb import run_block
 
     drops, prompts = [], {}
 
@@ -271,4 +282,4 @@ def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Pa
         return await run_block(send, BLOCK, workload, study, len(replicas), before)
 
     rows, meta, sampler = chain_fleet(plan, cfg, log_dir, body, sampled=("contexts", disks))
-    return pd.DataFrame(rows, columns=COLUMNS), {"drops_before_cross": drops, "prompts": prompts, **meta}, sampler
+    return records.frame(ChainRecord, rows), {"drops_before_cross": drops, "prompts": prompts, **meta}, sampler

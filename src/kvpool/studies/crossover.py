@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvpool.measure.files import read_records
+from kvpool.config import reads
+from kvpool.measure.records import read_records
 
 # The locality chain's steps whose TTFTs the two models are fitted to (kvpool.studies.studyb.CHAIN)
 PREFILL_STEP, RELOAD_STEP = "cold", "cross"
@@ -129,18 +130,19 @@ def markdown(frame: pd.DataFrame, result: Fit | str) -> str:
 log = logging.getLogger(__name__)
 
 
-def run_crossover(config: dict, *, locality_csv: str, csv_out: str, md_out: str, figures_dir: str) -> None:
-    """Where the pool pays (kvpool.studies.crossover), from Study B's locality table: the prefill and reload
+@reads("engine", "random_model")
+def run_crossover(config: dict, study: dict, *, locality_csv: str, csv_out: str, md_out: str, figures_dir: str) -> None:
+    """Where the pool pays (kvpool.studies.crossover), from Study B's locality table (``study``: its resolved
+    settings, whose tier the reload is read from): the prefill and reload
     models fitted per context, the crossover context and the break-even read rates."""
     from kvpool.engine.model import engine_kv_bytes_per_token
     from kvpool.report import figures
-    from kvpool.studies import studyb
 
     per_token = engine_kv_bytes_per_token(config)
     if per_token is None:
         raise ValueError(f"the crossover needs the model's KV bytes per token, and {config['engine']['model']} "
                          "has no config.json here to read them from")
-    frame, fit = table(read_records(locality_csv), per_token, studyb.resolved(config)["tier"])
+    frame, fit = table(read_records(locality_csv), per_token, study["tier"])
     frame.to_csv(csv_out, index=False)
     drawn = figures.save(figures.crossover(frame, fit), Path(figures_dir), "crossover")
     page = markdown(frame, fit)

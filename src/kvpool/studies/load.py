@@ -27,34 +27,32 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import Cell, pool_root
+from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, complete, new_session
+from kvpool.engine.cross_router import followup_route
 from kvpool.engine.fleet import (
     PoolServer,
-    running_fleet,
     running_servers,
 )
 from kvpool.engine.plan import plan_pool_dirs
-from kvpool.engine.routing import followup_route
-from kvpool.measure import kvbytes, provenance, validity
+from kvpool.measure import kvbytes, provenance, records, validity
 from kvpool.measure.checks import check, not_verified, verdict
-from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.files import read_json, write_json
 from kvpool.measure.pool import pool_files
+from kvpool.measure.records import LevelRecord, read_records
 from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.timed import (
-    RECORD_COLUMNS,
     REPO,
-    archive,
     checked_ports,
     drop_pool,
     external_window,
-    phase_sampler,
-    pool_servers,
     replica_error,
     request_row,
     run_sampled_phase,
     scrape_serving,
     server_settings,
+    timed_fleet,
     write_unit,
 )
 from kvpool.report import tables as summary
@@ -230,6 +228,15 @@ def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_rest
 log = logging.getLogger(__name__)
 
 
+def _level_sections(config: dict, wildcards) -> dict:
+    """An open-loop level reads its arrival settings, the peer level vLLM's client's; a closed-loop one
+    none of ``load``'s keys, so a new level in the lists leaves the measured levels as they are."""
+    arrivals = wildcards.level.startswith("r")
+    return {"load": {key: config["load"][key] for key in ("max_in_flight", "burstiness", "seed")} if arrivals else {},
+            "peer": config["peer"] if wildcards.level == "peer" else {}}
+
+
+@reads(*PHASE_SETTINGS, "min_hit_fraction", "max_resident_fraction", picked=_level_sections)
 def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str, prompts_path: str,
                    populate_csv: str, populate_digests: str, csv_out: str, json_out: str, drive_csv: str,
                    power_csv: str, log_dir: str, remove_pool: bool, reference_csv: str | None = None,
@@ -312,8 +319,7 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
     from kvpool.engine.plan import batch_invariant
     from kvpool.studies import peer
 
-    archive(frame, Path(csv_out), f"load-{level.name}")
-    frame.to_csv(csv_out, index=False)
+    records.write_records(frame, csv_out, f"load-{level.name}")
     in_flight = in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
     if level.kind == "peer":  # vLLM's client reports no hits per request: the window's, against reuse's
         reused = read_records(str(Path(csv_out).parents[1] / "reuse.csv"))
@@ -336,6 +342,7 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} {level.name}")
 
 
+@reads("workload", "slo_s", "engine", "random_model")
 def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: dict, csv_out: str,
                    md_out: str) -> None:
     """``results/load.csv``: one row per cell and level (``c1`` is the cell's reuse phase; ``reuse``
@@ -361,7 +368,6 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
     Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))
 
 
-LOAD_COLUMNS = [*RECORD_COLUMNS, "level", "due_s"]
 
 
 async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[dict], float, float, int | None]:
@@ -405,21 +411,19 @@ def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: d
     pool's, re-populated for the level) run already."""
     route = followup_route(prefill, len(plan["replicas"]))
     commands = None
-    with pool_servers(plan, log_dir, cfg, servers) as (plan, _, pool_record):
-        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-            drop = drop_pool(plan, cfg["drop_caches"])
-            with phase_sampler(plan, f"load~{level.name}", disks, cfg, replicas) as sampler:
-                if level.kind == "peer":
-                    rows, started, finished, window, commands = replay_with_vllm_bench(
-                        plan, replicas, workload, route, prefill, cfg, log_dir, out_dir)
-                else:
-                    rows, started, finished, window = asyncio.run(_load(replicas, workload, route, prefill, cfg,
-                                                                        level))
-    frame = pd.DataFrame(rows, columns=LOAD_COLUMNS)
-    meta = {"level": level.name, "drop_before_level": drop, "wall_s": finished - started, "started_at": started,
-            "finished_at": finished, "window_external_tokens": window}
+    with timed_fleet(plan, cfg, log_dir, servers) as fleet:
+        drop = drop_pool(fleet.plan, cfg["drop_caches"])
+        with fleet.window(f"load~{level.name}", disks):
+            if level.kind == "peer":
+                rows, started, finished, window, commands = replay_with_vllm_bench(
+                    fleet.plan, fleet.replicas, workload, route, prefill, cfg, log_dir, out_dir)
+            else:
+                rows, started, finished, window = asyncio.run(_load(fleet.replicas, workload, route, prefill, cfg,
+                                                                    level))
+    frame = records.frame(LevelRecord, rows)
+    # the level's own span (its schedule, or vLLM's client's requests), narrower than the sampled window
+    meta = fleet.meta(level=level.name, drop_before_level=drop, wall_s=finished - started, started_at=started,
+                      finished_at=finished, window_external_tokens=window)
     if commands is not None:
         meta["commands"] = commands
-    if pool_record:
-        meta["pool_server"] = pool_record
-    return frame, meta, sampler
+    return frame, meta, fleet.sampler

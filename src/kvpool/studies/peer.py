@@ -33,7 +33,8 @@ from kvpool.engine.fleet import (
     Replica,
 )
 from kvpool.measure.checks import check, verdict
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
 from kvpool.measure.timed import external_window, scrape_serving
 from kvpool.report.tables import percentile_ci, reported_percentile
 

@@ -37,15 +37,17 @@ import pandas as pd
 from tqdm import tqdm
 
 from kvpool.cells import Cell, run_pools
+from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, new_session
+from kvpool.engine.cross_router import next_replica, round_robin
 from kvpool.engine.fleet import (
     Replica,
-    running_fleet,
 )
-from kvpool.measure import provenance, validity
+from kvpool.measure import provenance, records, validity
 from kvpool.measure.checks import check, verdict
-from kvpool.measure.files import read_json, read_records
+from kvpool.measure.files import read_json
+from kvpool.measure.records import RoutedRecord, read_records
 from kvpool.measure.timed import (
     REPO,
     checked_ports,
@@ -53,11 +55,10 @@ from kvpool.measure.timed import (
     drop_pool,
     measured_request,
     new_plan,
-    phase_sampler,
-    pool_servers,
     request_row,
     run_unit,
     scrape_serving,
+    timed_fleet,
     write_unit,
 )
 from kvpool.report.tables import reported_percentile
@@ -66,9 +67,6 @@ from kvpool.studies.load import outputs_check
 ROUTERS = ("cross", "round-robin", "random", "prefix-affinity")
 PHASES = ("first", "follow-up", "hot", "after-loss")
 SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
-COLUMNS = ["router", "phase", "seq", "doc_id", "first_replica", "serve_replica", "seen_before", "ttft_s", "e2e_s",
-           "prompt_tokens", "cached_tokens", "local_cache_hit_tokens", "external_hit_tokens", "local_compute_tokens",
-           "output_text", "error"]
 
 
 class Router:
@@ -89,22 +87,20 @@ class Router:
 
     def first(self, doc_id: int, tokens: list[int]) -> int:
         if self.name == "cross":  # Study A's populate: round robin in arrival order
-            replica = self.live[next(self._turn) % len(self.live)]
+            replica = round_robin(next(self._turn), self.live)
         else:
             replica = self._pick(tokens)
         self.placed[doc_id] = replica
         return replica
 
     def followup(self, doc_id: int, tokens: list[int]) -> int:
-        if self.name == "cross":  # the next live replica after the one that prefilled it
-            first = self.placed[doc_id]
-            later = [r for r in self.live if r > first] + [r for r in self.live if r < first]
-            return later[0] if later else first
+        if self.name == "cross":  # Study A's follow-up: the next live replica after the one that prefilled it
+            return next_replica(self.placed[doc_id], self.live)
         return self._pick(tokens)
 
     def _pick(self, tokens: list[int]) -> int:
         if self.name == "round-robin":
-            return self.live[next(self._turn) % len(self.live)]
+            return round_robin(next(self._turn), self.live)
         if self.name == "random":
             return self._rng.choice(self.live)
         return max(self.live, key=lambda replica: rendezvous_weight(tokens, replica))
@@ -258,6 +254,8 @@ def router_pool_root(config: dict, cell: Cell, router: str) -> Path:
     return run_pools(config, cell.tier) / "routers" / cell.name / f"router~{router}"
 
 
+@reads(*PHASE_SETTINGS, "routers", "min_hit_fraction", "max_resident_fraction", "hash_keys", "lmcache",
+       "random_model")
 def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompts_path: str, plan_out: str,
                     manifest_out: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, log_dir: str,
                     provenance_config: dict, reference_csv: str | None = None) -> None:
@@ -372,37 +370,31 @@ def router_unit(plan: dict, workload: list[dict], router_name: str, cfg: dict, l
     doc_ids = [item["doc_id"] for item in workload]
     seen: dict[int, set[int]] = defaultdict(set)
     windows, loss = {}, None
-    with pool_servers(plan, log_dir, cfg) as (plan, _, pool_record):
-        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-            by_index = {r.index: r for r in replicas}
-            router = Router(router_name, sorted(by_index), settings["seed"])
-            with phase_sampler(plan, f"router~{router_name}", disks, cfg, replicas) as sampler:
-                started = time.time()
-                rows = asyncio.run(_routed_one_at_a_time(by_index, router, "first",
-                                                         [(d, tokens[d]) for d in doc_ids], tokens, seen, cfg))
-                drop = drop_pool(plan, cfg["drop_caches"])
-                order = followup_order(doc_ids, settings["seed"])
-                rows += asyncio.run(_routed_one_at_a_time(by_index, router, "follow-up",
+    with timed_fleet(plan, cfg, log_dir) as fleet:
+        replicas, by_index = fleet.replicas, fleet.by_index
+        router = Router(router_name, sorted(by_index), settings["seed"])
+        with fleet.window(f"router~{router_name}", disks):
+            rows = asyncio.run(_routed_one_at_a_time(by_index, router, "first",
+                                                     [(d, tokens[d]) for d in doc_ids], tokens, seen, cfg))
+            drop = drop_pool(fleet.plan, cfg["drop_caches"])
+            order = followup_order(doc_ids, settings["seed"])
+            rows += asyncio.run(_routed_one_at_a_time(by_index, router, "follow-up",
+                                                      [(d, followups[d]) for d in order], tokens, seen, cfg))
+            hot = settings["hot"]
+            if hot["requests"]:
+                draws = hot_draws(doc_ids, hot["requests"], hot["zipf_exponent"], settings["seed"])
+                hot_rows, windows["hot"] = asyncio.run(_routed_hot(
+                    by_index, router, [(d, followups[d]) for d in draws], tokens, seen, cfg, hot["concurrency"]))
+                rows += hot_rows
+            if settings["lose_replica"]:
+                lost = replicas[-1]
+                lost.stop()
+                loss = {"replica": lost.index, "stopped": not lost.alive(), "at": time.time()}
+                log.info("%s: replica %d stopped; %s routes around it", plan["cell"], lost.index, router_name)
+                router.lose(lost.index)
+                order = followup_order(doc_ids, settings["seed"] + 1)
+                rows += asyncio.run(_routed_one_at_a_time(by_index, router, "after-loss",
                                                           [(d, followups[d]) for d in order], tokens, seen, cfg))
-                hot = settings["hot"]
-                if hot["requests"]:
-                    draws = hot_draws(doc_ids, hot["requests"], hot["zipf_exponent"], settings["seed"])
-                    hot_rows, windows["hot"] = asyncio.run(_routed_hot(
-                        by_index, router, [(d, followups[d]) for d in draws], tokens, seen, cfg, hot["concurrency"]))
-                    rows += hot_rows
-                if settings["lose_replica"]:
-                    lost = replicas[-1]
-                    lost.stop()
-                    loss = {"replica": lost.index, "stopped": not lost.alive(), "at": time.time()}
-                    log.info("%s: replica %d stopped; %s routes around it", plan["cell"], lost.index, router_name)
-                    router.lose(lost.index)
-                    order = followup_order(doc_ids, settings["seed"] + 1)
-                    rows += asyncio.run(_routed_one_at_a_time(by_index, router, "after-loss",
-                                                              [(d, followups[d]) for d in order], tokens, seen, cfg))
-                finished = time.time()
-    frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    meta = {"router": router_name, "drop_before_followups": drop, "windows": windows, "loss": loss,
-            "wall_s": finished - started, "started_at": started, "finished_at": finished}
-    if pool_record:
-        meta["pool_server"] = pool_record
-    return frame, meta, sampler
+    frame = records.frame(RoutedRecord, rows)
+    meta = fleet.meta(router=router_name, drop_before_followups=drop, windows=windows, loss=loss)
+    return frame, meta, fleet.sampler

@@ -14,33 +14,30 @@ import yaml
 from tqdm import tqdm
 
 from kvpool.cells import Cell, is_memory_pool, pool_root
+from kvpool.config import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
 from kvpool.engine import external, mp, prompts, redis_pool
 from kvpool.engine.client import complete, new_session
+from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.fleet import (
     PoolServer,
     Replica,
-    running_fleet,
     running_servers,
 )
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import plan_gpus, plan_pool_dirs
-from kvpool.engine.routing import followup_route, populate_route
-from kvpool.measure import kvbytes, pool, provenance, validity
-from kvpool.measure.files import read_frame_or_empty, read_json, read_records, write_json
+from kvpool.measure import kvbytes, pool, provenance, records, validity
+from kvpool.measure.files import read_frame_or_empty, read_json, write_json
+from kvpool.measure.records import RequestRecord, read_records
 from kvpool.measure.reference import followups
 from kvpool.measure.timed import (
-    RECORD_COLUMNS,
     REPO,
-    archive,
     checked_ports,
     drop_pool,
     fresh_pool,
     measured_request,
     new_plan,
-    phase_sampler,
     phase_summary,
     pool_digests,
-    pool_servers,
     reference_phase,
     reference_replica,
     refuse_failed_reference,
@@ -48,11 +45,24 @@ from kvpool.measure.timed import (
     reset_prefix_cache,
     run_sampled_phase,
     server_settings,
+    timed_fleet,
 )
 
 log = logging.getLogger(__name__)
 
 
+def _plan_sections(config: dict, wildcards) -> dict:
+    """The sections only some cells' plans read: an external fleet's, and the pool servers' of their backend."""
+    picked = external_fleet(config)
+    if wildcards.backend == mp.BACKEND:
+        picked["lmcache_mp"] = config["lmcache_mp"]
+    if wildcards.backend == redis_pool.BACKEND:
+        picked["lmcache_redis"] = config["lmcache_redis"]
+    return picked
+
+
+@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "workload", "random_model", "min_pool_bytes",
+       picked=_plan_sections)
 def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out: str,
               provenance_config: dict | None = None) -> None:
     """The cell's plan from ``config`` (the settings the plan rule declares) and its manifest, which
@@ -64,6 +74,7 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name, **notes))
 
 
+@reads(*PHASE_SETTINGS)
 def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
                  drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, servers=None,
                  plan: dict | None = None) -> None:
@@ -86,8 +97,7 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
         lambda disks: populate_phase(plan, workload, config, probe, Path(log_dir), disks, servers,
                                       expect_shared=cell.arm == "shared"),
         drive_csv, power_csv, log_dir)
-    archive(frame, Path(csv_out), "populate")
-    frame.to_csv(csv_out, index=False)
+    records.write_records(frame, csv_out, "populate")
     dirs = plan_pool_dirs(plan)
     if plan.get("memory_pool"):  # no files: the pool is what the servers hold in memory
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
@@ -113,6 +123,7 @@ def _refuse_a_used_external_pool(plan: dict) -> None:
                 f"the fleet on a new directory) and re-run {plan['cell']} from its populate")
 
 
+@reads("drop_caches", "fault_injection")
 def run_drop(config: dict, plan_path: str, out: str) -> None:
     plan = yaml.safe_load(Path(plan_path).read_text())
     injected = None
@@ -141,6 +152,7 @@ def prefill_replicas(populate_csv: str, workload: list[dict], cell: Cell) -> dic
     return prefill
 
 
+@reads(*PHASE_SETTINGS)
 def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, populate_csv: str,
               populate_digests: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, digests_csv: str,
               log_dir: str, servers=None, plan: dict | None = None, remove_pool: bool | None = None) -> None:
@@ -182,8 +194,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
         drive_csv, power_csv, log_dir)
     if drops:
         meta["drops_between_reloads"] = drops
-    archive(frame, Path(csv_out), "reuse")
-    frame.to_csv(csv_out, index=False)
+    records.write_records(frame, csv_out, "reuse")
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
     digests = pool_digests(dirs, servers, stored)
     digests.to_csv(digests_csv, index=False)
@@ -199,6 +210,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     write_json(json_out, meta)
 
 
+@reads(*MEMORY_POOL_CELL_SETTINGS)
 def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate: dict, drop_out: str,
                          reuse: dict, log_dirs: dict) -> None:
     """Populate, drop and reuse of an lmcache-mp cell on a memory tier, around one set of servers: the
@@ -220,6 +232,7 @@ def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path:
                   log_dir=log_dirs["reuse"], servers=servers, plan=plan)
 
 
+@reads("engine", "workload", "hash_keys", "chunk_sizes")
 def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
     """Study A's split-matched reference: every follow-up in each split the workload's arithmetic
     predicts (kvpool.measure.reference.predicted_requests), on one replica with no pool."""
@@ -231,6 +244,8 @@ def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log
     refuse_failed_reference(frame)
 
 
+@reads("workload", "chunk_sizes", "min_pool_bytes", "min_hit_fraction", "max_resident_fraction",
+       picked=external_fleet)
 def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
                  reference_csv: str | None, populate_digests: str | None, reuse_digests: str | None,
                  out: str) -> None:
@@ -254,6 +269,7 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
         log.error("%s invalid: %s", cell.name, reason)
 
 
+@reads("engine", "workload", "tiers", "lmcache_mp", picked=external_fleet)
 def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], csv_out: str, md_out: str) -> None:
     """Compare each chunk's bytes across the arms' pools (see kvbytes); differences are logged."""
     digests = {(c.backend, c.chunk, c.tier, c.arm): kvbytes.read_digests(path)
@@ -299,6 +315,7 @@ def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary
     write_json(out_summary, summary)
 
 
+@reads("tiers", "drive_ceiling_bytes", "tier_rated_read_gbps")
 def run_ceiling(config: dict, tier: str, out: str) -> None:
     from kvpool.cells import tier_root
     from kvpool.measure.drive import block_devices, sequential_read_ceiling
@@ -388,26 +405,21 @@ def populate_phase(plan: dict, workload: list[dict], cfg: dict, probe: tuple[lis
     Returns the per-document records, the phase's meta data and its telemetry sampler.
     """
     route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
-    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
-        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-            # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
-            endpoints = [external.describe(r.url) for r in replicas] if plan.get("external") else None
-            started = time.time()
-            with phase_sampler(plan, "populate", disks, cfg, replicas) as sampler:
-                rows, preflight = asyncio.run(_populate(replicas, workload, route, cfg, probe, expect_shared))
-            wall_s = time.time() - started
+    with timed_fleet(plan, cfg, log_dir, servers) as fleet:
+        # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
+        endpoints = [external.describe(r.url) for r in fleet.replicas] if plan.get("external") else None
+        with fleet.window("populate", disks):
+            rows, preflight = asyncio.run(_populate(fleet.replicas, workload, route, cfg, probe, expect_shared))
     if not preflight["ok"]:
         message = preflight_failure(plan["cell"], preflight)
         if cfg["preflight_on_failure"] == "abort":
             raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
         log.error(message)
-    frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
-    meta = {"preflight": preflight, "wall_s": wall_s, "started_at": started}
+    frame = records.frame(RequestRecord, rows)
+    meta = fleet.meta(preflight=preflight)
     if endpoints is not None:
         meta["endpoints"] = endpoints
-    if pool_record:
-        meta["pool_server"] = pool_record
-    return frame, meta, sampler
+    return frame, meta, fleet.sampler
 
 
 async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) -> tuple[list[dict], float, float]:
@@ -443,15 +455,13 @@ def reuse_phase(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: 
     serving replica's prefix cache is emptied and ``between_reloads`` runs (a pool of files restored
     and dropped again)."""
     route = followup_route(prefill, len(plan["replicas"]))
-    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
-        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-            # Starting the fleet may have touched the pool; the drop must hold right before the reads.
-            drop = drop_pool(plan, cfg["drop_caches"])
-            with phase_sampler(plan, "reuse", disks, cfg, replicas) as sampler:
-                rows, started, finished = asyncio.run(_reuse(replicas, workload, route, prefill, cfg,
-                                                             between_reloads))
-    frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
-    meta = {"drop_before_reuse": drop, "wall_s": finished - started, "started_at": started, "finished_at": finished}
-    if pool_record:
-        meta["pool_server"] = pool_record
-    return frame, meta, sampler
+    with timed_fleet(plan, cfg, log_dir, servers) as fleet:
+        # Starting the fleet may have touched the pool; the drop must hold right before the reads.
+        drop = drop_pool(fleet.plan, cfg["drop_caches"])
+        with fleet.window("reuse", disks):
+            rows, started, finished = asyncio.run(_reuse(fleet.replicas, workload, route, prefill, cfg,
+                                                         between_reloads))
+    frame = records.frame(RequestRecord, rows)
+    # the wall clock of the follow-ups themselves, from the first request to the last answer
+    meta = fleet.meta(drop_before_reuse=drop, wall_s=finished - started, started_at=started, finished_at=finished)
+    return frame, meta, fleet.sampler

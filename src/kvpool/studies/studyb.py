@@ -23,16 +23,17 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import Cell, run_pools
+from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import plan_pool_dirs
-from kvpool.measure import provenance
+from kvpool.measure import provenance, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.checks import FAILED, check, not_applicable, status
-from kvpool.measure.files import read_json, read_records, write_json
+from kvpool.measure.files import read_json, write_json
+from kvpool.measure.records import ChainRecord, read_records
 from kvpool.measure.reference import payload_sha256
 from kvpool.measure.timed import (
     REPO,
-    archive,
     chain_fleet,
     checked_ports,
     new_plan,
@@ -46,10 +47,6 @@ OFF, ON = "off", "on"
 SEQUENCE = (OFF, ON, ON, OFF)
 # A chain's steps and the replica each goes to (A prefills, B never saw the document before "cross").
 CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("local-B", "B"))
-COLUMNS = ["block", "arm", "kind", "context", "chain", "step", "window", "placement", "session", "turn", "replica",
-           "payload_sha256", "prompt_tokens", "cached_tokens", "local_hit_tokens", "external_hit_tokens",
-           "computed_tokens", "ttft_s", "e2e_s", "decode_tokens_per_s", "started_at", "finished_at", "output_text",
-           "planted_recalled", "error"]
 
 
 def resolved(config: dict) -> dict:
@@ -90,6 +87,12 @@ def resolved(config: dict) -> dict:
     if config["replicas"] < 2:
         raise ValueError("study_b needs two replicas or more (a cross-replica step and alternating sessions)")
     return study
+
+
+def measured(study: dict) -> dict:
+    """What Study B's blocks measure: the resolved study less how many blocks run (``repeats``) and
+    whether ``all`` builds them (``enabled``), so a change to either re-runs no measured block."""
+    return {key: value for key, value in study.items() if key not in ("repeats", "enabled")}
 
 
 def blocks(study: dict) -> list[str]:
@@ -215,7 +218,7 @@ def _row(block: str, result, counts: dict, replica: int, prompt: list[int], **wh
            "computed_tokens": counts.get("local_compute"), "ttft_s": result.ttft_s, "e2e_s": result.e2e_s,
            "started_at": result.started_at, "finished_at": time.time(), "output_text": result.output_text,
            "error": result.error or None, **where}
-    return {column: row.get(column) for column in COLUMNS}
+    return {column: row.get(column) for column in records.columns(ChainRecord)}
 
 
 async def run_block(send: Send, block: str, workload: dict, study: dict, replicas: int,
@@ -621,10 +624,9 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
 log = logging.getLogger(__name__)
 
 
-def run_studyb_workload(config: dict, model: str, out: str) -> None:
-    """Study B's payloads, the same in every block (kvpool.studies.studyb.make_workload)."""
-
-    study = resolved(config)
+@reads("backends", "tiers", "chunk_sizes", "engine", "workload", "replicas")
+def run_studyb_workload(config: dict, study: dict, model: str, out: str) -> None:
+    """Study B's payloads (``study``: its resolved settings), the same in every block (make_workload)."""
     encode = None
     if config["engine"]["model"]:  # a real model can be asked for planted values (kvpool.studies.studyb.plant)
         from transformers import AutoTokenizer
@@ -643,9 +645,16 @@ def studyb_pool_root(config: dict, study: dict) -> Path:
     return run_pools(config, study["tier"]) / "studyb" / block_cell(study, ON).name
 
 
-def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str, plan_out: str, manifest_out: str,
-                     csv_out: str, json_out: str, reference_out: str, log_dir: str, known: list[str] = (),
-                     provenance_config: dict | None = None) -> None:
+def _fault_in_on_blocks(config: dict, wildcards) -> dict:
+    """Only an ON block injects a fault (fault_injection): turning it on re-measures no OFF block."""
+    return {"fault_injection": config["fault_injection"]} if wildcards.block.endswith(f"-{ON}") else {}
+
+
+@reads("backends", "tiers", "chunk_sizes", "engine", "workload", "replicas", *PHASE_SETTINGS, "hash_keys", "lmcache",
+       "min_hit_fraction", picked=_fault_in_on_blocks)
+def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workload_path: str, plan_out: str,
+                     manifest_out: str, csv_out: str, json_out: str, reference_out: str, log_dir: str,
+                     known: list[str] = (), provenance_config: dict | None = None) -> None:
     """One of Study B's blocks: its plan (ON, the study's shared pool, empty at the start; OFF, no
     connector), the requests, the block's checks in ``json_out``. An ON block's answers are compared
     with pool-less recomputes in their splits (``reference_out``): the earlier blocks' (``known``: their
@@ -655,7 +664,6 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
     from kvpool.measure import reference
     from kvpool.measure.checks import status, verdict
 
-    study = resolved(config)
     arm = block_arm(block)
     cell = block_cell(study, arm)
     root = studyb_pool_root(config, study)
@@ -665,9 +673,8 @@ def run_studyb_block(config: dict, block: str, *, model: str, workload_path: str
     workload = read_json(workload_path)
     with unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
         rows, meta, sent = studyb_block(plan, block, workload, study, config, Path(log_dir))
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    archive(frame, Path(csv_out), f"studyb-{block}")
-    frame.to_csv(csv_out, index=False)
+    frame = records.frame(ChainRecord, rows)
+    records.write_records(frame, csv_out, f"studyb-{block}")
     invariant = batch_invariant(config["engine"])
     compared = pd.DataFrame(columns=reference.COLUMNS)
     if arm == ON:
@@ -700,8 +707,10 @@ def _known_answers(paths: list[str]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else reference.normalized(None)
 
 
-def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions_csv: str, summary_csv: str,
-                      validity_out: str, md_out: str, figures_dir: str, windows_csv: str | None = None) -> None:
+@reads("backends", "tiers", "chunk_sizes", "engine", "workload", "replicas")
+def run_studyb_tables(config: dict, study: dict, blocks: dict, *, locality_csv: str, sessions_csv: str,
+                      summary_csv: str, validity_out: str, md_out: str, figures_dir: str,
+                      windows_csv: str | None = None) -> None:
     """Study B's tables from every block (``blocks``: name -> requests.csv and block.json): the
     locality chains (``locality_csv``), every session turn (``sessions_csv``) and the sessions per
     placement (``summary_csv``), the study's gate (each block's checks and the ON/OFF pairing) and a
@@ -709,7 +718,6 @@ def run_studyb_tables(config: dict, blocks: dict, *, locality_csv: str, sessions
     from kvpool.measure.checks import FAILED, status, tally, verdict
     from kvpool.report import figures
 
-    study = resolved(config)
     names = list(blocks)
     rows = pd.concat([read_records(paths["csv"]) for paths in blocks.values()], ignore_index=True)
     pairs = block_pairs(names)

@@ -1,7 +1,7 @@
 import pytest
 
+from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.prompts import make_workload, probe_prompts
-from kvpool.engine.routing import followup_route, populate_route
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4])
@@ -12,6 +12,18 @@ def test_every_followup_lands_on_another_replica(replicas):
     # plain round robin: every replica gets the same share in both phases
     assert sorted(list(prefill.values()).count(r) for r in range(replicas)) == [60 // replicas] * replicas
     assert sorted(list(serve.values()).count(r) for r in range(replicas)) == [60 // replicas] * replicas
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_the_routers_studys_cross_router_routes_as_study_a(replicas):
+    """The routers study's ``cross`` is Study A's router: the same prefill and follow-up replicas."""
+    from kvpool.studies.routers import Router
+
+    doc_ids = list(range(12))
+    prefill = populate_route(doc_ids, replicas)
+    router = Router("cross", list(range(replicas)), seed=0)
+    assert {d: router.first(d, [d]) for d in doc_ids} == prefill
+    assert {d: router.followup(d, [d]) for d in doc_ids} == followup_route(prefill, replicas)
 
 
 def test_one_replica_cannot_route_cross_replica():

@@ -1,0 +1,135 @@
+"""The per-request records every unit kind writes, typed: one dataclass per kind, whose fields are its CSV
+columns, and the one place they are turned into frames, written (with a timestamped copy) and read back.
+
+- ``RequestRecord``: a cell's populate and reuse phases (``populate.csv``, ``reuse.csv``);
+- ``LevelRecord``: a load level's follow-ups (``load~<level>/requests.csv``), when each was due;
+- ``ChainRecord``: a Study B block's and a length unit's chains and sessions (``requests.csv``);
+- ``RoutedRecord``: a router unit's requests, where its router sent them (``router~<name>/requests.csv``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pandas as pd
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request of a populate or reuse phase, with the serving replica's token counters around it."""
+
+    doc_id: int
+    prefill_replica: int | None
+    serve_replica: int
+    ttft_s: float | None
+    e2e_s: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    external_hit_tokens: int | None
+    local_compute_tokens: int | None
+    error: str | None
+    started_at: float | None
+    output_text: str | None
+    followup: int | None = None
+    local_cache_hit_tokens: int | None = None
+
+
+@dataclasses.dataclass
+class LevelRecord(RequestRecord):
+    """One follow-up of a load level, and when its schedule made it due (open loop)."""
+
+    level: str | None = None
+    due_s: float | None = None
+
+
+@dataclasses.dataclass
+class ChainRecord:
+    """One request of a Study B block or a length unit: a chain's step or a session's turn."""
+
+    block: str
+    arm: str
+    kind: str
+    context: int | None
+    chain: int | None
+    step: str | None
+    window: int | None
+    placement: str | None
+    session: int | None
+    turn: int | None
+    replica: int
+    payload_sha256: str
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    local_hit_tokens: int | None
+    external_hit_tokens: int | None
+    computed_tokens: int | None
+    ttft_s: float | None
+    e2e_s: float | None
+    decode_tokens_per_s: float | None
+    started_at: float | None
+    finished_at: float | None
+    output_text: str | None
+    planted_recalled: bool | None
+    error: str | None
+
+
+@dataclasses.dataclass
+class RoutedRecord:
+    """One request of a router unit: its phase, where the router sent it, and where its tokens came from."""
+
+    router: str
+    phase: str
+    seq: int
+    doc_id: int
+    first_replica: int | None
+    serve_replica: int
+    seen_before: bool
+    ttft_s: float | None
+    e2e_s: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    local_cache_hit_tokens: int | None
+    external_hit_tokens: int | None
+    local_compute_tokens: int | None
+    output_text: str | None
+    error: str | None
+
+
+def columns(kind: type) -> list[str]:
+    """The CSV columns of a record kind, in order."""
+    return [field.name for field in dataclasses.fields(kind)]
+
+
+def row(kind: type, **values) -> dict:
+    """One record as a row: every column of ``kind``, those not given empty; a name that is not one of its
+    columns is refused, so a misspelt field cannot vanish from the CSV."""
+    unknown = set(values) - set(columns(kind))
+    if unknown:
+        raise KeyError(f"{kind.__name__} has no column {sorted(unknown)}")
+    return {column: values.get(column) for column in columns(kind)}
+
+
+def frame(kind: type, rows: list[dict]) -> pd.DataFrame:
+    """Rows of one kind as a frame with exactly its columns, in order (no rows: the columns alone)."""
+    return pd.DataFrame(rows).reindex(columns=columns(kind)) if rows else pd.DataFrame(columns=columns(kind))
+
+
+def write_records(records: pd.DataFrame, path, phase: str) -> None:
+    """A unit's records to ``path``, and a timestamped copy in its folder's ``runs/``, which Snakemake never
+    deletes, so a forced re-run cannot lose an earlier measurement."""
+    runs = Path(path).parent / "runs"
+    runs.mkdir(exist_ok=True)
+    records.to_csv(runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{phase}.csv", index=False)
+    records.to_csv(path, index=False)
+
+
+def read_records(path, kind: type | None = None) -> pd.DataFrame:
+    """Per-request records as written: only an empty cell is missing (an answer "None" or "NA" stays text),
+    and errors and outputs are text; with ``kind``, with all of its columns, those a record from before one
+    was added reading empty."""
+    records = pd.read_csv(path, keep_default_na=False, na_values=[""], dtype={"output_text": str, "error": str})
+    if kind is None:
+        return records
+    return records.reindex(columns=[*columns(kind), *[c for c in records.columns if c not in columns(kind)]])

@@ -1,0 +1,42 @@
+"""The per-request record kinds: their columns, rows, and the one place they are written and read."""
+
+import pandas as pd
+import pytest
+
+from kvpool.measure import records
+from kvpool.measure.records import ChainRecord, LevelRecord, RequestRecord, RoutedRecord
+
+
+def test_a_level_record_is_a_request_record_and_when_it_was_due():
+    assert records.columns(LevelRecord) == [*records.columns(RequestRecord), "level", "due_s"]
+    assert records.columns(RequestRecord)[:3] == ["doc_id", "prefill_replica", "serve_replica"]
+
+
+def test_a_row_has_every_column_and_refuses_one_its_kind_does_not_have():
+    row = records.row(RoutedRecord, router="cross", phase="first", seq=0)
+    assert list(row) == records.columns(RoutedRecord) and row["ttft_s"] is None
+    with pytest.raises(KeyError, match="external_hits"):
+        records.row(RoutedRecord, router="cross", external_hits=3)
+
+
+def test_a_frame_has_exactly_its_kinds_columns_even_with_no_rows():
+    assert list(records.frame(ChainRecord, []).columns) == records.columns(ChainRecord)
+    frame = records.frame(RequestRecord, [{"doc_id": 1, "serve_replica": 0, "stray": 9}])
+    assert list(frame.columns) == records.columns(RequestRecord) and frame["doc_id"].tolist() == [1]
+
+
+def test_written_records_keep_a_timestamped_copy_and_read_back_as_text(tmp_path):
+    frame = records.frame(RequestRecord, [{"doc_id": 0, "serve_replica": 1, "error": "", "output_text": "None"}])
+    records.write_records(frame, tmp_path / "reuse.csv", "reuse")
+    copies = list((tmp_path / "runs").glob("*-reuse.csv"))
+    assert len(copies) == 1 and copies[0].read_text() == (tmp_path / "reuse.csv").read_text()
+    back = records.read_records(tmp_path / "reuse.csv")
+    assert back["error"].isna().all() and back["output_text"].tolist() == ["None"]
+
+
+def test_an_older_record_reads_with_its_kinds_later_columns_empty(tmp_path):
+    older = tmp_path / "reuse.csv"
+    pd.DataFrame({"doc_id": [0], "serve_replica": [1], "ttft_s": [0.5]}).to_csv(older, index=False)
+    back = records.read_records(older, RequestRecord)
+    assert list(back.columns) == records.columns(RequestRecord)
+    assert back["ttft_s"].tolist() == [0.5] and back["local_cache_hit_tokens"].isna().all()

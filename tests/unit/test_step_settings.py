@@ -1,0 +1,80 @@
+"""Each step declares beside its code the config it reads (kvpool.config.reads); its rule hands it exactly that."""
+
+import ast
+import importlib
+from types import SimpleNamespace
+
+import yaml
+from snakemake.utils import validate
+from support import REPO
+
+from kvpool.config import step_settings
+from kvpool.studies import load, study_a, studyb
+
+
+def default_config() -> dict:
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    return config
+
+
+def scripts_steps() -> list[tuple[str, str, str]]:
+    """(script, module, function) for every workflow script that hands a step ``snakemake.params.settings``."""
+    found = []
+    for script in sorted((REPO / "workflow" / "scripts").glob("*.py")):
+        tree = ast.parse(script.read_text())
+        modules = {alias.asname or alias.name: f"{node.module}.{alias.name}"
+                   for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+                    and ast.unparse(node.args[0]) == "snakemake.params.settings"):
+                found.append((script.name, modules[node.func.value.id], node.func.attr))
+    return found
+
+
+def test_every_step_a_rule_hands_settings_declares_what_it_reads():
+    steps = scripts_steps()
+    assert len(steps) >= 15  # every measuring step and most tables
+    undeclared = [f"{script}: {module}.{name}" for script, module, name in steps
+                  if not hasattr(getattr(importlib.import_module(module), name), "reads")]
+    assert undeclared == []
+
+
+def test_a_rule_uses_its_steps_declaration_not_a_list_of_its_own():
+    rules = "\n".join(path.read_text() for path in (REPO / "workflow" / "rules").glob("*.smk"))
+    calls = [line.strip() for line in rules.splitlines() if "settings=" in line]
+    assert calls and all(call.startswith("settings=settings(") and call.count(",") == 1 for call in calls), calls
+
+
+def test_a_closed_loop_level_reads_none_of_loads_keys_and_an_open_loop_one_its_arrivals():
+    config = default_config()
+    closed = step_settings(load.run_load_level, config, SimpleNamespace(level="c2"))
+    opened = step_settings(load.run_load_level, config, SimpleNamespace(level="r0.5"))
+    peer = step_settings(load.run_load_level, config, SimpleNamespace(level="peer"))
+    assert closed["load"] == {} and closed["peer"] == {}
+    assert set(opened["load"]) == {"max_in_flight", "burstiness", "seed"}
+    assert peer["peer"] == config["peer"]
+    # the rest is exactly what the step declares
+    assert set(closed) == {*load.run_load_level.reads, "load", "peer"}
+
+
+def test_a_plan_reads_the_pool_servers_settings_only_for_their_backend():
+    config = default_config()
+    fs = step_settings(study_a.make_plan, config, SimpleNamespace(backend="lmcache-fs"))
+    mp = step_settings(study_a.make_plan, config, SimpleNamespace(backend="lmcache-mp"))
+    assert "lmcache_mp" not in fs and mp["lmcache_mp"] == config["lmcache_mp"]
+    assert "fleet" not in fs  # a launched fleet is not re-planned for the external fleet's settings
+
+
+def test_study_b_is_handed_resolved_and_its_block_count_re_runs_no_block():
+    config = default_config()
+    study = studyb.resolved(config)
+    more = studyb.resolved({**config, "study_b": {**config["study_b"], "repeats": 3}})
+    assert study["backend"] == "lmcache-fs" and study["tier"] == "ram" and study["chunk"] == config["chunk_sizes"][0]
+    assert studyb.measured(study) == studyb.measured(more)
+    assert "repeats" not in studyb.measured(study) and "enabled" not in studyb.measured(study)
+    # only an ON block reads fault_injection: turning it on re-measures no OFF block
+    off = step_settings(studyb.run_studyb_block, config, SimpleNamespace(block="1-off"))
+    on = step_settings(studyb.run_studyb_block, config, SimpleNamespace(block="2-on"))
+    assert "fault_injection" not in off and on["fault_injection"] == config["fault_injection"]
+    assert "study_b" not in off  # the study comes resolved, as its own param
