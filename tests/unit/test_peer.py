@@ -4,12 +4,15 @@ into kvpool's records, the replay's gate, and the table beside kvpool's own TTFT
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from support import completions_server
+from support import REPO, completions_server
 
 from kvpool.cells import Cell
 from kvpool.engine.model import build_tokenizer
@@ -159,6 +162,39 @@ def test_the_peer_replay_is_the_last_unit_of_a_cells_chain(config):
     assert [level.name for level in load.load_chain(config)] == ["c4", "r0.5"]
     assert np.isnan(peer.rows({"ttfts": [None], "errors": ["boom"], "latencies": [None], "input_lens": [0]},
                               [3], {3: 0}, 1)[0]["ttft_s"])
+
+
+def test_peer_arms_keep_the_replay_off_the_other_arms_chain(config):
+    config["load"].update(concurrency=[4], rates=[])
+    config["peer"].update(enabled=True, arms=["shared"])
+    isolated = Cell("lmcache-fs", "isolated", 256, "disk")
+    assert [level.name for level in load.load_chain(config, SHARED)] == ["peer", "c4"]
+    assert [level.name for level in load.load_chain(config, isolated)] == ["c4"]
+    assert [level.name for level in load.load_chain(config)] == ["peer", "c4"]  # what any cell runs
+
+
+def test_the_default_replays_the_shared_cell_alone_after_its_reuse(tmp_path):
+    """The embedded default (peer.arms [shared]): one peer replay, the shared cell's, right after its reuse."""
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
+                             str(tmp_path), "--configfile", str(REPO / "config" / "config.yaml")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    replays = re.findall(r"output: (results/cells/\S+)/load~peer/manifest.json", result.stdout)
+    assert replays == ["results/cells/backend~lmcache-fs/arm~shared/chunk~256/tier~disk"]
+    replay = re.search(r"input: (.*)\n\s+output: \S+/load~peer/manifest.json", result.stdout)
+    assert f"{replays[0]}/reuse.json" in replay.group(1)
+
+
+def test_with_pools_not_kept_the_next_cell_waits_for_the_last_unit_on_the_tier(tmp_path):
+    """keep_pools false: the tier holds one cell's pool, removed by the last unit on it. The shared cell's is
+    its peer replay; the isolated cell, replayed by no one, removes its pool in its reuse."""
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
+                             str(tmp_path), "--configfile", str(REPO / "config" / "config.yaml"),
+                             "--config", "keep_pools=False"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    populate = re.search(r"input: (.*)\n\s+output: results/cells/backend~lmcache-fs/arm~isolated/\S+/populate.csv",
+                         result.stdout)
+    assert "arm~shared/chunk~256/tier~disk/load~peer/level.json" in populate.group(1)
 
 
 def test_a_result_without_latencies_takes_ttft_plus_the_token_gaps():

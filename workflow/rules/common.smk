@@ -112,20 +112,28 @@ def cell_log(step):
     return f"logs/{step}/{CELL_PATTERN}.log"
 
 
-# The units after the reuse phase (c1) on every cell's pool, in run order: the load levels in config
-# order, then the peer replay (vLLM's client, kvpool.studies.peer) when peer.enabled
-LOAD_LEVELS = [level.name for level in load_chain(config)]
-LOAD_CELLS = CELLS if LOAD_LEVELS else []
+# The units after the reuse phase (c1) on a cell's pool, in run order: the peer replay (vLLM's client,
+# kvpool.studies.peer) when peer.enabled and the cell's arm is in peer.arms, then the load levels in
+# config order
+def cell_chain(cell):
+    """The names of the units that run on ``cell``'s pool after its reuse phase, in run order."""
+    return [level.name for level in load_chain(config, cell)]
+
+
+LOAD_CELLS = [cell for cell in CELLS if cell_chain(cell)]
 
 
 def units_done(names):
-    """(cell, unit) pairs in matrix and config order: with measured_only, those that finished."""
-    return [
-        (cell, level)
-        for cell in (CELLS if MEASURED_ONLY else LOAD_CELLS)
-        for level in names
-        if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/load~{level}/level.json").exists()
-    ]
+    """(cell, unit) pairs in matrix and config order, for the cells whose chain has the unit: with
+    measured_only, those that finished."""
+    if MEASURED_ONLY:
+        return [
+            (cell, level)
+            for cell in CELLS
+            for level in names
+            if Path(f"results/cells/{cell.name}/load~{level}/level.json").exists()
+        ]
+    return [(cell, level) for cell in LOAD_CELLS for level in names if level in cell_chain(cell)]
 
 
 LOAD_DONE = units_done([level.name for level in levels(config)])
@@ -136,8 +144,8 @@ PEER_TARGETS = {"csv": "results/peer.csv"} if PEER_DONE else {}
 
 def last_output(cell):
     """The file whose job ends a cell's use of its pool: its last load level's, else its reuse's."""
-    if cell in LOAD_CELLS:
-        return f"results/cells/{cell.name}/load~{LOAD_LEVELS[-1]}/level.json"
+    if chain := cell_chain(cell):
+        return f"results/cells/{cell.name}/load~{chain[-1]}/level.json"
     return f"results/cells/{cell.name}/reuse.json"
 
 
@@ -173,10 +181,13 @@ def level_after(wildcards):
     """Ordering only (ancient): a cell's levels run after its reuse phase and one after another, on
     its one pool; the last one removes the pool when pools are not kept."""
     cell = Cell.from_wildcards(wildcards)
-    if wildcards.level not in LOAD_LEVELS:
-        raise ValueError(f"load~{wildcards.level} is not a configured level (load.concurrency, load.rates)")
-    position = LOAD_LEVELS.index(wildcards.level)
-    before = "reuse.json" if position == 0 else f"load~{LOAD_LEVELS[position - 1]}/level.json"
+    chain = cell_chain(cell)
+    if wildcards.level not in chain:
+        raise ValueError(
+            f"load~{wildcards.level} is not a unit of {cell.name} (load.concurrency, load.rates, peer.enabled, peer.arms)"
+        )
+    position = chain.index(wildcards.level)
+    before = "reuse.json" if position == 0 else f"load~{chain[position - 1]}/level.json"
     return ancient(f"results/cells/{cell.name}/{before}")
 
 

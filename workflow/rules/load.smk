@@ -34,7 +34,7 @@ rule load_level:
         fleet=1,
     params:
         settings=settings(load.run_load_level),
-        remove_pool=lambda wc: not config["keep_pools"] and wc.level == LOAD_LEVELS[-1],
+        remove_pool=lambda wc: not config["keep_pools"] and wc.level == cell_chain(Cell.from_wildcards(wc))[-1],
         log_dir=lambda wc: f"logs/load/{Cell.from_wildcards(wc).name}/load~{wc.level}",
     script:
         "../scripts/run_load_level.py"

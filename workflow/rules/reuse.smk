@@ -24,6 +24,6 @@ rule reuse:
         settings=settings(study_a.run_reuse),
         log_dir=lambda wc: f"logs/reuse/{Cell.from_wildcards(wc).name}/replicas",
         # load levels restore and reuse the pool after this phase; the last of them removes it
-        remove_pool=lambda wc: not config["keep_pools"] and Cell.from_wildcards(wc) not in LOAD_CELLS,
+        remove_pool=lambda wc: not config["keep_pools"] and not cell_chain(Cell.from_wildcards(wc)),
     script:
         "../scripts/run_reuse.py"

@@ -97,11 +97,14 @@ def levels(config: dict) -> list[Level]:
             + [Level("rate", float(r)) for r in load["rates"]])
 
 
-def load_chain(config: dict) -> list[Level]:
-    """Every unit that runs on a cell's pool after its reuse phase, in run order: the peer replay of
-    that phase first when ``peer.enabled``, then the load levels in config order, so that a level added
-    later builds only itself. The last unit removes the pool when pools are not kept."""
-    return ([Level("peer", 1)] if config["peer"]["enabled"] else []) + levels(config)
+def load_chain(config: dict, cell: Cell | None = None) -> list[Level]:
+    """Every unit that runs on ``cell``'s pool after its reuse phase, in run order: the peer replay of
+    that phase first when ``peer.enabled`` and the cell's arm is one of ``peer.arms``, then the load
+    levels in config order, so that a level added later builds only itself. The last unit removes the
+    pool when pools are not kept. Without ``cell``: every unit any cell runs."""
+    peer = config["peer"]
+    replayed = peer["enabled"] and (cell is None or cell.arm in peer.get("arms", ("shared", "isolated")))
+    return ([Level("peer", 1)] if replayed else []) + levels(config)
 
 
 def arrival_offsets(rate: float, count: int, burstiness: float, seed: int) -> np.ndarray:
