@@ -99,7 +99,8 @@ def test_each_cell_is_valid_again_from_its_records(run, cell, tmp_path):
 
 @pytest.mark.parametrize("run, cell", [(run, cell) for run, cell in RUN_CELLS if cell.arm == "shared"], ids=by_name)
 def test_the_server_counted_every_reloaded_chunk(run, cell):
-    table = report.pool_server_table(run.root, [cell])
+    metas = {f"{phase}_meta": [run.cell_dir(cell) / f"{phase}.json"] for phase in ("populate", "reuse")}
+    table = report.pool_server_table([cell], metas)
     reuse = table[table["phase"] == "reuse"].iloc[0]
     followups = read_records(run.cell_dir(cell) / "reuse.csv")
     # the server's lookups and the replicas' /metrics agree: every document token came from the pool
@@ -109,7 +110,8 @@ def test_the_server_counted_every_reloaded_chunk(run, cell):
 
 def test_the_disk_tier_reloaded_from_the_drive_not_from_memory():
     # a fresh server (empty L1) found every chunk in its L2 folder and the drive read the whole pool
-    server = report.pool_server_table(PACKED.root, [SHARED_DISK]).query("phase == 'reuse'").iloc[0]
+    metas = {f"{phase}_meta": [folder(SHARED_DISK) / f"{phase}.json"] for phase in ("populate", "reuse")}
+    server = report.pool_server_table([SHARED_DISK], metas).query("phase == 'reuse'").iloc[0]
     assert server["l2_prefetch_hit_chunks_total"] == PACKED.documents * PACKED.doc_tokens / 256
     drive = read_json(folder(SHARED_DISK) / "telemetry" / "summary.json")["reuse"]["drive"]
     assert drive["read_bytes"] >= PACKED.documents * PACKED.doc_tokens * KV_BYTES_PER_TOKEN

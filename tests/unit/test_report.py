@@ -39,7 +39,12 @@ def built(tmp_path_factory):
                      [f / "reuse.csv" for _, f in shared], [f / "telemetry" / "drive.csv" for _, f in shared],
                      [str(results / "tiers" / "disk" / "ceiling.json")], tiers_csv=results / "tier_table.csv",
                      csv_out=results / "tier_compare.csv", md_out=results / "tier_compare.md")
-    build_report(config, CELLS, str(root), cell_table=results / "cell_table.csv", table1_csv=results / "table1.csv",
+    files = {name: [f / path for f in folders] for name, path in (
+        ("validity", "validity.json"), ("reuse", "reuse.csv"), ("reuse_meta", "reuse.json"),
+        ("populate_meta", "populate.json"), ("manifest", "manifest.json"), ("telemetry", "telemetry/summary.json"),
+        ("drive", "telemetry/drive.csv"), ("power", "telemetry/power.csv"))}
+    build_report(config, CELLS, files, [results / "tiers" / "disk" / "ceiling.json"],
+                 cell_table=results / "cell_table.csv", table1_csv=results / "table1.csv",
                  tier_table=results / "tier_table.csv",
                  kv_bytes=None, out_html=results / "report.html", figures_dir=results / "report" / "figures",
                  tables_dir=results / "report" / "tables")
@@ -217,3 +222,12 @@ def test_the_page_verdict_is_the_gates_so_an_invalid_load_level_is_not_called_va
     assert shown["text"] == (f"1 of 1 cells valid; 1 load levels (0 with answers not verified) judged. Failed: "
                              f"{CELLS[0].name} load~c2: its level.json names the failed checks")
     assert verdict(cells, *judge(cells, None)[:2])["valid"]
+
+
+def test_the_page_reads_the_files_its_rule_declares_and_refuses_a_list_short_of_a_cell(tmp_path):
+    from kvpool.report.page import CELL_FILES, collect
+
+    files = {name: [str(tmp_path / f"{name}-{i}") for i in range(len(CELLS))] for name in CELL_FILES}
+    files["telemetry"] = files["telemetry"][:-1]
+    with pytest.raises(ValueError, match=rf"one telemetry file per cell \({len(CELLS)} cells\)"):
+        collect(CELLS, files, [], {})

@@ -4,7 +4,9 @@ from kvpool.report import page
 
 logs.to_log(snakemake.log[0])
 cells = [Cell.from_name(name) for name in snakemake.params.cells]
-page.build_report(snakemake.params.config, cells, ".", cell_table=snakemake.input.cell_table,
+files = {name: list(snakemake.input[name]) for name in page.CELL_FILES}
+page.build_report(snakemake.params.config, cells, files, list(snakemake.input.ceilings),
+                  cell_table=snakemake.input.cell_table,
                   table1_csv=snakemake.input.table1,
                   tier_table=snakemake.input.tier_table or None, kv_bytes=snakemake.input.kv_bytes,
                   out_html=snakemake.output.html, figures_dir=snakemake.output.figures,

@@ -51,22 +51,30 @@ def _cell_keys(cell: Cell, valid: bool) -> dict:
             "valid": valid}
 
 
-def collect(root: Path, cells: list[Cell], config: dict) -> Results:
-    """Read every cell folder (and the tier ceilings) under ``root`` (a working directory)."""
+# What the page reads of each cell, as its rule declares the files (one list per name, in cell order)
+CELL_FILES = ("validity", "reuse", "reuse_meta", "populate_meta", "manifest", "telemetry", "drive", "power")
+
+
+def collect(cells: list[Cell], files: dict[str, list[str]], ceilings: list[str], config: dict) -> Results:
+    """Read every cell's records from the paths its rule declares (``files``: each of ``CELL_FILES`` to one
+    path per cell, in ``cells`` order) and the tier ceilings (``ceilings``: results/tiers/<tier>/ceiling.json)."""
+    missing = [name for name in CELL_FILES if len(files.get(name, [])) != len(cells)]
+    if missing:
+        raise ValueError(f"the report needs one {', '.join(missing)} file per cell ({len(cells)} cells)")
     rows, requests, drives, powers = [], [], [], []
     manifest = {}
-    for cell in cells:
-        folder = root / "results" / "cells" / cell.name
-        validity = read_json(folder / "validity.json")
+    for i, cell in enumerate(cells):
+        path = {name: files[name][i] for name in CELL_FILES}
+        validity = read_json(path["validity"])
         keys = _cell_keys(cell, validity["valid"])
-        records = read_records(folder / "reuse.csv")
+        records = read_records(path["reuse"])
         requests.append(records.assign(**keys))
-        reuse_meta = read_json(folder / "reuse.json")
-        summary = read_json(folder / "telemetry" / "summary.json")
-        manifest = manifest or read_json(folder / "manifest.json")
+        reuse_meta = read_json(path["reuse_meta"])
+        summary = read_json(path["telemetry"])
+        manifest = manifest or read_json(path["manifest"])
         origin = summary["populate"]["started_at"]
-        for name, frames in (("drive.csv", drives), ("power.csv", powers)):
-            frame = read_frame_or_empty(folder / "telemetry" / name)
+        for name, frames in (("drive", drives), ("power", powers)):
+            frame = read_frame_or_empty(path[name])
             if len(frame.columns):  # no file rows at all: the phase sampled no drive
                 frames.append(frame.assign(**keys, since_start_s=frame["t_s"] - origin))
         power = energy_mean_power(summary["reuse"]["power"], summary["reuse"].get("duration_s"))
@@ -88,11 +96,7 @@ def collect(root: Path, cells: list[Cell], config: dict) -> Results:
             "phases": {p: (summary[p]["started_at"] - origin, summary[p]["finished_at"] - origin)
                        for p in ("populate", "reuse")},
         })
-    tiers = {}
-    for tier in config["tiers"]:
-        path = root / "results" / "tiers" / tier / "ceiling.json"
-        if path.exists():
-            tiers[tier] = read_json(path)
+    tiers = {Path(ceiling).parent.name: read_json(ceiling) for ceiling in ceilings}
     return Results(pd.DataFrame(rows), pd.concat(requests, ignore_index=True),
                    pd.concat(drives, ignore_index=True) if drives else pd.DataFrame(),
                    pd.concat(powers, ignore_index=True) if powers else pd.DataFrame(), tiers, manifest, config)
@@ -104,14 +108,17 @@ def _cold_read_note(drop: dict) -> str:
     return f"verified: {100 * drop['resident_fraction']:.2f}% of {drop['bytes'] / 1e6:.0f} MB resident before reuse"
 
 
-def pool_server_table(root: Path, cells: list[Cell]) -> pd.DataFrame:
-    """What each pool server counted per phase (``pool_server`` in populate.json and reuse.json): an
-    lmcache-mp server's lookups, L1 and L2 chunks, L1 bytes held at the phase's end and L2 stores
-    pending; a Redis server's chunks, their KV bytes and its own memory at the phase's end."""
+def pool_server_table(cells: list[Cell], files: dict[str, list[str]]) -> pd.DataFrame:
+    """What each pool server counted per phase (``pool_server`` in populate.json and reuse.json, from
+    ``files`` as ``collect`` takes them): an lmcache-mp server's lookups, L1 and L2 chunks, L1 bytes held
+    at the phase's end and L2 stores pending; a Redis server's chunks, their KV bytes and its own memory
+    at the phase's end."""
     rows = []
-    for cell in (c for c in cells if c.backend in SERVER_BACKENDS):
+    for i, cell in enumerate(cells):
+        if cell.backend not in SERVER_BACKENDS:
+            continue
         for phase in ("populate", "reuse"):
-            meta = read_json(root / "results" / "cells" / cell.name / f"{phase}.json")
+            meta = read_json(files[f"{phase}_meta"][i])
             for server, record in meta.get("pool_server", {}).items():
                 counters = {name.removeprefix("lmcache_mp_"): value for name, value in record["metrics"].items()}
                 rows.append({"cell": cell.name, "phase": phase, "server": int(server),
@@ -377,24 +384,26 @@ def verdict(cells: pd.DataFrame, failed: list[str], counted: list[str], studyb: 
             "text": "; ".join(parts) + ("." if valid else ". Failed: " + "; ".join(line.strip() for line in failed))}
 
 
-def build_report(config: dict, cells: list[Cell], root: str, *, cell_table: str, table1_csv: str,
+def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], ceilings: list[str], *,
+                 cell_table: str, table1_csv: str,
                  tier_table: str | None,
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
                  load: str | None = None, studyb: dict | None = None, peer: str | None = None,
                  routers: str | None = None, contexts: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
-    and, for the figures that draw every request and sample, the cells' records under ``root``."""
+    and, for the figures that draw every request and sample, the cells' records (``files`` and
+    ``ceilings``, the paths the rule declares: see ``collect``)."""
     from kvpool.report import figures
 
-    results = collect(Path(root), cells, config)
+    results = collect(cells, files, ceilings, config)
     tables, figs = Path(tables_dir), Path(figures_dir)
     tables.mkdir(parents=True, exist_ok=True)
     table1 = pd.read_csv(cell_table, keep_default_na=False, na_values=[""])
     table1["valid"] = table1["valid"].astype(bool)
     table2 = pd.read_csv(tier_table).merge(table1[["cell", "valid"]], on="cell") if tier_table else pd.DataFrame()
     head = summary.headline(pd.read_csv(table1_csv))
-    servers = pool_server_table(Path(root), cells)
+    servers = pool_server_table(cells, files)
     for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
         frame.to_csv(tables / f"{name}.csv", index=False)
         (tables / f"{name}.md").write_text(frame.to_markdown(index=False, floatfmt=".4g") + "\n")
