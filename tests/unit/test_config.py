@@ -109,10 +109,12 @@ def test_a_run_that_cannot_fit_stops_before_any_job(tmp_path):
     assert not (tmp_path / "resources").exists() and not (tmp_path / "results").exists()
 
 
-def test_localhost_and_addresses_are_fine_hosts(config, tmp_path):
-    for host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+def test_localhost_and_ipv4_addresses_are_fine_hosts_and_ipv6_is_refused_by_name(config, tmp_path):
+    for host in ("localhost", "127.0.0.1", "0.0.0.0"):
         config["engine"]["host"] = host
         assert not [p for p in problems(config, tmp_path) if "engine.host" in p]
+    config["engine"]["host"] = "::1"  # not "no 2 free ports": kvpool's port checks and URLs are IPv4
+    assert [p for p in problems(config, tmp_path) if "engine.host '::1' is an IPv6 address" in p]
 
 
 def test_the_free_space_check_reads_a_real_models_kv_size(config, tmp_path):
@@ -135,9 +137,10 @@ def test_the_free_space_check_reads_a_real_models_kv_size(config, tmp_path):
     assert any(p.startswith("tiers.disk:") and "GB available but needs" in p for p in problems(config, tmp_path))
 
 
-def test_a_configfile_replaces_the_default_and_config_values_layer_on_it():
+def test_a_configfile_replaces_the_default_and_config_values_layer_on_it(tmp_path):
     """The README's rule, from the repository root where config/config.yaml exists: --configfile
-    replaces it (the e2e config has one tier, the default two), --config key=value layers on it."""
+    replaces it (a standalone file's matrix, or an overlay's over the base it names), --config key=value
+    layers on it."""
     import re
     import subprocess
     import sys
@@ -148,6 +151,10 @@ def test_a_configfile_replaces_the_default_and_config_values_layer_on_it():
         assert out.returncode == 0, out.stderr[-3000:]
         return int(re.search(r"^populate\s+(\d+)$", out.stdout, re.M).group(1))
 
-    assert populates() == 4                                            # 2 arms x 2 tiers
-    assert populates("--configfile", "tests/configs/e2e.yaml") == 2    # its one tier, not the default's two
-    assert populates("--config", "arms=[shared]") == 2                 # the default, one arm
+    standalone = yaml.safe_load((REPO / "tests" / "configs" / "e2e.yaml").read_text())
+    standalone["arms"] = ["shared"]
+    (tmp_path / "one-arm.yaml").write_text(yaml.safe_dump(standalone))
+    assert populates() == 2                                               # 2 arms x the disk tier
+    assert populates("--configfile", str(tmp_path / "one-arm.yaml")) == 1  # its one arm, not the default's two
+    assert populates("--configfile", "config/tiers.yaml") == 4            # the default, and the ram tier
+    assert populates("--config", "arms=[shared]") == 1                    # the default, one arm

@@ -70,11 +70,37 @@ def test_study_b_is_handed_resolved_and_its_block_count_re_runs_no_block():
     config = default_config()
     study = studyb.resolved(config)
     more = studyb.resolved({**config, "study_b": {**config["study_b"], "repeats": 3}})
-    assert study["backend"] == "lmcache-fs" and study["tier"] == "ram" and study["chunk"] == config["chunk_sizes"][0]
-    assert studyb.measured(study) == studyb.measured(more)
-    assert "repeats" not in studyb.measured(study) and "enabled" not in studyb.measured(study)
+    # the default's one tier; with a ram tier (config/tiers.yaml), that one
+    assert study["backend"] == "lmcache-fs" and study["tier"] == "disk" and study["chunk"] == config["chunk_sizes"][0]
+    with_ram = {**config, "tiers": {**config["tiers"], "ram": "/dev/shm/kvpool"}}
+    assert studyb.resolved(with_ram)["tier"] == "ram"
+    assert studyb.block_study(study) == studyb.block_study(more)
+    assert "repeats" not in studyb.block_study(study) and "enabled" not in studyb.block_study(study)
     # only an ON block reads fault_injection: turning it on re-measures no OFF block
     off = step_settings(studyb.run_studyb_block, config, SimpleNamespace(block="1-off"))
     on = step_settings(studyb.run_studyb_block, config, SimpleNamespace(block="2-on"))
     assert "fault_injection" not in off and on["fault_injection"] == config["fault_injection"]
     assert "study_b" not in off  # the study comes resolved, as its own param
+
+
+def test_measured_only_names_each_cell_whose_run_judged_it_with_other_settings(tmp_path):
+    """Rebuilding a run's tables with another config would judge its cells again with settings their run
+    never had: the cells and the keys that differ are named (only what the gate reads counts)."""
+    import copy
+    import json
+
+    from kvpool.cells import cells
+
+    config = default_config()
+    recorded = copy.deepcopy(config)
+    del recorded["max_resident_fraction"]  # a run from before the key: not compared
+    shared, isolated = cells(config)
+    for cell, run_config in ((shared, recorded), (isolated, {**recorded, "min_hit_fraction": 0.5})):
+        folder = tmp_path / "results" / "cells" / cell.name
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"config": run_config}))
+    assert study_a.judged_otherwise(config, [shared], tmp_path) == []
+    changed = {**config, "workload": {**config["workload"], "documents": 4}, "slo_s": 9.0}  # slo_s: no verdict
+    found = study_a.judged_otherwise(changed, [shared, isolated], tmp_path)
+    assert len(found) == 2 and found[0].startswith(shared.name) and "workload.documents 4, the run's 8" in found[0]
+    assert "min_hit_fraction" in found[1] and "slo_s" not in " ".join(found)
