@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,9 @@ def resolve_extends(config: dict, repo: Path) -> None:
     merged, first, seen = dict(config), config.get("extends"), []
     while merged.get("extends"):
         name = merged.pop("extends")
+        if not isinstance(name, str):
+            raise ValueError(f"extends: {name!r} is not a file name; give one config file, e.g. extends: "
+                             "config/config.yaml")
         path = Path(name) if Path(name).is_absolute() else repo / name
         if not path.is_file():
             raise ValueError(f"extends: {name} is not a config file (looked for {path})")
@@ -86,6 +90,8 @@ def resolve_extends(config: dict, repo: Path) -> None:
             raise ValueError("extends: a cycle: " + " -> ".join(str(p) for p in [*seen, path.resolve()]))
         seen.append(path.resolve())
         base = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(base, dict):
+            raise ValueError(f"extends: {name} holds a YAML {type(base).__name__}, not a config (a mapping of keys)")
         update_config(base, merged)  # the overlay over its base; the base's own extends is next
         merged = base
     if first:
@@ -107,6 +113,24 @@ def _owned(args: list[str], owned: set[str]) -> list[str]:
     return sorted({arg.split("=", 1)[0] for arg in args if arg.split("=", 1)[0] in owned})
 
 
+def _rate_problems(rates: list[float]) -> list[str]:
+    """Each load rate must name a level of its own (``r<rate>``, kvpool.studies.load.Level) that reads back
+    as that rate: a rate in exponent form names no level, and two rates that print alike would be one."""
+    from kvpool.studies.load import LEVEL_PATTERN, Level
+
+    found, names = [], {}
+    for rate in rates:
+        name = Level("rate", float(rate)).name
+        if not re.fullmatch(LEVEL_PATTERN, name) or Level.from_name(name).value != float(rate):
+            found.append(f"load.rates {rate} cannot name a level (it prints as {name}): give rates from 0.0001 to "
+                         "999999 requests per second with at most six significant digits")
+        elif name in names:
+            found.append(f"load.rates {names[name]} and {rate} both name the level {name}: give rates that differ "
+                         "in their first six significant digits")
+        names.setdefault(name, rate)
+    return found
+
+
 def _input_problems(config: dict) -> list[str]:
     """Values that would run something other than what the config says, or hang, each with the fix."""
     found = []
@@ -121,7 +145,9 @@ def _input_problems(config: dict) -> list[str]:
         found.append(f"lmcache_mp.extra_args sets {', '.join(owned)}, which kvpool sets per server; use the "
                      "lmcache_mp keys (l1_size_gib, eviction_policy, l2_use_odirect) instead")
     try:
-        ipaddress.ip_address(engine["host"])
+        if ipaddress.ip_address(engine["host"]).version == 6:
+            found.append(f"engine.host {engine['host']!r} is an IPv6 address; kvpool's replicas, pool servers and "
+                         "port checks use IPv4: give an IPv4 address to bind (127.0.0.1 by default)")
     except ValueError:
         if engine["host"] != "localhost":  # a name would be looked up once per candidate port, and can hang
             found.append(f"engine.host {engine['host']!r} is not an IP address; give the address to bind "
@@ -196,6 +222,11 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
         found.append(f"engine.ports lists {len(engine['ports'])} ports for {replicas} replicas")
     if engine["kind"] == "vllm-cpu" and engine["cores"] != "auto" and len(engine["cores"]) < replicas:
         found.append(f"engine.cores lists {len(engine['cores'])} cores for {replicas} replicas")
+    if engine["cores"] != "auto" and (twice := sorted({c for c in engine["cores"] if engine["cores"].count(c) > 1})):
+        found.append(f"engine.cores lists core {', '.join(map(str, twice))} more than once: each listed core takes "
+                     "one replica; to share cores, set auto (more replicas than cores then share them round robin, "
+                     "and each cell's manifest records it)")
+    found += _rate_problems(config["load"]["rates"])
     model = engine["model"]
     if check_paths and model and (model.startswith(("/", ".")) or Path(model).exists()) and not Path(model).is_dir():
         found.append(f"engine.model {model!r} is not a directory")

@@ -35,7 +35,7 @@ def test_an_external_config_with_its_endpoints_has_no_problems(config, tmp_path)
 
 @pytest.mark.parametrize(("change", "named"), [
     (lambda c: c["fleet"]["endpoints"].update(shared=URLS[:1]), "fleet.endpoints.shared lists 1 URLs for 2 replicas"),
-    (lambda c: c["fleet"]["endpoints"].update(shared=[URLS[0]] * 2), "lists one URL twice"),
+    (lambda c: c["fleet"]["endpoints"].update(shared=[URLS[0]] * 2), "lists one server twice"),
     (lambda c: c.update(arms=["shared", "isolated"]), "fleet.endpoints.isolated: an external fleet needs"),
     (lambda c: c["fleet"]["endpoints"].update(isolated=URLS), "fleet.endpoints.isolated: isolated is not in arms"),
     (lambda c: c["fleet"]["pool_dirs"].update(shared=["/p"]), "fleet.pool_dirs.shared lists 1 directories"),

@@ -39,6 +39,34 @@ def endpoint(url: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a replica's base URL (http[s]://host:port), or None."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        parsed.port  # noqa: B018 (reading it checks it: out of range or not a number raises)
+    except ValueError as exc:
+        return f"{url!r} is not a URL ({exc})"
+    if parsed.scheme not in ("http", "https"):
+        return f"{url!r} is not an http:// or https:// URL"
+    if not parsed.hostname:
+        return f"{url!r} names no host"
+    return None
+
+
+def same_server(url: str) -> tuple[str, int]:
+    """The server a valid base URL reaches, as (address, port): ``localhost`` is the loopback address and an
+    IP address is written one way, so two spellings of one server compare equal (no name is looked up)."""
+    import ipaddress
+
+    host, port = endpoint(url)
+    host = "127.0.0.1" if host == "localhost" else host.lower()
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    return host, port
+
+
 def problems(config: dict) -> list[str]:
     """Why an external fleet's config cannot run, each naming the key; empty in launch mode."""
     fleet = config["fleet"]
@@ -52,10 +80,13 @@ def problems(config: dict) -> list[str]:
         if not urls:
             found.append(f"fleet.endpoints.{arm}: an external fleet needs its {config['replicas']} replicas' URLs "
                          f"for every arm in arms ({', '.join(config['arms'])})")
+        elif bad := [problem for url in urls if (problem := url_problem(url))]:
+            found += [f"fleet.endpoints.{arm}: {problem}" for problem in bad]
         elif len(urls) != config["replicas"]:
             found.append(f"fleet.endpoints.{arm} lists {len(urls)} URLs for {config['replicas']} replicas")
-        elif len(set(urls)) != len(urls):
-            found.append(f"fleet.endpoints.{arm} lists one URL twice: a follow-up could land on its prefiller")
+        elif len({same_server(url) for url in urls}) != len(urls):
+            found.append(f"fleet.endpoints.{arm} lists one server twice ({', '.join(urls)}): a follow-up could land "
+                         "on its prefiller")
         dirs = fleet["pool_dirs"].get(arm)
         if dirs is not None and len(dirs) != config["replicas"]:
             found.append(f"fleet.pool_dirs.{arm} lists {len(dirs)} directories for {config['replicas']} replicas")
