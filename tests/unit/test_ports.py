@@ -15,3 +15,35 @@ def test_listening_port_is_taken_and_closed_one_is_free():
         accepted.close()  # the server side closes first: its end lingers in TIME_WAIT
         client.close()
     assert port_is_free("127.0.0.1", port)
+
+
+def test_a_port_another_run_is_starting_a_server_on_is_not_free_and_an_auto_port_moves_off_it():
+    """Two runs planning at the same moment: the one that claimed a port first keeps it until its server
+    is healthy; the other sees it taken before anything listens on it, and its auto port moves."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kvpool.engine import fleet
+
+    port = fleet.free_ports("127.0.0.1", 1, start=18900, span=90)[0]
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from kvpool.engine import fleet; "
+        f"assert fleet.claim_port({port}); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert fleet.claimed_elsewhere(port) and not fleet.port_is_free("127.0.0.1", port)
+        assert port not in fleet.free_ports("127.0.0.1", 3, start=port, span=40)
+        plan = {"port_source": "auto", "replicas": [{"index": 0, "host": "127.0.0.1", "port": port, "argv": [
+            "serve", "--port", str(port)], "env": {}}]}
+        moved, held = fleet.claimed(plan, fleet.resolve_ports, lambda p: [r["port"] for r in p["replicas"]])
+        assert held == [moved["replicas"][0]["port"]] and held != [port] and not fleet.claimed_elsewhere(held[0])
+        fleet.release_ports(held)
+        with pytest.raises(fleet.FleetError, match="configured ports are in use"):
+            fleet.claimed({**plan, "port_source": "config"}, fleet.resolve_ports, lambda p: [port])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not fleet.claimed_elsewhere(port)  # the kernel let go of a dead holder's claim

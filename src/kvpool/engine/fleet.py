@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -28,8 +30,50 @@ class FleetError(RuntimeError):
     """A replica or pool server failed to start, died, or could not be reached."""
 
 
+# Ports a kvpool process is starting a server on, machine-wide: one lock file per port, held (flock) from
+# the check that the port is free until the server on it is healthy, so two runs that plan at the same
+# moment never both take one. The kernel drops a lock when its process exits, however it exits.
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "kvpool-port-claims"
+_held: dict[int, int] = {}  # port -> the open lock file this process holds it by
+
+
+def claim_port(port: int) -> bool:
+    """Hold ``port`` for a server this process is about to start; False if another process holds it."""
+    if port in _held:
+        return True
+    PORT_CLAIMS.mkdir(mode=0o1777, exist_ok=True)
+    fd = os.open(PORT_CLAIMS / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _held[port] = fd
+    return True
+
+
+def release_ports(ports) -> None:
+    """Let go of ``ports`` (their servers listen on them now, or never will)."""
+    for port in ports:
+        if (fd := _held.pop(port, None)) is not None:
+            os.close(fd)
+
+
+def claimed_elsewhere(port: int) -> bool:
+    """Whether another process holds ``port`` for a server it is starting."""
+    if port in _held:
+        return False
+    if not claim_port(port):
+        return True
+    release_ports([port])
+    return False
+
+
 def port_is_free(host: str, port: int) -> bool:
-    """Whether a server could listen on ``port`` now; like uvicorn, TIME_WAIT leftovers do not count."""
+    """Whether a server could listen on ``port`` now, and no other kvpool run is starting one on it; like
+    uvicorn, TIME_WAIT leftovers do not count."""
+    if claimed_elsewhere(port):
+        return False
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -360,7 +404,7 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
         log.info("external fleet of %d healthy", len(replicas))
         yield replicas
         return
-    plan = resolve_ports(plan)
+    plan, ports = claimed(plan, resolve_ports, lambda plan: [r["port"] for r in plan["replicas"]])
     replicas = [Replica(entry, Path(log_dir) / f"replica-{entry['index']}.log") for entry in plan["replicas"]]
     started = time.monotonic()
     with _terminate_as_exit():
@@ -370,15 +414,32 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
                 if replica.entry["sequential_start"]:
                     wait_healthy([replica], timeout_s)
             wait_healthy(replicas, timeout_s)
+            release_ports(ports)  # bound now: another run's check sees them taken
             shared_ports = [problem for r in replicas if (problem := r.port_owner_problem())]
             if shared_ports:
                 raise FleetError("; ".join(shared_ports))
             log.info("fleet of %d healthy after %.1f s", len(replicas), time.monotonic() - started)
             yield replicas
         finally:
+            release_ports(ports)
             with _signals_held():
                 for replica in replicas:
                     replica.stop()
+
+
+def claimed(plan: dict, resolve, ports_of) -> tuple[dict, list[int]]:
+    """``resolve(plan)`` (its ports checked free, taken auto ports moved) with every one of ``ports_of`` it
+    then names held for this process (``claim_port``), and those ports. A port another run claims between
+    the check and the claim is checked again, so it moves (auto) or is refused by name (configured)."""
+    for _ in range(5):
+        plan = resolve(plan)
+        ports = ports_of(plan)
+        got = [port for port in ports if claim_port(port)]
+        if len(got) == len(ports):
+            return plan, ports
+        release_ports(got)
+    raise FleetError(f"ports {ports} were claimed by other kvpool runs on this machine five times over; "
+                     "retry, or give each run its own engine.ports")
 
 
 def _server_ports(server: dict) -> list[int]:
@@ -410,15 +471,18 @@ def pool_server(entry: dict, log_dir: Path) -> PoolServer:
 def running_servers(plan: dict, log_dir: Path, timeout_s: float):
     """Start the plan's pool servers (LMCache MP or Redis; none for other backends), wait for health,
     yield the plan (ports resolved) and the servers, and always stop them all."""
-    plan = resolve_server_ports(plan)
+    plan, ports = claimed(plan, resolve_server_ports,
+                          lambda plan: [port for server in plan.get("servers", []) for port in _server_ports(server)])
     servers = [pool_server(entry, log_dir) for entry in plan.get("servers", [])]
     with _terminate_as_exit():
         try:
             for server in servers:
                 server.start()
             wait_healthy(servers, timeout_s)
+            release_ports(ports)
             yield plan, servers
         finally:
+            release_ports(ports)
             with _signals_held():
                 for server in servers:
                     server.stop()
