@@ -85,7 +85,11 @@ def test_each_cell_is_valid_again_from_its_records(run, cell, tmp_path):
                          reuse_digests=cell_dir / "pool-digests.csv",
                          out=tmp_path / "validity.json")
     again, recorded = read_json(tmp_path / "validity.json"), read_json(cell_dir / "validity.json")
-    assert_same_gate(recorded["checks"], again["checks"], apart={"output_matches_recompute"})
+    # a served pool's gate now also says whether its servers stayed up and its pool could be read back
+    served = cell.backend in ("lmcache-mp", "lmcache-redis")
+    assert_same_gate(recorded["checks"], again["checks"], new={"pool_servers"} if served else set(),
+                     apart={"output_matches_recompute"})
+    assert not served or again["checks"]["pool_servers"]["ok"]
     # the run's reference was the cold and after-document paths; the document is whole chunks and whole
     # blocks, so the after-document path is the pool's own split, and today's split-matched check finds it
     outputs = again["checks"]["output_matches_recompute"]

@@ -52,3 +52,21 @@ def test_measured_only_summarizes_the_cells_a_cut_short_run_finished(study_run, 
     assert not (tree / "results" / "tier_compare.csv").exists()
     assert pd.read_csv(tree / "results" / "kv_bytes.csv").empty
     assert (tree / "results" / "report.html").stat().st_size > 10_000
+
+
+def test_measured_only_with_another_config_than_the_runs_is_refused_before_it_judges(study_run, tmp_path):
+    """The run's cells judged again under a config that reads other gate settings would overwrite their
+    verdicts: refused while the workflow is parsed, naming each cell and the keys, and nothing is written."""
+    tree = tmp_path / "tree"
+    (tree / "results").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(study_run / "results" / "cells"), str(tree / "results")], check=True)
+    verdicts = sorted((tree / "results" / "cells").rglob("validity.json"))
+    before = [path.read_text() for path in verdicts]
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "all", "-s", str(REPO / "Snakefile"),
+                             "--directory", str(tree), "--configfile", str(CONFIGS / "e2e.yaml"),
+                             "--config", "measured_only=True", "min_hit_fraction=0.99"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "min_hit_fraction (this config: min_hit_fraction 0.99" in result.stderr
+    assert CELL.format(backend="lmcache-fs", arm="shared").split("results/cells/")[-1] in result.stderr
+    assert [path.read_text() for path in verdicts] == before

@@ -126,3 +126,25 @@ def test_drive_model_is_read_where_the_kernel_exposes_it(tmp_path):
     (device / "model").write_text("SOLIDIGM SB5PH27X153T  \n")
     assert _model("nvme0n1", tmp_path) == "SOLIDIGM SB5PH27X153T"
     assert _model("vda", tmp_path) is None
+
+
+def test_a_ceiling_is_read_from_a_scratch_file_of_its_own_and_flagged_beside_another_runs(tmp_path, monkeypatch):
+    """Two runs on one tier: each reads its own scratch file under its own pools folder, and one that finds
+    the other's scratch file meanwhile says its figure is a shared device's, not the tier's ceiling."""
+    import json
+
+    from kvpool.studies import study_a
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    run.mkdir()
+    monkeypatch.chdir(run)
+    config = {"tiers": {"disk": str(tier)}, "drive_ceiling_bytes": 8 << 20, "tier_rated_read_gbps": {}}
+    study_a.run_ceiling(config, "disk", str(run / "alone.json"))
+    alone = json.loads((run / "alone.json").read_text())
+    assert alone["concurrent_ceilings"] == [] and alone["bytes"] == 8 << 20
+    assert not list(tier.rglob("*.scratch"))  # its own scratch file is gone
+    other = tier / "kvpool-pools" / "other-run-1a2b3c4d" / "ceiling" / "ceiling-99.scratch"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"\0" * 4096)
+    study_a.run_ceiling(config, "disk", str(run / "beside.json"))
+    assert json.loads((run / "beside.json").read_text())["concurrent_ceilings"] == [str(other)]

@@ -139,6 +139,21 @@ def test_a_levels_gate_fails_on_missing_hits_disagreement_or_an_isolated_hit():
                         2048, 0.9, 0.05)["valid"]
 
 
+def test_a_level_whose_replica_died_judges_the_pool_on_the_requests_that_were_answered():
+    """A killed replica's requests fail (the errors check's to judge); the answered ones loaded their
+    document, and pool_hits says so rather than 0.0."""
+    unchanged = files_restored({"files": 9, "changed": 0, "missing": 0, "example": ""})
+    drop = {"resident_fraction": 0.0, "memory_backed": False}
+    frame = records([2048, None, 2048], prefill=(0, 1, 0), serve=(1, 0, 1), errors=("", "replica 0 died", ""))
+    gate = level_checks("shared", frame, attribution(frame, 4096), drop, unchanged, 2048, 0.9, 0.05)
+    hits = gate["checks"]["pool_hits"]
+    assert hits["ok"] and hits["value"] == 1.0 and (hits["answered"], hits["requests"]) == (2, 3)
+    assert not gate["checks"]["zero_errors"]["ok"] and not gate["valid"]
+    none = records([None, None], errors=("died", "died"))
+    assert not level_checks("shared", none, attribution(none, 0), drop, unchanged, 2048, 0.9, 0.05)["checks"][
+        "pool_hits"]["ok"]
+
+
 def test_a_memory_pool_populated_again_must_match_the_cells_populate():
     """A memory pool's level populates fresh servers; only the same placement, no errors, a passed
     preflight and the cell's pool bytes count as restored."""

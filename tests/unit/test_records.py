@@ -40,3 +40,11 @@ def test_an_older_record_reads_with_its_kinds_later_columns_empty(tmp_path):
     back = records.read_records(older, RequestRecord)
     assert list(back.columns) == records.columns(RequestRecord)
     assert back["ttft_s"].tolist() == [0.5] and back["local_cache_hit_tokens"].isna().all()
+
+
+def test_a_units_meta_keeps_a_timestamped_copy_beside_its_records(tmp_path):
+    level = tmp_path / "load~c4"
+    level.mkdir()
+    records.write_meta({"level": "c4", "valid": True}, level / "level.json")
+    copies = list((level / "runs").glob("*-level.json"))
+    assert len(copies) == 1 and copies[0].read_text() == (level / "level.json").read_text()

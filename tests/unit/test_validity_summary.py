@@ -12,14 +12,14 @@ from kvpool.report.tables import arm_metrics, table1, table1_markdown
 
 
 def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), unchanged=None,
-         reference=None, **kw):
+         reference=None, server_errors=None, **kw):
     populate, reuse, rows = frames(arm, **kw)
     config["workload"].update(documents=4, doc_tokens=DOC)
     drop = drop or {"memory_backed": False, "resident_fraction": 0.0}
     preflight = preflight or {"ok": True, "hit_tokens": 512, "expect_shared": arm == "shared"}
     unchanged = unchanged or {"files": 16, "changed": 0, "missing": 0, "example": ""}
     return evaluate(arm, config, populate, reuse, rows if reference is None else reference, drop, pool_bytes,
-                    preflight, write_errors=write_errors, pool_unchanged=unchanged)
+                    preflight, write_errors=write_errors, pool_unchanged=unchanged, server_errors=server_errors)
 
 
 def test_a_clean_shared_cell_is_valid(config):
@@ -43,6 +43,7 @@ def test_a_clean_shared_cell_is_valid(config):
     ({"unchanged": {"files": 16, "changed": 1, "missing": 0, "example": "shared/k"}}, "pool_unchanged"),
     ({"unchanged": {"files": 16, "changed": 0, "missing": 2, "example": "shared/k"}}, "pool_unchanged"),
     ({"unchanged": {"files": 0, "changed": 0, "missing": 0, "example": ""}}, "pool_unchanged"),  # nothing hashed
+    ({"server_errors": ["redis server 0: exited with -9"]}, "pool_servers"),   # a pool server died mid-phase
 ])
 def test_each_failure_invalidates_the_cell(config, kwargs, check):
     result = gate(config, **kwargs)
@@ -255,3 +256,23 @@ def test_a_long_write_error_is_quoted_with_its_cause(tmp_path):
     (found,) = new_lines_matching(tmp_path, {})
     assert found.endswith("@float.data: [Errno 28] No space left on device (fs_connector.py:12)")
     assert "\x1b" not in found and len(found) < 330
+
+
+def test_a_pool_server_that_died_is_named_in_the_cell_and_its_phase_keeps_its_records(tmp_path):
+    """A Redis server killed during reuse: reading its pool back raises, and the phase records why
+    instead of crashing (which would lose populate's records with the job); the gate names it."""
+    from kvpool.measure.kvbytes import DIGEST_COLUMNS
+    from kvpool.studies import study_a
+
+    class DeadServer:
+        def digest_rows(self):
+            raise OSError("redis server 0 (redis://127.0.0.1:18102): Connection refused")
+
+    meta = {"pool_server": {"0": {"error": "redis server 0: exited with -9", "metrics": {}}}}
+    digests = study_a.readable_digests([tmp_path], [DeadServer()], None, meta)
+    assert list(digests.columns) == DIGEST_COLUMNS and digests.empty
+    assert "Connection refused" in meta["pool_digest_error"]
+    errors = study_a.server_errors({"pool_server": {"0": {"metrics": {}}}}, meta)
+    assert errors == ["redis server 0: exited with -9",
+                      "the pool could not be read back: redis server 0 (redis://127.0.0.1:18102): Connection refused"]
+    assert study_a.server_errors({}, {}) is None  # a pool of files: no servers, no check

@@ -30,6 +30,13 @@ onstart:
 # measured_only: the summaries of what this working directory holds, and no rule that measures
 MEASURED_ONLY = config["measured_only"]
 CELLS = measured(config, Path.cwd()) if MEASURED_ONLY else cells(config)
+# measured_only judges each cell again: refused where this config is not the one its run recorded in
+# what the gate reads, which would overwrite the run's verdicts with others
+if MEASURED_ONLY and (_otherwise := study_a.judged_otherwise(config, CELLS, Path.cwd())):
+    raise ValueError(
+        "measured_only: this config differs from what these cells' runs recorded in settings their gates read; "
+        "give the run's own config (each cell's manifest.json holds it under 'config'):\n  " + "\n  ".join(_otherwise)
+    )
 # Table 2 compares the shared cells of tiers whose read ceiling is measured (all of them, unless measured_only)
 CEILING_TIERS = [
     tier for tier in config["tiers"] if not MEASURED_ONLY or Path(f"results/tiers/{tier}/ceiling.json").exists()
@@ -196,7 +203,7 @@ def level_after(wildcards):
 STUDYB = studyb.resolved(config) if config["study_b"]["enabled"] else None
 # What Study B's steps are handed: the study less how many blocks run and whether all builds them, so
 # neither re-runs a measured block
-STUDYB_MEASURED = studyb.measured(STUDYB) if STUDYB else None
+STUDYB_MEASURED = studyb.block_study(STUDYB) if STUDYB else None
 # Its blocks in run order; with measured_only, those that finished
 STUDYB_DIR = (
     f"results/studyb/backend~{STUDYB['backend']}/chunk~{STUDYB['chunk']}/tier~{STUDYB['tier']}" if STUDYB else None

@@ -151,7 +151,8 @@ def drive_health(disk: str, sys_root: Path = Path("/sys"), run=None) -> dict:
 
 
 def sequential_read_ceiling(directory: Path, size_bytes: int, block_bytes: int = 4 << 20) -> dict:
-    """Sequential-read GB/s of a scratch file of ``size_bytes`` in ``directory``, read cold.
+    """Sequential-read GB/s of a scratch file of ``size_bytes`` in ``directory``, read cold. The file is
+    this process's own (``ceiling-<pid>.scratch``), so two runs measuring one tier never share it.
 
     fio (direct I/O) when installed; else a Python reader with O_DIRECT where the filesystem allows it,
     falling back to buffered reads of a file evicted from the page cache.
@@ -163,7 +164,7 @@ def sequential_read_ceiling(directory: Path, size_bytes: int, block_bytes: int =
     import time
 
     directory.mkdir(parents=True, exist_ok=True)
-    scratch = directory / "kvpool-ceiling.scratch"
+    scratch = directory / f"ceiling-{os.getpid()}.scratch"
     try:
         if shutil.which("fio"):
             out = subprocess.run(["fio", "--name=ceiling", f"--filename={scratch}", "--rw=read", "--direct=1",

@@ -116,13 +116,28 @@ def frame(kind: type, rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows).reindex(columns=columns(kind)) if rows else pd.DataFrame(columns=columns(kind))
 
 
-def write_records(records: pd.DataFrame, path, phase: str) -> None:
-    """A unit's records to ``path``, and a timestamped copy in its folder's ``runs/``, which Snakemake never
-    deletes, so a forced re-run cannot lose an earlier measurement."""
+def _kept_copy(path, name: str) -> Path:
+    """Where a timestamped copy of ``path`` goes: its folder's ``runs/``, which Snakemake never deletes."""
     runs = Path(path).parent / "runs"
     runs.mkdir(exist_ok=True)
-    records.to_csv(runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{phase}.csv", index=False)
+    return runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{name}"
+
+
+def write_records(records: pd.DataFrame, path, phase: str) -> None:
+    """A unit's records to ``path``, and a timestamped copy in its folder's ``runs/``, so a forced re-run
+    cannot lose an earlier measurement."""
+    records.to_csv(_kept_copy(path, f"{phase}.csv"), index=False)
     records.to_csv(path, index=False)
+
+
+def write_meta(meta: dict, path) -> None:
+    """A unit's meta data and gate (populate.json, reuse.json, level.json, block.json, unit.json, run.json)
+    to ``path``, with a timestamped copy beside its records' in ``runs/``: a forced re-run, which deletes
+    ``path`` first, loses neither."""
+    from kvpool.measure.files import write_json
+
+    write_json(_kept_copy(path, Path(path).name), meta)
+    write_json(path, meta)
 
 
 def read_records(path, kind: type | None = None) -> pd.DataFrame:

@@ -188,7 +188,7 @@ def write_unit(meta: dict, requests: int, drive_csv: str, power_csv: str, plan: 
     _, _, window = phase_summary(read_frame_or_empty(drive_csv), read_frame_or_empty(power_csv), meta["telemetry"],
                                  requests, plan_gpus(plan))
     meta["summary"] = {"drive": window["drive"], "power": window["power"]}
-    write_json(json_out, meta)
+    records.write_meta(meta, json_out)
     for check_name, check in meta["checks"].items():
         if check["ok"] is False:
             log.error("%s invalid: %s is %s (needs %s)", name, check_name, check["value"], check["threshold"])

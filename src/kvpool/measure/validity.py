@@ -67,14 +67,17 @@ def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, what: str 
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
              drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
              write_errors: list[str] = (), pool_unchanged: dict | None = None,
-             not_verified: dict[str, str] | None = None, reload_drops: list[dict] = ()) -> dict:
+             not_verified: dict[str, str] | None = None, reload_drops: list[dict] = (),
+             server_errors: list[str] | None = None) -> dict:
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
     ``chunk`` (default: the smallest configured, whose hit bound is the loosest).
 
     ``pool_unchanged`` (kvbytes.unchanged: populate's files against the pool after reuse) is None for
     records of runs that did not hash the pool at populate's end; the check is then left out.
     ``not_verified`` names checks that could not be made (an external fleet's, kvpool.engine.external) with
-    why: each becomes a not-verified check, which counts neither way."""
+    why: each becomes a not-verified check, which counts neither way. ``server_errors`` (a cell whose pool
+    is served: an LMCache MP or Redis server) are what its servers' records say went wrong (a server that
+    died, a pool that could not be read back); any fails the cell, named."""
     documents = config["workload"]["documents"]
     followups = documents * config["workload"].get("followups_per_document", 1)
     doc_tokens = config["workload"]["doc_tokens"]
@@ -97,6 +100,9 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                                               "outputs_match": preflight.get("outputs_match")},
                             "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
     }
+    if server_errors is not None:
+        checks["pool_servers"] = {**check(not server_errors, len(server_errors), 0),
+                                   "examples": list(server_errors)[:3]}
     if pool_unchanged is not None:
         checks["pool_unchanged"] = unchanged_check(pool_unchanged, drop_before_reuse)
     checks["cold_reads"] = cold_reads(drop_before_reuse, config["max_resident_fraction"], reload_drops)

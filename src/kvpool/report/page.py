@@ -70,14 +70,14 @@ def collect(cells: list[Cell], files: dict[str, list[str]], ceilings: list[str],
         records = read_records(path["reuse"])
         requests.append(records.assign(**keys))
         reuse_meta = read_json(path["reuse_meta"])
-        summary = read_json(path["telemetry"])
+        window = read_json(path["telemetry"])
         manifest = manifest or read_json(path["manifest"])
-        origin = summary["populate"]["started_at"]
+        origin = window["populate"]["started_at"]
         for name, frames in (("drive", drives), ("power", powers)):
             frame = read_frame_or_empty(path[name])
             if len(frame.columns):  # no file rows at all: the phase sampled no drive
                 frames.append(frame.assign(**keys, since_start_s=frame["t_s"] - origin))
-        power = energy_mean_power(summary["reuse"]["power"], summary["reuse"].get("duration_s"))
+        power = energy_mean_power(window["reuse"]["power"], window["reuse"].get("duration_s"))
         followups = max(1, len(records))
         rows.append({
             **keys,
@@ -90,10 +90,10 @@ def collect(cells: list[Cell], files: dict[str, list[str]], ceilings: list[str],
             "mean_power_w": power["mean_power_w"],
             "energy_per_followup_j": power["energy_per_request_j"],
             "replica_cpu_s_per_followup": sum(r["cpu_s"] for r in power["replicas"].values()) / followups,
-            "read_gb_per_s": summary["reuse"]["drive"].get("read_gb_per_s"),
-            "read_active_gb_per_s": summary["reuse"]["drive"].get("read_active_gb_per_s"),
+            "read_gb_per_s": window["reuse"]["drive"].get("read_gb_per_s"),
+            "read_active_gb_per_s": window["reuse"]["drive"].get("read_active_gb_per_s"),
             "cold_reads": _cold_read_note(reuse_meta["drop_before_reuse"]),
-            "phases": {p: (summary[p]["started_at"] - origin, summary[p]["finished_at"] - origin)
+            "phases": {p: (window[p]["started_at"] - origin, window[p]["finished_at"] - origin)
                        for p in ("populate", "reuse")},
         })
     tiers = {Path(ceiling).parent.name: read_json(ceiling) for ceiling in ceilings}

@@ -209,8 +209,11 @@ def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, in_flight:
 def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_restored: dict, doc_tokens: int,
                  min_hit_fraction: float, max_resident_fraction: float, outputs: dict | None = None) -> dict:
     """A level's gate: what the cell's gate asks of its reuse, on this level's requests, with its
-    answers against the recompute (``outputs``: :func:`outputs_check`)."""
-    fractions = rows["cached_tokens"].fillna(0).astype(float) / doc_tokens
+    answers against the recompute (``outputs``: :func:`outputs_check`). The pool's hits are judged on the
+    requests that were answered: a failed one (a replica that died) is the errors check's, and counting
+    its missing hit as none would hide what the answered ones loaded."""
+    answered = rows[rows["error"].fillna("") == ""]
+    fractions = answered["cached_tokens"].fillna(0).astype(float) / doc_tokens
     checks = {
         **request_checks(rows),
         "pool_restored": pool_restored,
@@ -218,8 +221,9 @@ def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_rest
     }
     checks["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)  # as the cell's gate
     if arm == "shared":
-        worst = float(fractions.min()) if len(fractions) else 0.0
-        checks["pool_hits"] = check(worst >= min_hit_fraction, worst, min_hit_fraction)
+        worst = float(fractions.min()) if len(fractions) else None
+        checks["pool_hits"] = check(worst is not None and worst >= min_hit_fraction, worst, min_hit_fraction,
+                                    answered=len(answered), requests=len(rows))
     else:
         loaded = int(rows["cached_tokens"].fillna(0).sum())
         checks["isolation"] = check(loaded == 0, loaded, 0)

@@ -106,8 +106,33 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
                         "source": f"{measure} of the pool's servers after populate"}
     else:
         meta["pool"] = pool.residency(dirs)
-    pool_digests(dirs, servers).to_csv(digests_csv, index=False)
-    write_json(json_out, meta)
+    readable_digests(dirs, servers, None, meta).to_csv(digests_csv, index=False)
+    records.write_meta(meta, json_out)
+
+
+def server_errors(*metas: dict) -> list[str] | None:
+    """What the phases' pool-server records say went wrong (a server that died mid-phase, a pool that could
+    not be read back), in phase order; None for a cell with no pool servers."""
+    if not any("pool_server" in meta or "pool_digest_error" in meta for meta in metas):
+        return None
+    found = []
+    for meta in metas:
+        found += [record["error"] for record in meta.get("pool_server", {}).values() if record.get("error")]
+        if meta.get("pool_digest_error"):
+            found.append(f"the pool could not be read back: {meta['pool_digest_error']}")
+    return found
+
+
+def readable_digests(dirs, servers, stored: pd.DataFrame | None, meta: dict) -> pd.DataFrame:
+    """The pool's digests (``pool_digests``); a pool server that died takes its pool with it, so its digests
+    cannot be read: none then, and the cause in ``meta["pool_digest_error"]``, for the gate to name,
+    instead of a crash that would lose the phase's records."""
+    try:
+        return pool_digests(dirs, servers, stored)
+    except OSError as exc:
+        meta["pool_digest_error"] = str(exc)
+        log.error("the pool's chunks could not be read back (a pool server died?): %s", exc)
+        return pd.DataFrame(columns=kvbytes.DIGEST_COLUMNS)
 
 
 def _refuse_a_used_external_pool(plan: dict) -> None:
@@ -196,7 +221,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
         meta["drops_between_reloads"] = drops
     records.write_records(frame, csv_out, "reuse")
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
-    digests = pool_digests(dirs, servers, stored)
+    digests = readable_digests(dirs, servers, stored, meta)
     digests.to_csv(digests_csv, index=False)
     log.info("pool digests: %d files, %d stored during reuse", len(digests),
              int((digests["stored_in"] == "reuse").sum()))
@@ -207,7 +232,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
     meta["pool_removed"] = remove_pool
-    write_json(json_out, meta)
+    records.write_meta(meta, json_out)
 
 
 @reads(*MEMORY_POOL_CELL_SETTINGS)
@@ -263,7 +288,8 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
                                write_errors=populate_meta.get("pool_write_errors", [])
                                + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged,
                                not_verified=external.not_verified(config, cell.arm),
-                               reload_drops=reuse_meta.get("drops_between_reloads", []))
+                               reload_drops=reuse_meta.get("drops_between_reloads", []),
+                               server_errors=server_errors(populate_meta, reuse_meta))
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
@@ -317,15 +343,61 @@ def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary
 
 @reads("tiers", "drive_ceiling_bytes", "tier_rated_read_gbps")
 def run_ceiling(config: dict, tier: str, out: str) -> None:
-    from kvpool.cells import tier_root
+    from kvpool.cells import run_pools, tier_root
     from kvpool.measure.drive import block_devices, sequential_read_ceiling
 
     root = tier_root(config, tier)
-    result = sequential_read_ceiling(root / "kvpool-ceiling", config["drive_ceiling_bytes"])
+    mine = run_pools(config, tier) / "ceiling"
+    others = lambda: sorted(str(p) for p in root.glob("kvpool-pools/*/ceiling/*.scratch")  # noqa: E731
+                            if p.parent != mine)
+    before = others()
+    result = sequential_read_ceiling(mine, config["drive_ceiling_bytes"])
     result["rated_gb_per_s"] = config["tier_rated_read_gbps"].get(tier)
     result["devices"] = block_devices(root)
+    # another run's ceiling on the same tier meanwhile shares the device: this figure is not its ceiling
+    result["concurrent_ceilings"] = sorted(set(before) | set(others()))
     write_json(out, result)
     log.info("tier %s: sequential read %.2f GB/s (%s)", tier, result["gb_per_s"], result["method"])
+    if result["concurrent_ceilings"]:
+        log.error("tier %s: another run measured this tier's ceiling at the same time (%s): its read rate is "
+                  "shared, not this tier's ceiling; re-run the ceiling alone: snakemake %s --forcerun ceiling",
+                  tier, ", ".join(result["concurrent_ceilings"]), out)
+
+
+def _differing(given, recorded, key: str) -> list[str]:
+    """The dotted keys under ``key`` whose values differ; a key the record lacks (a run from before it
+    existed) is not compared."""
+    if isinstance(given, dict) and isinstance(recorded, dict):
+        return [found for sub in given if sub in recorded
+                for found in _differing(given[sub], recorded[sub], f"{key}.{sub}")]
+    return [] if given == recorded else [key]
+
+
+def judged_otherwise(config: dict, cells: list[Cell], workdir: Path) -> list[str]:
+    """With measured_only: each cell whose run recorded (its manifest.json) other values than ``config``
+    for what its gate reads (``run_validity``'s declared settings), with the keys that differ. Judging it
+    again with ``config`` would overwrite its verdict with one its run never had."""
+    from kvpool.config import step_settings
+
+    given = step_settings(run_validity, config)
+    found = []
+    for cell in cells:
+        manifest = workdir / "results" / "cells" / cell.name / "manifest.json"
+        if not manifest.exists():
+            continue
+        recorded = read_json(manifest).get("config", {})
+        keys = [k for section in given if section in recorded for k in _differing(given[section], recorded[section],
+                                                                                   section)]
+        if keys:
+            found.append(f"{cell.name}: {', '.join(keys)} (this config: "
+                         + "; ".join(f"{k} {_at(config, k)!r}, the run's {_at(recorded, k)!r}" for k in keys) + ")")
+    return found
+
+
+def _at(config: dict, key: str):
+    for part in key.split("."):
+        config = config[part]
+    return config
 
 
 class PreflightFailed(RuntimeError):

@@ -89,7 +89,7 @@ def resolved(config: dict) -> dict:
     return study
 
 
-def measured(study: dict) -> dict:
+def block_study(study: dict) -> dict:
     """What Study B's blocks measure: the resolved study less how many blocks run (``repeats``) and
     whether ``all`` builds them (``enabled``), so a change to either re-runs no measured block."""
     return {key: value for key, value in study.items() if key not in ("repeats", "enabled")}
@@ -684,7 +684,7 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     checks = block_checks(frame, arm, study, config["min_hit_fraction"], compared, invariant)
     meta.update(arm=arm, cell=cell.name, checks=checks, valid=verdict(checks),
                 information={"chain_answers_agree": answer_agreement(frame)})
-    write_json(json_out, meta)
+    records.write_meta(meta, json_out)
     for name, result in checks.items():
         if status(result) == "failed":
             log.error("Study B block %s invalid: %s is %s (needs %s)", block, name, result["value"],
