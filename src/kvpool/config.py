@@ -22,6 +22,11 @@ OWNED_LMCACHE_KEYS = {"chunk_size", "remote_url", "remote_serde", "local_disk", 
 OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--dtype", "--max-model-len",
                       "--kv-transfer-config", "--gpu-memory-utilization", "--enable-prefix-caching",
                       "--no-enable-prefix-caching", "--enable-prompt-tokens-details"}
+# Environment variables kvpool sets per replica (kvpool.engine.plan.replica_env): the LMCache config file,
+# the hash seed that keys agree on, the replica's core and GPU. LMCache also reads every key of its config
+# as LMCACHE_<KEY> over its file (lmcache.v1.config), so LMCACHE_<an owned key> is owned too.
+OWNED_ENV = {"LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES",
+             "CUDA_DEVICE_ORDER"} | {f"LMCACHE_{key.upper()}" for key in OWNED_LMCACHE_KEYS}
 OWNED_SERVER_FLAGS = {"--host", "--port", "--http-host", "--http-port", "--chunk-size", "--l1-size-gb",
                       "--eviction-policy", "--l2-adapter"}
 
@@ -141,6 +146,10 @@ def _input_problems(config: dict) -> list[str]:
     if owned := _owned(engine["extra_args"], OWNED_ENGINE_FLAGS):
         found.append(f"engine.extra_args sets {', '.join(owned)}, which kvpool sets per replica; use the engine "
                      "keys (model, host, ports, dtype, max_model_len, gpu_memory_utilization) instead")
+    if owned := sorted(set(engine["env"]) & OWNED_ENV):
+        found.append(f"engine.env sets {', '.join(owned)}, which kvpool sets per replica (LMCache reads "
+                     "LMCACHE_<key> over its config file): a cell would run with other values than its plan and "
+                     "folder name say; use the config's own keys (chunk_sizes, hash_keys, engine.cores, engine.gpus)")
     if owned := _owned(config["lmcache_mp"]["extra_args"], OWNED_SERVER_FLAGS):
         found.append(f"lmcache_mp.extra_args sets {', '.join(owned)}, which kvpool sets per server; use the "
                      "lmcache_mp keys (l1_size_gib, eviction_policy, l2_use_odirect) instead")
