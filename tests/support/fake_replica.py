@@ -60,7 +60,7 @@ class Health(http.server.BaseHTTPRequestHandler):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def do_GET(self):
-        body = {"/health": b"", "/v1/models": b'{"data": [{"id": "kvpool-model"}]}',
+        body = {"/health": b"", "/v1/models": b'{"data": [{"id": "kvpool-model", "max_model_len": 4096}]}',
                 "/healthcheck": b'{"status": "healthy"}', "/metrics": METRICS}.get(self.path)
         self.send_response(404 if body is None else 200)
         self.end_headers()

@@ -219,3 +219,13 @@ def test_a_second_run_in_one_working_directory_is_refused(tmp_path):
     assert not (tmp_path / "resources").exists()  # no job ran
     held.close()
     acquire(tmp_path).close()  # released with its holder
+
+
+def test_a_replica_says_what_it_serves_its_model_length_and_its_lmcache_chunk_size(tmp_path):
+    """The model length from the replica's own /v1/models, the chunk size from its LMCache's log lines."""
+    with running_fleet(fake_plan("serve", count=1), tmp_path, timeout_s=30) as (replica,):
+        replica.log_path.write_text("LMCache INFO: num_layer: 4, chunk_size: 256, num_kv_head: 1\n"
+                                    "Creating LMCacheEngine with config: {'chunk_size': 256, 'local_cpu': False}\n")
+        assert replica.served() == {"max_model_len": 4096, "chunk_sizes": [256]}
+        replica.log_path.write_text("")  # no connector: no chunk size to hold against the plan
+        assert replica.served() == {"max_model_len": 4096, "chunk_sizes": []}

@@ -12,14 +12,15 @@ from kvpool.report.tables import arm_metrics, table1, table1_markdown
 
 
 def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), unchanged=None,
-         reference=None, server_errors=None, **kw):
+         reference=None, server_errors=None, served=None, **kw):
     populate, reuse, rows = frames(arm, **kw)
     config["workload"].update(documents=4, doc_tokens=DOC)
     drop = drop or {"memory_backed": False, "resident_fraction": 0.0}
     preflight = preflight or {"ok": True, "hit_tokens": 512, "expect_shared": arm == "shared"}
     unchanged = unchanged or {"files": 16, "changed": 0, "missing": 0, "example": ""}
     return evaluate(arm, config, populate, reuse, rows if reference is None else reference, drop, pool_bytes,
-                    preflight, write_errors=write_errors, pool_unchanged=unchanged, server_errors=server_errors)
+                    preflight, write_errors=write_errors, pool_unchanged=unchanged, server_errors=server_errors,
+                    served=served)
 
 
 def test_a_clean_shared_cell_is_valid(config):
@@ -44,6 +45,9 @@ def test_a_clean_shared_cell_is_valid(config):
     ({"unchanged": {"files": 16, "changed": 0, "missing": 2, "example": "shared/k"}}, "pool_unchanged"),
     ({"unchanged": {"files": 0, "changed": 0, "missing": 0, "example": ""}}, "pool_unchanged"),  # nothing hashed
     ({"server_errors": ["redis server 0: exited with -9"]}, "pool_servers"),   # a pool server died mid-phase
+    # a replica that runs another chunk size or model length than its plan (an override kvpool missed)
+    ({"served": [{"0": {"max_model_len": 16384, "chunk_sizes": [512]}}]}, "served_as_planned"),
+    ({"served": [{"0": {"max_model_len": 999, "chunk_sizes": []}}]}, "served_as_planned"),
 ])
 def test_each_failure_invalidates_the_cell(config, kwargs, check):
     result = gate(config, **kwargs)
@@ -276,3 +280,16 @@ def test_a_pool_server_that_died_is_named_in_the_cell_and_its_phase_keeps_its_re
     assert errors == ["redis server 0: exited with -9",
                       "the pool could not be read back: redis server 0 (redis://127.0.0.1:18102): Connection refused"]
     assert study_a.server_errors({}, {}) is None  # a pool of files: no servers, no check
+
+
+def test_a_replica_that_runs_what_its_plan_says_passes_and_one_that_does_not_is_named(config):
+    from kvpool.measure.validity import served_check
+
+    length = config["engine"]["max_model_len"]
+    planned = [{"0": {"max_model_len": length, "chunk_sizes": [256]}, "1": {"max_model_len": length,
+                                                                         "chunk_sizes": []}}]
+    assert served_check(planned, length, 256)["ok"]  # replica 1 logged no chunk size: nothing to hold
+    wrong = served_check([{**planned[0], "1": {"max_model_len": length, "chunk_sizes": [256, 512]}}], length, 256)
+    assert not wrong["ok"] and wrong["examples"] == ["replica 1's LMCache runs chunk_size [256, 512], the cell 256"]
+    unread = served_check([{"0": {"error": "replica 0: /v1/models could not be read: timed out"}}], length, 256)
+    assert not unread["ok"] and "timed out" in unread["examples"][0]

@@ -6,6 +6,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -235,6 +236,20 @@ class Replica(ManagedProcess):
             return SERVED_MODEL_NAME in served
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def served(self) -> dict:
+        """What this replica runs, by its own word, once healthy: the model length /v1/models reports and the
+        chunk sizes its LMCache engine logged (none where it logs none: no connector, a pool server's
+        chunks, or an external replica's log that is not ours), or why they could not be read."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as response:
+                lengths = sorted({m.get("max_model_len") for m in json.loads(response.read()).get("data", [])
+                                  if m.get("id") == SERVED_MODEL_NAME}, key=str)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return {"error": f"{self.name}: /v1/models could not be read: {exc}"}
+        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+        chunks = sorted({int(size) for size in re.findall(r"\bchunk_size'?: (\d+)", text)})
+        return {"max_model_len": lengths[0] if len(lengths) == 1 else lengths, "chunk_sizes": chunks}
 
 
 class ExternalReplica(Replica):

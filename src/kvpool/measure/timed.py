@@ -391,6 +391,7 @@ class TimedFleet:
     sampler: Sampler | None = None
     started: float | None = None
     finished: float | None = None
+    served: dict | None = None
 
     @property
     def by_index(self) -> dict[int, Replica]:
@@ -413,6 +414,8 @@ class TimedFleet:
         load level's schedule), and the pool servers' record. Read it once the fleet has stopped."""
         meta = {"wall_s": self.finished - self.started, "started_at": self.started, "finished_at": self.finished,
                 **fields}
+        if self.served is not None:
+            meta["served"] = self.served
         if self.pool_record:
             meta["pool_server"] = self.pool_record
         return meta
@@ -425,7 +428,9 @@ def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] 
     stopped however the unit ends."""
     with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
         with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
-            yield TimedFleet(plan, replicas, servers, cfg, pool_record)
+            # what each replica runs by its own word, for the gate to hold against the plan
+            yield TimedFleet(plan, replicas, servers, cfg, pool_record,
+                             served={str(replica.index): replica.served() for replica in replicas})
 
 
 def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None):

@@ -64,11 +64,29 @@ def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, what: str 
             "information": split_reference.agreement(keyed, reference)}
 
 
+def served_check(phases: list[dict], max_model_len: int, chunk: int) -> dict:
+    """Whether every replica of every phase ran what its plan says (``phases``: each phase's replica index ->
+    what it served), each mismatch named: a setting overridden somewhere kvpool does not look would
+    otherwise measure another cell than its folder's name."""
+    wrong = []
+    for phase in phases:
+        for index, served in phase.items():
+            if served.get("error"):
+                wrong.append(served["error"])
+                continue
+            if served["max_model_len"] != max_model_len:
+                wrong.append(f"replica {index} serves max_model_len {served['max_model_len']}, the plan "
+                             f"{max_model_len}")
+            if served["chunk_sizes"] and served["chunk_sizes"] != [chunk]:
+                wrong.append(f"replica {index}'s LMCache runs chunk_size {served['chunk_sizes']}, the cell {chunk}")
+    return {**check(not wrong, len(wrong), 0), "examples": wrong[:3]}
+
+
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
              drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
              write_errors: list[str] = (), pool_unchanged: dict | None = None,
              not_verified: dict[str, str] | None = None, reload_drops: list[dict] = (),
-             server_errors: list[str] | None = None) -> dict:
+             server_errors: list[str] | None = None, served: list[dict] | None = None) -> dict:
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
     ``chunk`` (default: the smallest configured, whose hit bound is the loosest).
 
@@ -77,7 +95,9 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     ``not_verified`` names checks that could not be made (an external fleet's, kvpool.engine.external) with
     why: each becomes a not-verified check, which counts neither way. ``server_errors`` (a cell whose pool
     is served: an LMCache MP or Redis server) are what its servers' records say went wrong (a server that
-    died, a pool that could not be read back); any fails the cell, named."""
+    died, a pool that could not be read back); any fails the cell, named. ``served`` (each phase's replicas'
+    own word, kvpool.engine.fleet.Replica.served) must match the plan: the configured model length, and the
+    cell's chunk size wherever a replica's LMCache logged one."""
     documents = config["workload"]["documents"]
     followups = documents * config["workload"].get("followups_per_document", 1)
     doc_tokens = config["workload"]["doc_tokens"]
@@ -100,6 +120,9 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                                               "outputs_match": preflight.get("outputs_match")},
                             "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
     }
+    if served:
+        checks["served_as_planned"] = served_check(served, config["engine"]["max_model_len"],
+                                                   chunk or min(config["chunk_sizes"]))
     if server_errors is not None:
         checks["pool_servers"] = {**check(not server_errors, len(server_errors), 0),
                                    "examples": list(server_errors)[:3]}

@@ -289,7 +289,8 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
                                + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged,
                                not_verified=external.not_verified(config, cell.arm),
                                reload_drops=reuse_meta.get("drops_between_reloads", []),
-                               server_errors=server_errors(populate_meta, reuse_meta))
+                               server_errors=server_errors(populate_meta, reuse_meta),
+                               served=[meta["served"] for meta in (populate_meta, reuse_meta) if "served" in meta])
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
