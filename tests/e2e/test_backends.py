@@ -3,17 +3,29 @@ prerequisites: LMCache's redis:// against servers the pipeline starts, and the s
 setting, whose cell must come out invalid."""
 
 import json
+import subprocess
+import time
+from pathlib import Path
 
 import pandas as pd
 import psutil
 import pytest
 from support import CONFIGS
-from support.e2e import CELL, replicas_running_in, snakemake
+from support.e2e import CELL, replicas_running_in, snakemake, snakemake_argv
 
 
 def redis_servers_running_in(workdir):
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "redis-server" in " ".join(p.info["cmdline"] or []) and str(workdir) in " ".join(p.info["cmdline"])]
+    """The redis-server processes working under ``workdir`` (each cell's servers run in folders of its pool;
+    a server rewrites its command line to its address, so the folder is what tells whose it is)."""
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if "redis-server" in " ".join(process.info["cmdline"] or [process.info["name"] or ""]) and \
+                    Path(process.cwd()).resolve().is_relative_to(Path(workdir).resolve()):
+                found.append(process.pid)
+        except (psutil.Error, OSError):
+            pass
+    return found
 
 
 @pytest.mark.full
@@ -60,3 +72,32 @@ def test_local_disk_shared_arm_is_marked_invalid(prepared):
     html = (prepared / "results" / "report.html").read_text()
     assert "lmcache-local-disk" in html and "INVALID" in html
     assert replicas_running_in(prepared) == []
+
+
+@pytest.mark.full
+def test_a_redis_server_killed_during_reuse_leaves_an_invalid_cell_and_populates_records(prepared, tmp_path):
+    """kill -9 of the shared Redis server once the reuse fleet is up: the job ends instead of crashing (which
+    would take populate's outputs with it, populate and reuse being one job around the servers), the cell
+    is INVALID with the server's death named, and no server or replica is left."""
+    shared_only = tmp_path / "shared-only.yaml"
+    shared_only.write_text("arms: [shared]\n")
+    target = "results/cells/backend~lmcache-redis/arm~shared/chunk~256/tier~ram"
+    run = subprocess.Popen(snakemake_argv(prepared, f"{target}/validity.json", CONFIGS / "e2e.yaml",
+                                          CONFIGS / "e2e-redis.yaml", shared_only),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = prepared / "logs" / "memory_pool_cell" / (target.removeprefix("results/cells/") + ".log")
+    deadline = time.monotonic() + 900
+    while not (log.exists() and log.read_text().count("fleet of 2 healthy") >= 2):  # populate's, then reuse's
+        assert run.poll() is None and time.monotonic() < deadline, "the reuse fleet never came up"
+        time.sleep(0.2)
+    (server,) = redis_servers_running_in(prepared)
+    psutil.Process(server).kill()
+    output = run.communicate(timeout=1800)[0]
+    assert run.returncode == 0, output[-4000:]
+    cell = prepared / target
+    assert len(pd.read_csv(cell / "populate.csv")) == 4 and (cell / "reuse.csv").exists()
+    validity = json.loads((cell / "validity.json").read_text())
+    assert not validity["valid"]
+    servers = validity["checks"]["pool_servers"]
+    assert servers["ok"] is False and any("redis server" in example for example in servers["examples"])
+    assert redis_servers_running_in(prepared) == [] and replicas_running_in(prepared) == []

@@ -269,8 +269,14 @@ def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log
     refuse_failed_reference(frame)
 
 
+def _validity_sections(config: dict, wildcards=None) -> dict:
+    """The model length the replicas must have served (of ``engine``, nothing else), and ``fleet`` for an
+    external fleet's cells."""
+    return {"engine": {"max_model_len": config["engine"]["max_model_len"]}, **external_fleet(config)}
+
+
 @reads("workload", "chunk_sizes", "min_pool_bytes", "min_hit_fraction", "max_resident_fraction",
-       picked=external_fleet)
+       picked=_validity_sections)
 def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
                  reference_csv: str | None, populate_digests: str | None, reuse_digests: str | None,
                  out: str) -> None:
