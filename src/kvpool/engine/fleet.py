@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -42,8 +43,10 @@ def claim_port(port: int) -> bool:
     """Hold ``port`` for a server this process is about to start; False if another process holds it."""
     if port in _held:
         return True
-    PORT_CLAIMS.mkdir(mode=0o1777, exist_ok=True)
-    fd = os.open(PORT_CLAIMS / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fd = os.open(_claims_folder() / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+    except PermissionError:  # another user's lock file: that user's runs are told apart by the bound port
+        fd = os.open(_claims_folder(per_user=True) / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -51,6 +54,17 @@ def claim_port(port: int) -> bool:
         return False
     _held[port] = fd
     return True
+
+
+def _claims_folder(per_user: bool = False) -> Path:
+    """The lock files' folder, shared by every user (sticky and world-writable, as /tmp is), or this
+    user's own where another user's files cannot be opened."""
+    folder = PORT_CLAIMS.with_name(f"{PORT_CLAIMS.name}-{os.getuid()}") if per_user else PORT_CLAIMS
+    if not folder.is_dir():
+        folder.mkdir(exist_ok=True)
+        if not per_user:
+            os.chmod(folder, 0o1777)  # mkdir's mode is cut by the umask
+    return folder
 
 
 def release_ports(ports) -> None:
@@ -90,8 +104,8 @@ def free_ports(host: str, count: int, start: int = 18100, span: int = 10000, exc
     client connections never take them."""
     stop = start + span
     exclude = set(exclude)
-    found = [port for port in range(start, stop)
-             if port not in exclude and port_is_free(host, port)][:count] if count else []
+    candidates = (port for port in range(start, stop) if port not in exclude and port_is_free(host, port))
+    found = list(itertools.islice(candidates, count))  # checked one at a time, up to the count
     if len(found) < count:
         raise FleetError(f"no {count} free ports on {host} in {start}..{stop}")
     return found
