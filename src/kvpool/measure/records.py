@@ -102,7 +102,7 @@ def columns(kind: type) -> list[str]:
     return [field.name for field in dataclasses.fields(kind)]
 
 
-def row(kind: type, **values) -> dict:
+def row(kind: type, /, **values) -> dict:  # positional: a record may have a column "kind"
     """One record as a row: every column of ``kind``, those not given empty; a name that is not one of its
     columns is refused, so a misspelt field cannot vanish from the CSV."""
     unknown = set(values) - set(columns(kind))

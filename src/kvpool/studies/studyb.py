@@ -218,7 +218,7 @@ def _row(block: str, result, counts: dict, replica: int, prompt: list[int], **wh
            "computed_tokens": counts.get("local_compute"), "ttft_s": result.ttft_s, "e2e_s": result.e2e_s,
            "started_at": result.started_at, "finished_at": time.time(), "output_text": result.output_text,
            "error": result.error or None, **where}
-    return {column: row.get(column) for column in records.columns(ChainRecord)}
+    return records.row(ChainRecord, **row)
 
 
 async def run_block(send: Send, block: str, workload: dict, study: dict, replicas: int,
