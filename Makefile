@@ -46,15 +46,16 @@ cluster-tools:
 # Three lanes (docs/testing.md). Each stage prints its wall time (bench/timed).
 # test-fast: lint, the unit tests and the committed runs' re-reads, on every core: minutes.
 test-fast: setup lint
-	bench/timed unit+committed $(BIN)/python -m pytest -q -n auto --dist worksteal -m "unit or committed"
+	bench/timed unit+committed $(BIN)/python -m pytest -q -n auto --dist worksteal -m "(unit or committed) and not full"
 
 # test (per commit, CI): the fast lane, then the real pipeline end to end, less the `full` tests.
 test: test-fast
 	bench/timed e2e $(BIN)/python -m pytest -v -m "e2e and not full" --durations=0
 
-# test-full: every end-to-end test, the per-commit ones and the `full` ones (backends, routers, lengths,
-# four replicas, SLURM, the other faults).
+# test-full: the fast lane, the unit tests marked `full`, then every end-to-end test, the per-commit ones
+# and the `full` ones (backends, routers, lengths, four replicas, SLURM, the other faults).
 test-full: test-fast cluster-tools
+	bench/timed unit-full $(BIN)/python -m pytest -q -n auto --dist worksteal -m "unit and full"
 	bench/timed e2e-full $(BIN)/python -m pytest -v -m e2e --durations=0
 
 clean-results:

@@ -310,10 +310,11 @@ def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_pat
     assert record["0"]["metrics"] == {}
 
 
-
-
-@pytest.mark.parametrize("arm, tier", [("shared", "ram"), ("isolated", "ram"), ("shared", "disk"),
-                                       ("isolated", "disk")])
+# Each arm and each tier once per commit; the two other pairs (a minute and a quarter of the fast lane's
+# five on two cores) run in `make test-full`.
+@pytest.mark.parametrize("arm, tier", [("shared", "ram"), ("isolated", "disk"),
+                                       pytest.param("isolated", "ram", marks=pytest.mark.full),
+                                       pytest.param("shared", "disk", marks=pytest.mark.full)])
 def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path, arm, tier):
     """An lmcache-mp cell rehearsed on CPU: LMCache's real server, stand-in engines for the replicas,
     whose connector needs a GPU. A memory pool runs populate, drop and reuse as one job around one
