@@ -14,11 +14,13 @@ from snakemake.utils import update_config
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.engine import external, mp, redis_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.owned import OWNED_LMCACHE_KEYS
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
 # another value than its plan and folder name say (a chunk~256 cell at 512, a replica on another port).
-OWNED_LMCACHE_KEYS = {"chunk_size", "remote_url", "remote_serde", "local_disk", "max_local_disk_size", "local_cpu",
-                      "pre_caching_hash_algorithm"}
+# These exact spellings are refused while parsing, so a dry run names them; the launch_check rule then
+# decides with vLLM's and LMCache's own parsers (kvpool.engine.owned), which also read abbreviations,
+# underscores and LMCache's old key names.
 OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--dtype", "--max-model-len",
                       "--kv-transfer-config", "--gpu-memory-utilization", "--enable-prefix-caching",
                       "--no-enable-prefix-caching", "--enable-prompt-tokens-details"}

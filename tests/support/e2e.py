@@ -14,7 +14,7 @@ from support import CONFIGS, REPO
 CELL = "results/cells/backend~{backend}/arm~{arm}/chunk~256/tier~disk"
 # What a Study A run of e2e.yaml's workload builds before its cells: the random model, the prompts and
 # the recompute reference (a fleet of its own).
-PREREQUISITES = ("resources", "results/workload", "results/reference")
+PREREQUISITES = ("resources", "results/workload", "results/reference", "results/launch-check.json")
 
 
 def snakemake_argv(workdir, target, *configfiles):
@@ -32,7 +32,11 @@ def copy_prerequisites(built: Path, workdir: Path, parts=PREREQUISITES) -> Path:
     """``parts`` of a run that built them, copied with their times kept, so Snakemake in ``workdir`` sees
     them up to date and measures from its plans on."""
     for part in parts:
-        shutil.copytree(built / part, workdir / part)
+        if (built / part).is_dir():
+            shutil.copytree(built / part, workdir / part)
+        else:
+            (workdir / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(built / part, workdir / part)
     return workdir
 
 

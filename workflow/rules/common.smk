@@ -68,6 +68,16 @@ def model_input(wildcards=None):
     return [] if config["engine"]["model"] else [RANDOM_MODEL_DIR]
 
 
+LAUNCH_CHECK = "results/launch-check.json"
+
+
+def launch_input(wildcards=None):
+    """What a rule that starts replicas needs first: the model (when this workflow builds it) and, for a
+    fleet it launches, the launch check. A check run again (another config) re-measures nothing by its
+    date alone: what it checks re-plans its cells through their own settings."""
+    return model_input() + ([] if external.is_external(config) else [ancient(LAUNCH_CHECK)])
+
+
 def settings(step):
     """The config that ``step`` (the function the rule's script calls) declares it reads, beside its code
     (kvpool.config.reads), as the rule's ``settings`` param: the script hands on exactly these, and a

@@ -7,7 +7,7 @@
 rule context_unit:
     """One shared cell at one document length: its own plan and pool, one fleet, the chains, the unit's gate."""
     input:
-        model_input,
+        launch_input,
     output:
         plan=cell_path("doc~{doc}/plan.yaml"),
         manifest=cell_path("doc~{doc}/manifest.json"),

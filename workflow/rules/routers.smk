@@ -7,7 +7,7 @@
 rule router_unit:
     """One cell under one router: its own plan and pool, one fleet, the four phases, the unit's gate."""
     input:
-        model_input,
+        launch_input,
         prompts="results/workload/prompts.jsonl",
         # the split-matched recompute its follow-ups' answers are compared with
         # (ordering only: a reference recomputed with more splits leaves a measured unit as it is)

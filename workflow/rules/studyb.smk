@@ -24,7 +24,7 @@ rule studyb_workload:
 rule studyb_block:
     """One block: its plan, a fresh fleet (and pool servers), the chains and sessions, its checks."""
     input:
-        model_input,
+        launch_input,
         workload=STUDYB_WORKLOAD,
         after=studyb_after,
         # the earlier blocks' pool-less answers (an OFF block's) and reference rows, for an ON block's reference

@@ -20,7 +20,7 @@ rule reference:
     predicts (cold, the document's whole chunks per chunk size, the document, the whole prompt again): the
     split-matched recompute each cell, level and router unit must match."""
     input:
-        model_input,
+        launch_input,
         prompts="results/workload/prompts.jsonl",
     output:
         "results/reference/outputs.csv",

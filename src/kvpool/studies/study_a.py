@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from kvpool.cells import Cell, is_memory_pool, pool_root
 from kvpool.config import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
-from kvpool.engine import external, mp, prompts, redis_pool
+from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.fleet import (
@@ -24,7 +24,13 @@ from kvpool.engine.fleet import (
     running_servers,
 )
 from kvpool.engine.model import vocabulary
-from kvpool.engine.plan import plan_gpus, plan_pool_dirs
+from kvpool.engine.plan import (
+    fleet_plan,
+    plan_gpus,
+    plan_pool_dirs,
+    reference_plan,
+    server_port_count,
+)
 from kvpool.measure import kvbytes, pool, provenance, records, validity
 from kvpool.measure.files import read_frame_or_empty, read_json, write_json
 from kvpool.measure.records import RequestRecord, read_records
@@ -72,6 +78,25 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
     notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name, **notes))
+
+
+@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "lmcache_mp", "lmcache_redis", "workload")
+def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> None:
+    """Every cell's replica and pool-server launches, and the reference replica's, read by the programs that
+    will run them (kvpool.engine.owned): a setting kvpool owns that the config's ``extra_args`` or ``env``
+    changes stops the run here, before any fleet starts, with each problem named."""
+    engine, count = config["engine"], config["replicas"]
+    ports = engine["ports"] if isinstance(engine["ports"], list) else list(range(18100, 18100 + count))
+    plans = [fleet_plan(config, cell, model, Path(out).parent.resolve(), ports, "launch check",
+                        server_ports=list(range(18200, 18200 + server_port_count(cell, count))))
+             for cell in cells]
+    plans.append(reference_plan(config, model, ports[0], "launch check"))
+    launches = [launch for plan in plans
+                for launch in owned.launches(plan, engine["extra_args"], config["lmcache_mp"]["extra_args"])]
+    if found := owned.problems(launches):
+        raise ValueError("a launch would run otherwise than kvpool plans it:\n  " + "\n  ".join(found))
+    write_json(out, {"launches": [launch["name"] for launch in launches], "problems": [],
+                     "versions": provenance.versions()})
 
 
 @reads(*PHASE_SETTINGS)

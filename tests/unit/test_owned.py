@@ -1,0 +1,81 @@
+"""A launch is judged by the programs that read it: vLLM's parser, LMCache's config loader and its server's
+parser (kvpool.engine.owned). The spellings here pass the config's own string check; each ran a cell with
+other settings than its plan before the launch check existed (issue 34's hostile probe)."""
+import copy
+
+import pytest
+
+from kvpool.cells import Cell
+from kvpool.engine import owned
+from kvpool.engine.plan import fleet_plan
+from kvpool.studies import study_a
+
+FS_CELL = Cell("lmcache-fs", "shared", 256, "disk")
+MP_CELL = Cell("lmcache-mp", "isolated", 256, "disk")
+
+
+def found(config, cell=FS_CELL):
+    ports = [18100, 18101]
+    plan = fleet_plan(config, cell, "/models/m", "/runs/cell", ports, "test", available_cores=[0, 1],
+                      server_ports=[18200, 18201, 18202, 18203] if cell == MP_CELL else None)
+    return owned.problems(owned.launches(plan, config["engine"]["extra_args"], config["lmcache_mp"]["extra_args"]))
+
+
+@pytest.mark.parametrize("extra, dest", [
+    (["--max_model_len", "2048"], "max_model_len"),       # vLLM reads underscores as dashes
+    (["--max-model", "2048"], "max_model_len"),           # and unique abbreviations
+    (["--served_model_name", "other"], "served_model_name"),
+    (["--kv_transfer_config", '{"kv_connector": "X", "kv_role": "kv_both"}'], "kv_transfer_config"),
+    (["--no-enable-prefix-caching"], "enable_prefix_caching"),
+    (["--port=9"], "port"),
+])
+def test_extra_args_that_change_what_kvpool_sets_are_refused_by_vllm_s_parser(config, extra, dest):
+    config["engine"]["extra_args"] += extra
+    problems = found(config)
+    assert problems and all(f"engine.extra_args changes {dest} (" in problem for problem in problems)
+    assert "replica 0" in problems[0]
+
+
+def test_the_shipped_extra_args_add_settings_and_change_none(config):
+    assert config["engine"]["extra_args"]  # --max-num-seqs, --enforce-eager, ...: vLLM's, not kvpool's
+    assert found(config) == []
+    assert found(copy.deepcopy(config), MP_CELL) == []
+
+
+def test_a_flag_vllm_does_not_know_is_named_before_any_replica_starts(config):
+    config["engine"]["extra_args"] += ["--max-modle-len", "2048"]
+    problems = found(config)
+    assert len(problems) == 1 and "refused by vLLM's parser" in problems[0]
+    assert "unrecognized arguments: --max-modle-len" in problems[0] and "replica 1" in problems[0]
+
+
+@pytest.mark.parametrize("extra, dest", [(["--chunk", "512"], "chunk_size"), (["--l1-size", "3"], "l1_size_gb")])
+def test_server_flags_that_change_what_kvpool_sets_are_refused_by_lmcache_s_parser(config, extra, dest):
+    config["lmcache_mp"]["extra_args"] = extra
+    problems = found(config, MP_CELL)
+    assert len(problems) == 1 and f"lmcache_mp.extra_args changes {dest} (" in problems[0]
+    assert "pool server 0, " in problems[0] and "pool server 1" in problems[0]
+    config["lmcache_mp"]["extra_args"] = ["--max-workers", "2"]  # LMCache's own setting: kvpool sets none
+    assert found(config, MP_CELL) == []
+
+
+@pytest.mark.parametrize("variable", ["LMCACHE_CHUNK_SIZE", "LMCACHE_REMOTE_SERDE"])
+def test_the_environment_lmcache_reads_over_its_file_is_refused(config, monkeypatch, variable):
+    """The machine's own environment counts too: a replica inherits it."""
+    monkeypatch.setenv(variable, "512" if variable.endswith("SIZE") else "cachegen")
+    problems = found(config)
+    key = variable.removeprefix("LMCACHE_").lower()
+    assert len(problems) == 1 and f"changes LMCache's {key} from " in problems[0]
+    assert f"unset {variable}" in problems[0]
+
+
+def test_the_check_covers_every_cell_and_the_reference_and_names_the_problems(config, tmp_path):
+    config["engine"]["extra_args"] += ["--max_model_len", "2048"]
+    out = tmp_path / "launch-check.json"
+    cells = [FS_CELL, Cell("lmcache-fs", "isolated", 256, "disk")]
+    with pytest.raises(ValueError, match=r"changes max_model_len \(from 16384 to 2048\).*and 3 more"):
+        study_a.check_launches(config, cells, "/models/m", str(out))
+    assert not out.exists()
+    config["engine"]["extra_args"] = config["engine"]["extra_args"][:-2]
+    study_a.check_launches(config, cells, "/models/m", str(out))
+    assert out.read_text().count("replica") == 5  # two cells of two replicas, and the reference
