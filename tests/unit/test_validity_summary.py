@@ -293,3 +293,18 @@ def test_a_replica_that_runs_what_its_plan_says_passes_and_one_that_does_not_is_
     assert not wrong["ok"] and wrong["examples"] == ["replica 1's LMCache runs chunk_size [256, 512], the cell 256"]
     unread = served_check([{"0": {"error": "replica 0: /v1/models could not be read: timed out"}}], length, 256)
     assert not unread["ok"] and "timed out" in unread["examples"][0]
+
+
+def test_every_unit_kind_s_gate_holds_its_fleet_to_the_plan_and_old_records_keep_their_verdict():
+    """Load levels, the replay, router and length units and Study B's blocks add served_as_planned to
+    their gate (validity.with_served); a unit recorded before replicas were read keeps its gate."""
+    from kvpool.measure.checks import check
+    from kvpool.measure.validity import with_served
+
+    gate = {"valid": True, "checks": {"zero_errors": check(True, 0, 0)}}
+    assert with_served(gate, {}, 4096, 256) == gate
+    wrong = with_served(gate, {"served": {"0": {"max_model_len": 2048, "chunk_sizes": [256]}}}, 4096, 256)
+    assert not wrong["valid"] and wrong["checks"]["zero_errors"]["ok"]
+    assert wrong["checks"]["served_as_planned"]["examples"] == ["replica 0 serves max_model_len 2048, the plan 4096"]
+    right = with_served(gate, {"served": {"0": {"max_model_len": 4096, "chunk_sizes": []}}}, 4096, 256)
+    assert right["valid"] and right["checks"]["served_as_planned"]["ok"]

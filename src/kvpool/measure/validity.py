@@ -82,6 +82,16 @@ def served_check(phases: list[dict], max_model_len: int, chunk: int) -> dict:
     return {**check(not wrong, len(wrong), 0), "examples": wrong[:3]}
 
 
+def with_served(result: dict, meta: dict, max_model_len: int, chunk: int) -> dict:
+    """A unit's gate (``{"valid", "checks"}``) with ``served_as_planned`` for its fleet (``meta["served"]``, what
+    kvpool.measure.timed read from each replica) added and the verdict judged again. A unit recorded before
+    kvpool read what replicas serve keeps its gate as it was."""
+    if "served" not in meta:
+        return result
+    checks = {**result["checks"], "served_as_planned": served_check([meta["served"]], max_model_len, chunk)}
+    return {**result, "checks": checks, "valid": verdict(checks)}
+
+
 def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.DataFrame, reference: pd.DataFrame,
              drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
              write_errors: list[str] = (), pool_unchanged: dict | None = None,

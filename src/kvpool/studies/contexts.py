@@ -40,7 +40,7 @@ from kvpool.measure.timed import (
     run_unit,
     write_unit,
 )
-from kvpool.measure.validity import cold_reads
+from kvpool.measure.validity import cold_reads, with_served
 from kvpool.studies import crossover, studyb
 
 BLOCK = "contexts-on"  # the rows' block name: kvpool.studies.studyb's ON arm, the only one a unit runs
@@ -233,7 +233,9 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
         log.info("%s doc~%d: the cold answer differs from the reuse steps' in %d of %d chains (another prefill "
                  "split; the gate compares each step with a recompute in its own split)", cell.name, tokens,
                  agreement["chains"] - agreement["cold_agrees"], agreement["chains"])
-    meta.update(doc_tokens=tokens, checks=checks, information={"answers_agree": agreement}, valid=verdict(checks))
+    gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
+                                cell.chunk)
+    meta.update(doc_tokens=tokens, information={"answers_agree": agreement}, **gate)
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
 
 

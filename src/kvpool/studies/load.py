@@ -334,17 +334,15 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
         followups = {item["doc_id"]: len(item["followup"]) for item in workload}
         outputs = outputs_check(peer.with_reuse_splits(frame, reused), reference, in_flight,
                                      batch_invariant(config["engine"]))
-        meta.update(pool_restore=restored,
-                    **peer.checks(cell.arm, frame, followups, meta["window_external_tokens"], expected, pool_ok,
-                                  validity.cold_reads(meta["drop_before_level"], config["max_resident_fraction"]),
-                                  outputs))
+        gate = peer.checks(cell.arm, frame, followups, meta["window_external_tokens"], expected, pool_ok,
+                           validity.cold_reads(meta["drop_before_level"], config["max_resident_fraction"]), outputs)
     else:
         hits = attribution(frame, meta["window_external_tokens"])
         outputs = outputs_check(frame, reference, in_flight, batch_invariant(config["engine"]))
-        meta.update(pool_restore=restored,
-                    **level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok,
-                                        config["workload"]["doc_tokens"], config["min_hit_fraction"],
-                                        config["max_resident_fraction"], outputs))
+        gate = level_checks(cell.arm, frame, hits, meta["drop_before_level"], pool_ok, config["workload"]["doc_tokens"],
+                            config["min_hit_fraction"], config["max_resident_fraction"], outputs)
+    meta.update(pool_restore=restored,
+                **validity.with_served(gate, meta, config["engine"]["max_model_len"], cell.chunk))
     meta["pool_removed"] = pool_removed
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} {level.name}")
 

@@ -273,10 +273,11 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
         name=f"router-{router}")
     from kvpool.engine.plan import batch_invariant
 
-    meta.update(checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
-                               config["workload"]["doc_tokens"], config["min_hit_fraction"],
-                               config["max_resident_fraction"], read_records(reference_csv) if reference_csv else None,
-                               batch_invariant(config["engine"]), config["routers"]["hot"]["concurrency"]))
+    gate = checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
+                  config["workload"]["doc_tokens"], config["min_hit_fraction"], config["max_resident_fraction"],
+                  read_records(reference_csv) if reference_csv else None, batch_invariant(config["engine"]),
+                  config["routers"]["hot"]["concurrency"])
+    meta.update(validity.with_served(gate, meta, config["engine"]["max_model_len"], cell.chunk))
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} router~{router}")
 
 

@@ -41,6 +41,7 @@ from kvpool.measure.timed import (
     recording_sends,
     unit_pool,
 )
+from kvpool.measure.validity import with_served
 from kvpool.report.tables import change_claim, fmt_interval, fmt_value
 
 OFF, ON = "off", "on"
@@ -682,8 +683,10 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
                                     _known_answers(known), Path(log_dir).parent / "reference")
     compared.to_csv(reference_out, index=False)
     checks = block_checks(frame, arm, study, config["min_hit_fraction"], compared, invariant)
-    meta.update(arm=arm, cell=cell.name, checks=checks, valid=verdict(checks),
-                information={"chain_answers_agree": answer_agreement(frame)})
+    gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
+                                cell.chunk)
+    checks = gate["checks"]
+    meta.update(arm=arm, cell=cell.name, information={"chain_answers_agree": answer_agreement(frame)}, **gate)
     records.write_meta(meta, json_out)
     for name, result in checks.items():
         if status(result) == "failed":
