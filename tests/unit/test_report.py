@@ -35,7 +35,7 @@ def built(tmp_path_factory):
                 [f / "validity.json" for f in folders], [f / "telemetry" / "summary.json" for f in folders],
                 cells_csv=results / "cell_table.csv", csv_out=results / "table1.csv", md_out=results / "table1.md")
     shared = [(cell, f) for cell, f in zip(CELLS, folders, strict=True) if cell.arm == "shared"]
-    run_tier_compare([c for c, _ in shared], [f / "telemetry" / "summary.json" for _, f in shared],
+    run_tier_compare(config, [c for c, _ in shared], [f / "telemetry" / "summary.json" for _, f in shared],
                      [f / "reuse.csv" for _, f in shared], [f / "telemetry" / "drive.csv" for _, f in shared],
                      [str(results / "tiers" / "disk" / "ceiling.json")], tiers_csv=results / "tier_table.csv",
                      csv_out=results / "tier_compare.csv", md_out=results / "tier_compare.md")

@@ -72,8 +72,8 @@ LAUNCH_CHECK = "results/launch-check.json"
 
 
 def launch_input(wildcards=None):
-    """What a rule that starts replicas needs first: the model (when this workflow builds it) and, for a
-    fleet it launches, the launch check. A check run again (another config) re-measures nothing by its
+    """The inputs of every job that starts replicas: the model (when this workflow builds it) and, for
+    a fleet it launches, the launch check. A check run again (another config) re-measures nothing by its
     date alone: what it checks re-plans its cells through their own settings."""
     return model_input() + ([] if external.is_external(config) else [ancient(LAUNCH_CHECK)])
 

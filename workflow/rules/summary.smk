@@ -39,6 +39,7 @@ rule tier_compare:
         CONDA_ENV
     params:
         cells=cell_names(COMPARED),
+        settings=settings(tables.run_tier_compare),
     script:
         "../scripts/tier_compare.py"
 
@@ -52,6 +53,7 @@ rule load_table:
         telemetry=cell_files("telemetry/summary.json"),
         levels=[f"results/cells/{cell.name}/load~{level}/requests.csv" for cell, level in LOAD_DONE],
         level_meta=[f"results/cells/{cell.name}/load~{level}/level.json" for cell, level in LOAD_DONE],
+        ceilings=expand("results/tiers/{tier}/ceiling.json", tier=CEILING_TIERS),
     output:
         csv="results/load.csv",
         md="results/load.md",

@@ -11,4 +11,4 @@ reuse = {cell: {"csv": csv, "meta": meta, "validity": validity, "telemetry": tel
 levels = {(Cell.from_name(name), level): {"csv": csv, "meta": meta}
           for (name, level), csv, meta in zip(snakemake.params.levels, inputs.levels, inputs.level_meta, strict=True)}
 load.run_load_table(snakemake.params.settings, cells, reuse=reuse, levels=levels, csv_out=snakemake.output.csv,
-                    md_out=snakemake.output.md)
+                    md_out=snakemake.output.md, ceilings=list(inputs.ceilings))

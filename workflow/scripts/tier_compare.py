@@ -4,6 +4,7 @@ from kvpool.report import tables
 
 logs.to_log(snakemake.log[0])
 shared = [Cell.from_name(name) for name in snakemake.params.cells]
-tables.run_tier_compare(shared, snakemake.input.summaries, snakemake.input.reuse, snakemake.input.drive,
-                        snakemake.input.ceilings, tiers_csv=snakemake.output.tiers, csv_out=snakemake.output.csv,
+inputs = snakemake.input
+tables.run_tier_compare(snakemake.params.settings, shared, inputs.summaries, inputs.reuse, inputs.drive,
+                        inputs.ceilings, tiers_csv=snakemake.output.tiers, csv_out=snakemake.output.csv,
                         md_out=snakemake.output.md)

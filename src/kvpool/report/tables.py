@@ -13,6 +13,7 @@ from scipy.stats import binomtest, bootstrap
 
 from kvpool.cells import Cell
 from kvpool.config import reads
+from kvpool.measure import link
 from kvpool.measure.files import read_frame_or_empty, read_json
 from kvpool.measure.records import read_records
 from kvpool.measure.telemetry import drive_per_tick, energy_mean_power
@@ -314,6 +315,13 @@ TIER_SIGNALS = [
     ("percent_used", "%", "NVMe wear after reuse"),
     ("avail_spare", "%", "NVMe available spare after reuse"),
 ]
+# Shown where the tiers' ceilings hold the host-to-GPU link (kvpool.measure.link; runs before it have none)
+LINK_SIGNALS = [
+    ("reload_gb_per_s", "GB/s", "KV a follow-up loaded from the pool over its TTFT, median (the TTFT also holds "
+                                "the rest of the prefill and a decode step: a lower bound on the reload's rate)"),
+    ("link_ceiling_gb_per_s", "GB/s", "host-to-GPU copy from pinned memory, 1 GiB, measured in the same run"),
+    ("link_efficiency", "fraction", "reload rate over the link's ceiling"),
+]
 
 
 def _health_value(health: list[dict], key: str):
@@ -325,8 +333,17 @@ def _health_value(health: list[dict], key: str):
     return np.nan
 
 
-def tier_signals(reuse_summary: dict, records: pd.DataFrame, ceiling: dict) -> dict:
-    """Table 2's signals for one tier from its reuse-phase telemetry, request records and read ceiling.
+def reload_rates(records: pd.DataFrame, per_token: int) -> pd.Series:
+    """Each answered follow-up's pool reload rate in GB/s: the KV it loaded (its measured hit tokens times the
+    model's KV bytes per token) over its TTFT; follow-ups that loaded nothing are left out."""
+    ok = records[(records["error"].fillna("") == "") & (records["external_hit_tokens"].fillna(0) > 0)]
+    return ok["external_hit_tokens"].astype(float) * per_token / ok["ttft_s"].astype(float) / 1e9
+
+
+def tier_signals(reuse_summary: dict, records: pd.DataFrame, ceiling: dict, per_token: int | None = None) -> dict:
+    """Table 2's signals for one tier from its reuse-phase telemetry, request records and read ceiling, and
+    where the ceiling holds the host-to-GPU link, the reload's rate against it (``per_token``: the model's
+    KV bytes per token).
 
     Drive signals are NaN on a tier without a drive (memory-backed), never zero.
     """
@@ -350,7 +367,17 @@ def tier_signals(reuse_summary: dict, records: pd.DataFrame, ceiling: dict) -> d
         "temperature_c": _health_value(health, "temperature_c"),
         "percent_used": _health_value(health, "percent_used"),
         "avail_spare": _health_value(health, "avail_spare"),
+        **(_link_signals(records, ceiling["link"], per_token) if "link" in ceiling else {}),
     }
+
+
+def _link_signals(records: pd.DataFrame, found: dict, per_token: int | None) -> dict:
+    rates = reload_rates(records, per_token) if per_token else pd.Series(dtype=float)
+    reload = reported_percentile(rates.to_numpy(dtype=float), 50)
+    return {"reload_gb_per_s": reload["value"], "reload_gb_per_s_ci_low": reload["ci_low"],
+            "reload_gb_per_s_ci_high": reload["ci_high"], "reload_gb_per_s_n": reload["n"],
+            "link_ceiling_gb_per_s": found.get("gb_per_s") or np.nan,
+            "link_efficiency": link.efficiency(reload["value"], found)}
 
 
 def _dig(data: dict, *keys):
@@ -359,13 +386,14 @@ def _dig(data: dict, *keys):
     return np.nan if data is None else data
 
 
-def tier_row(cell: Cell, reuse_summary: dict, records: pd.DataFrame, drive: pd.DataFrame, ceiling: dict) -> dict:
+def tier_row(cell: Cell, reuse_summary: dict, records: pd.DataFrame, drive: pd.DataFrame, ceiling: dict,
+             per_token: int | None = None) -> dict:
     """One shared cell's row of the per-tier table: :func:`tier_signals` (the telemetry's figures) with
     bootstrap 95% intervals from the reuse phase's raw samples (``drive``: its iostat rows), the same
     series the telemetry reduced: r_await over samples with reads, queue depth summed over the tier's
     disks per tick."""
     row = {"cell": cell.name, "backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier,
-           **tier_signals(reuse_summary, records, ceiling), "ceiling_method": ceiling.get("method")}
+           **tier_signals(reuse_summary, records, ceiling, per_token), "ceiling_method": ceiling.get("method")}
     reuse = drive[drive["phase"] == "reuse"] if len(drive) else drive
     r_await = reuse.loc[reuse["r_per_s"] > 0, "r_await_ms"] if len(reuse) else pd.Series(dtype=float)
     queue = drive_per_tick(reuse)["aqu_sz"] if len(reuse) else pd.Series(dtype=float)
@@ -385,7 +413,7 @@ def tier_compare(tiers: pd.DataFrame) -> pd.DataFrame:
     names = list(dict.fromkeys(tiers["tier"]))
     for (backend, chunk), group in tiers.groupby(["backend", "chunk"], sort=False):
         by_tier = group.set_index("tier")
-        for name, unit, meaning in TIER_SIGNALS:
+        for name, unit, meaning in TIER_SIGNALS + [s for s in LINK_SIGNALS if s[0] in tiers.columns]:
             basis = {t: by_tier.loc[t, f"{name}_basis"] if t in by_tier.index and f"{name}_basis" in by_tier
                      else None for t in names}
             rows.append({"backend": backend, "chunk": chunk, "signal": name, "unit": unit, "meaning": meaning,
@@ -474,6 +502,7 @@ def load_for_reading(load: pd.DataFrame) -> pd.DataFrame:
         "document loaded": fmt_value(row["hit_fraction"], "fraction"),
         "errors": f"{int(row['errors'])} of {int(row['requests'])}",
         "KV loaded": fmt_value(row.get("loaded_gb_per_s", np.nan), "GB/s"),
+        **({"of the link": fmt_value(row["link_use"], "fraction")} if "link_use" in row else {}),
         "drive read": fmt_value(row["drive_read_gb_per_s"], "GB/s"),
         "queue p95": fmt_value(row["queue_depth_p95"], ""), "GPU power": fmt_value(row["mean_power_w"], "W"),
         "energy / request": fmt_value(row["energy_per_request_j"], "J"),
@@ -513,14 +542,18 @@ def phase_power(phase: dict) -> dict:
     return energy_mean_power(phase["power"], phase.get("duration_s"))
 
 
-def run_tier_compare(shared_cells: list[Cell], summaries: list[str], reuse_csvs: list[str],
+@reads("engine", "random_model")
+def run_tier_compare(config: dict, shared_cells: list[Cell], summaries: list[str], reuse_csvs: list[str],
                      drive_csvs: list[str], ceilings: list[str], *, tiers_csv: str,
                      csv_out: str, md_out: str) -> None:
     """The per-tier table (``tiers_csv``: each shared cell's drive and TTFT figures, with intervals) and
     Study A's Table 2 drawn from it."""
+    from kvpool.engine.model import engine_kv_bytes_per_token
+
     ceiling_by_tier = {path.split("/")[-2]: read_json(path) for path in ceilings}
+    per_token = engine_kv_bytes_per_token(config)
     rows = [tier_row(cell, read_json(summary_path)["reuse"], read_records(reuse_csv),
-                             read_frame_or_empty(drive_csv), ceiling_by_tier[cell.tier])
+                             read_frame_or_empty(drive_csv), ceiling_by_tier[cell.tier], per_token)
             for cell, summary_path, reuse_csv, drive_csv in zip(
                 shared_cells, summaries, reuse_csvs, drive_csvs, strict=True)]
     tiers = pd.DataFrame(rows)

@@ -349,10 +349,11 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
 
 @reads("workload", "slo_s", "engine", "random_model")
 def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: dict, csv_out: str,
-                   md_out: str) -> None:
+                   md_out: str, ceilings: list[str] | None = None) -> None:
     """``results/load.csv``: one row per cell and level (``c1`` is the cell's reuse phase; ``reuse``
     maps a cell to its reuse.csv, reuse.json, validity.json and telemetry summary; ``levels`` maps
-    (cell, level) to the level's csv and json)."""
+    (cell, level) to the level's csv and json). Where the tiers' ``ceilings`` hold the host-to-GPU link,
+    each level's KV loaded per second is also given as a share of it (``link_use``)."""
     from kvpool.engine.model import engine_kv_bytes_per_token
 
     per_token, rows = engine_kv_bytes_per_token(config), []
@@ -369,6 +370,11 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
                 rows.append(summary.load_row(cell, level, read_records(paths["csv"]), meta,
                                              meta["summary"]["drive"], power, meta["valid"], config, per_token))
     table = pd.DataFrame(rows)
+    links = {path.split("/")[-2]: read_json(path).get("link") for path in ceilings or []}
+    if any(links.values()):  # the share of the host-to-GPU link the level's reloads used
+        table["link_ceiling_gb_per_s"] = table["tier"].map(
+            lambda tier: (links.get(tier) or {}).get("gb_per_s") or np.nan).astype(float)
+        table["link_use"] = table["loaded_gb_per_s"] / table["link_ceiling_gb_per_s"]
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))
 

@@ -373,9 +373,14 @@ def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary
     write_json(out_summary, summary)
 
 
-@reads("tiers", "drive_ceiling_bytes", "tier_rated_read_gbps")
+@reads("tiers", "drive_ceiling_bytes", "tier_rated_read_gbps", "engine", "replicas", "chunk_sizes", "random_model")
 def run_ceiling(config: dict, tier: str, out: str) -> None:
+    """The tier's sequential-read ceiling and, beside it, the host-to-GPU link's on the fleet's GPUs
+    (kvpool.measure.link): what a drive tier's and a memory tier's reload are each held against."""
     from kvpool.cells import run_pools, tier_root
+    from kvpool.engine.model import engine_kv_bytes_per_token
+    from kvpool.engine.plan import placements
+    from kvpool.measure import link
     from kvpool.measure.drive import block_devices, sequential_read_ceiling
 
     root = tier_root(config, tier)
@@ -388,8 +393,14 @@ def run_ceiling(config: dict, tier: str, out: str) -> None:
     result["devices"] = block_devices(root)
     # another run's ceiling on the same tier meanwhile shares the device: this figure is not its ceiling
     result["concurrent_ceilings"] = sorted(set(before) | set(others()))
+    per_token = engine_kv_bytes_per_token(config)
+    gpus = sorted({place["gpu"] for place in placements(config["engine"], config["replicas"], [0])} - {None})
+    result["link"] = link.ceiling(gpus, [chunk * per_token for chunk in config["chunk_sizes"]] if per_token else [])
     write_json(out, result)
     log.info("tier %s: sequential read %.2f GB/s (%s)", tier, result["gb_per_s"], result["method"])
+    found = result["link"]
+    log.info("host-to-GPU link: %s", f"{found['gb_per_s']:.1f} GB/s pinned at 1 GiB on GPU(s) {found['gpus']}"
+             if found["applicable"] else found["why"])
     if result["concurrent_ceilings"]:
         log.error("tier %s: another run measured this tier's ceiling at the same time (%s): its read rate is "
                   "shared, not this tier's ceiling; re-run the ceiling alone: snakemake %s --forcerun ceiling",
