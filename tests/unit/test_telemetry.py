@@ -102,6 +102,64 @@ def test_nvml_readings_become_watts_and_joules(monkeypatch):
     assert summary["energy_per_request_j"] == pytest.approx(1965.0)
 
 
+class RecordedNvmlState(RecordedNvml):
+    """The calls behind Nvml.state too, answered with an H200's readings during pinned host-to-GPU copies
+    (docs/results/h200-link/copies-power.csv); GPU 1's memory clock is not reported."""
+
+    NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
+    NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlDeviceGetClockInfo(self, handle, clock):
+        if handle == 1 and clock == self.NVML_CLOCK_MEM:
+            raise self.NVMLError("Not Supported")
+        return 1980 if clock == self.NVML_CLOCK_SM else 3201
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return 0 if handle == 0 else 0x4  # GPU 1 held at its software power cap
+
+    def nvmlDeviceGetPcieThroughput(self, handle, counter):
+        return 59485612 if counter == self.NVML_PCIE_UTIL_RX_BYTES else 5171391  # KB/s
+
+
+def _real_reason_names():
+    import pynvml
+
+    for name in dir(pynvml):
+        if name.startswith("nvmlClocksEventReason"):  # the library's own names of the reason bits
+            setattr(RecordedNvmlState, name, getattr(pynvml, name))
+
+
+_real_reason_names()
+
+
+def test_the_gpus_clocks_pcie_rates_and_throttle_reasons_are_sampled_beside_power(monkeypatch):
+    """What explains an outlier (issue 35): each sample holds the clocks, the PCIe rates and the clock-event
+    reasons; a value a GPU does not report is absent, and a library without these calls (RecordedNvml, an
+    older nvidia-ml-py) samples power as before."""
+    import sys
+
+    from kvpool.measure.telemetry import summarize_power
+
+    monkeypatch.setitem(sys.modules, "pynvml", RecordedNvmlState())
+    with Sampler("c", "reuse", [], hz=20) as sampler:
+        time.sleep(0.2)
+    _, power = sampler.frames()
+    state = summarize_power(power, sampler.meta, requests=1)["gpu_state"]
+    assert state["gpu0"]["sm_clock_mhz"] == {"min": 1980.0, "p50": 1980.0, "max": 1980.0}
+    assert state["gpu0"]["pcie_rx_gb_per_s"]["mean"] == pytest.approx(59.485612)
+    assert state["gpu0"]["pcie_tx_gb_per_s"]["max"] == pytest.approx(5.171391)
+    assert state["gpu0"]["clock_event_reasons"] == {}
+    assert "mem_clock_mhz" not in state["gpu1"] and state["gpu1"]["clock_event_reasons"] == {"sw_power_cap": 1.0}
+    monkeypatch.setitem(sys.modules, "pynvml", RecordedNvml())
+    with Sampler("c", "reuse", [], hz=20) as sampler:
+        time.sleep(0.1)
+    _, power = sampler.frames()
+    assert "sm_clock_mhz" not in power and "gpu_state" not in summarize_power(power, sampler.meta, requests=1)
+
+
 def test_only_the_fleets_gpus_are_sampled(monkeypatch):
     """A cell on GPU 1 of a shared host: GPU 0's watts and joules are someone else's."""
     import sys

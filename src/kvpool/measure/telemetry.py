@@ -10,6 +10,7 @@ absent is recorded as unavailable, never as zero.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,33 @@ class Nvml:
 
     def energy_j(self) -> list[float]:
         return [self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0 for h in self.handles]
+
+    def state(self) -> list[dict]:
+        """Per GPU what explains an outlier beside its power: SM and memory clocks (MHz), the clock-event
+        (throttle) reasons as NVML's bitmask, and PCIe receive and send rates (GB/s, NVML's throughput
+        counter over its own 20 ms window; NVML's PCIe byte counters are 32 bits and wrap several times a
+        second at the link's rate). A value the GPU or driver does not report is absent."""
+        nvml, found = self._nvml, []
+        error = getattr(nvml, "NVMLError", Exception)
+        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        reads = {
+            "sm_clock_mhz": lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
+            "clock_event_reasons": reasons,
+            # KB/s: 1,000 bytes (H200, host-to-GPU copies of 55 GB/s by CUDA events read 59.5e6, protocol included)
+            "pcie_rx_gb_per_s": lambda h: nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_RX_BYTES) / 1e6,
+            "pcie_tx_gb_per_s": lambda h: nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_TX_BYTES) / 1e6,
+        }
+        for handle in self.handles:
+            state = {}
+            for key, read in reads.items():
+                try:
+                    state[key] = read(handle)
+                except (error, AttributeError, TypeError):  # not reported here, or not in this nvidia-ml-py
+                    continue
+            found.append(state)
+        return found
 
     def close(self) -> None:
         if self.handles:
@@ -149,8 +177,8 @@ class Sampler:
                 stats = read_diskstats(f.read(), self.disks)
             self.drive_rows += [{**stamp, "device": device, **counters} for device, counters in stats.items()]
         if self.nvml.available:
-            for gpu, watts in zip(self.nvml.indices, self.nvml.power_w(), strict=True):
-                self.power_rows.append({**stamp, "source": f"gpu{gpu}", "power_w": watts})
+            for gpu, watts, state in zip(self.nvml.indices, self.nvml.power_w(), self.nvml.state(), strict=True):
+                self.power_rows.append({**stamp, "source": f"gpu{gpu}", "power_w": watts, **state})
         for replica, pid in self.pids().items():
             cpu_s, rss = 0.0, 0
             for proc in self._family(pid, now):
@@ -244,6 +272,47 @@ def energy_mean_power(power: dict, duration_s: float | None) -> dict:
             "mean_power_source": "NVML energy counter over the window"}
 
 
+def clock_event_names(mask: int) -> list[str]:
+    """NVML's clock-event (throttle) reason bits in ``mask`` by name (``sw_power_cap``, ``hw_thermal_slowdown``,
+    ...), from the NVML library's own constants."""
+    import pynvml
+
+    bits = {getattr(pynvml, name): re.sub(r"(?<!^)(?=[A-Z])", "_", name.removeprefix("nvmlClocksEventReason")).lower()
+            for name in dir(pynvml)
+            if name.startswith("nvmlClocksEventReason") and name not in ("nvmlClocksEventReasonAll",
+                                                                         "nvmlClocksEventReasonNone")}
+    named = [name for bit, name in sorted(bits.items()) if mask & bit]
+    rest = mask & ~sum(bits)
+    return named + ([f"0x{rest:x}"] if rest else [])
+
+
+def gpu_state(gpus: pd.DataFrame) -> dict:
+    """Per GPU over a window (its board samples with :meth:`Nvml.state`'s columns): SM and memory clocks
+    (min, p50, max), PCIe receive and send rates (mean, p95 and max of the samples), and each clock-event
+    reason with the fraction of samples it was set in."""
+    found = {}
+    for source, rows in gpus.sort_values("t_s").groupby("source"):
+        state = {}
+        for clock in ("sm_clock_mhz", "mem_clock_mhz"):
+            if clock in rows and rows[clock].notna().any():
+                values = rows[clock].dropna()
+                state[clock] = {"min": float(values.min()), "p50": float(values.median()), "max": float(values.max())}
+        for way in ("rx", "tx"):
+            column = f"pcie_{way}_gb_per_s"
+            if column in rows and rows[column].notna().any():
+                values = rows[column].dropna()
+                state[column] = {"mean": float(values.mean()), "p95": float(values.quantile(0.95)),
+                                 "max": float(values.max())}
+        if "clock_event_reasons" in rows and rows["clock_event_reasons"].notna().any():
+            masks = rows["clock_event_reasons"].dropna().astype(int)
+            seen = pd.Series([name for mask in masks for name in clock_event_names(int(mask))], dtype=object)
+            state["clock_event_reasons"] = {name: float(count / len(masks)) for name, count in
+                                            seen.value_counts().items()}
+        if state:
+            found[source] = state
+    return found
+
+
 def summarize_power(power: pd.DataFrame, meta: dict, requests: int) -> dict:
     """Mean GPU power over the window, energy per request, host energy, and each replica's CPU time and
     peak RSS. Mean power is the NVML energy counter's delta over the window's length, which integrates
@@ -255,6 +324,8 @@ def summarize_power(power: pd.DataFrame, meta: dict, requests: int) -> dict:
     sampled = float(gpus.groupby("t_s")["power_w"].sum().mean()) if not gpus.empty else None
     if not gpus.empty:
         summary["gpu_mean_power_w"] = {s: float(g["power_w"].mean()) for s, g in gpus.groupby("source")}
+        if state := gpu_state(gpus):  # clocks, PCIe and throttle reasons, where the samples hold them
+            summary["gpu_state"] = state
     summary["sampled_mean_power_w"] = sampled
     if energy is not None and meta.get("duration_s"):
         summary["mean_power_w"] = energy / meta["duration_s"]
