@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import yaml
-from snakemake.utils import update_config
 
 from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.engine import external, mp, redis_pool
@@ -84,6 +83,8 @@ def resolve_extends(config: dict, repo: Path) -> None:
     (mappings key by key, anything else replaced). A tier set to null is dropped, so an overlay can
     remove one of its base's tiers. Refuses a missing base and a cycle, naming the files. The resolved
     config keeps ``extends`` as the first base named, for its provenance."""
+    from snakemake.utils import update_config  # here: kvpool.config also loads where Snakemake is not installed
+
     merged, first, seen = dict(config), config.get("extends"), []
     while merged.get("extends"):
         name = merged.pop("extends")
