@@ -128,20 +128,24 @@ def test_drive_model_is_read_where_the_kernel_exposes_it(tmp_path):
     assert _model("vda", tmp_path) is None
 
 
-def test_a_ceiling_is_read_from_a_scratch_file_of_its_own_and_flagged_beside_another_runs(tmp_path, monkeypatch):
+def test_a_ceiling_is_read_from_a_scratch_file_of_its_own_and_flagged_beside_another_runs(tmp_path, monkeypatch,
+                                                                                          config):
     """Two runs on one tier: each reads its own scratch file under its own pools folder, and one that finds
     the other's scratch file meanwhile says its figure is a shared device's, not the tier's ceiling."""
     import json
 
+    from kvpool.config import step_settings
     from kvpool.studies import study_a
 
     run, tier = tmp_path / "run", tmp_path / "tier"
     run.mkdir()
     monkeypatch.chdir(run)
-    config = {"tiers": {"disk": str(tier)}, "drive_ceiling_bytes": 8 << 20, "tier_rated_read_gbps": {}}
+    config = {**step_settings(study_a.run_ceiling, config), "tiers": {"disk": str(tier)},
+              "drive_ceiling_bytes": 8 << 20}
     study_a.run_ceiling(config, "disk", str(run / "alone.json"))
     alone = json.loads((run / "alone.json").read_text())
     assert alone["concurrent_ceilings"] == [] and alone["bytes"] == 8 << 20
+    assert alone["link"]["applicable"] is False and alone["link"]["measured"] == "host memory copy"
     assert not list(tier.rglob("*.scratch"))  # its own scratch file is gone
     other = tier / "kvpool-pools" / "other-run-1a2b3c4d" / "ceiling" / "ceiling-99.scratch"
     other.parent.mkdir(parents=True)
