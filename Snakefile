@@ -62,6 +62,7 @@ STUDY_A_TARGETS = (
         PEER_TARGETS.get("csv", []),
         ROUTER_TARGETS.get("md", []),
         CONTEXT_TARGETS.get("md", []),
+        "results/breakdown.csv",
         "results/gate.ok",
     ]
     if CELLS

@@ -4,7 +4,7 @@ from pathlib import Path
 from kvpool import config as kvpool_config
 from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import runlock
-from kvpool.report import tables
+from kvpool.report import breakdown, tables
 from kvpool.studies import contexts, crossover, load, routers, study_a, studyb
 from kvpool.cells import CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
@@ -188,6 +188,16 @@ CONTEXT_UNITS = [
     if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/doc~{tokens}/unit.json").exists()
 ]
 CONTEXT_TARGETS = {"csv": "results/contexts.csv", "md": "results/contexts.md"} if CONTEXT_UNITS else {}
+
+
+# What the TTFT breakdown reads: each cell's reuse phase (one request at a time) and each length unit's chains
+BREAKDOWN_UNITS = [
+    ({"cell": cell.name, "source": "reuse"}, f"results/cells/{cell.name}/reuse.csv") for cell in CELLS
+] + [
+    ({"cell": cell.name, "source": f"doc~{tokens}"}, f"results/cells/{cell.name}/doc~{tokens}/requests.csv")
+    for cell, tokens in CONTEXT_UNITS
+]
+BREAKDOWN_CSVS = [path for _, path in BREAKDOWN_UNITS]
 
 
 # the cells whose pool files were hashed (runs before the byte-level check did not hash them)

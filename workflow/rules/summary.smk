@@ -172,3 +172,24 @@ rule crossover:
         study=STUDYB_MEASURED,
     script:
         "../scripts/crossover.py"
+
+
+rule breakdown:
+    """Where each follow-up's TTFT goes (queue, pool lookup, KV transfer, the rest of the prefill, the
+    server's and the client's rest), from each request's serving-replica histograms: the cells' reuse
+    phases and the length units' chains."""
+    input:
+        csvs=BREAKDOWN_CSVS,
+    output:
+        csv="results/breakdown.csv",
+        md="results/breakdown.md",
+        png="results/figures/breakdown.png",
+    log:
+        "logs/summary/breakdown.log",
+    conda:
+        CONDA_ENV
+    params:
+        units=[unit for unit, _ in BREAKDOWN_UNITS],
+        settings=settings(breakdown.run_breakdown),
+    script:
+        "../scripts/breakdown.py"

@@ -31,6 +31,7 @@ class RequestResult:
     output_token_ids: list[int] = field(default_factory=list)  # filled when asked for (``return_token_ids``)
     error: str = ""
     started_at: float = field(default_factory=time.time)  # wall clock, lines up with telemetry
+    request_id: str | None = None  # the server's id of the completion, as its logs name the request
 
     @property
     def ok(self) -> bool:
@@ -69,6 +70,7 @@ async def complete(session: aiohttp.ClientSession, base_url: str, prompt: list[i
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                result.request_id = result.request_id or chunk.get("id")
                 if chunk.get("choices"):
                     if result.ttft_s != result.ttft_s:  # first streamed chunk (nan check)
                         result.ttft_s = time.perf_counter() - start

@@ -34,6 +34,15 @@ class RequestRecord:
     output_text: str | None
     followup: int | None = None
     local_cache_hit_tokens: int | None = None
+    # where its time went, by the serving replica's histograms (kvpool.engine.metrics.TIMINGS)
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    server_ttft_s: float | None = None
+    # the serving replica's id of it, and its LMCache's retrieve of the stored KV (its log, by that id)
+    request_id: str | None = None
+    retrieved_tokens: int | None = None
+    retrieve_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -73,6 +82,15 @@ class ChainRecord:
     output_text: str | None
     planted_recalled: bool | None
     error: str | None
+    # where its time went, when it was sent alone (kvpool.engine.metrics.TIMINGS)
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    server_ttft_s: float | None = None
+    # the serving replica's id of it, and its LMCache's retrieve of the stored KV (its log, by that id)
+    request_id: str | None = None
+    retrieved_tokens: int | None = None
+    retrieve_s: float | None = None
 
 
 @dataclasses.dataclass

@@ -150,6 +150,7 @@ def run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: 
     health_before = [drive_health(d) for d in disks]
     log_start = logs.log_sizes(Path(log_dir))
     frame, meta, sampler = run(disks)
+    frame = with_retrievals(frame, Path(log_dir))
     meta["pool_write_errors"] = logs.new_lines_matching(Path(log_dir), log_start)
     for line in meta["pool_write_errors"]:
         log.error("a pool write failed (is the tier full?): %s", line)
@@ -159,6 +160,21 @@ def run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: 
     meta["telemetry"] = {**sampler.meta, "devices": resolved, "health_before": health_before,
                          "health_after": [drive_health(d) for d in disks]}
     return frame, meta
+
+
+def with_retrievals(frame: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
+    """``frame`` with each request's LMCache retrieve (tokens and seconds) from its replicas' logs in
+    ``log_dir``, matched by the completion's id; left empty where nothing was logged (a backend whose
+    LMCache runs in a server of its own, a request that loaded nothing, a record without ids)."""
+    if frame.empty or "request_id" not in frame:
+        return frame
+    found: dict[str, dict] = {}
+    for path in sorted(Path(log_dir).glob("replica-*.log")):
+        found.update(metrics.lmcache_retrievals(path.read_text(errors="replace")))
+    frame = frame.copy()
+    for column in ("retrieved_tokens", "retrieve_s"):
+        frame[column] = frame["request_id"].map(lambda rid, column=column: (found.get(rid) or {}).get(column))
+    return frame
 
 
 def phase_summary(raw_drive: pd.DataFrame, power: pd.DataFrame, telemetry: dict, requests: int,
@@ -260,7 +276,8 @@ def request_row(doc_id: int, prefill: int | None, serve: int, result: RequestRes
     row = dataclasses.asdict(result)
     row.update(doc_id=doc_id, prefill_replica=prefill, serve_replica=serve,
                external_hit_tokens=counts.get("external_kv_transfer"),
-               local_compute_tokens=counts.get("local_compute"), local_cache_hit_tokens=counts.get("local_cache_hit"))
+               local_compute_tokens=counts.get("local_compute"), local_cache_hit_tokens=counts.get("local_cache_hit"),
+               **metrics.request_timings(counts))
     return {column: row.get(column) for column in records.columns(records.RequestRecord)}
 
 

@@ -24,6 +24,7 @@ import yaml
 
 from kvpool.cells import Cell, run_pools
 from kvpool.config import PHASE_SETTINGS, reads
+from kvpool.engine import metrics
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import plan_pool_dirs
 from kvpool.measure import provenance, records
@@ -40,6 +41,7 @@ from kvpool.measure.timed import (
     recompute_in_splits,
     recording_sends,
     unit_pool,
+    with_retrievals,
 )
 from kvpool.measure.validity import with_served
 from kvpool.report.tables import change_claim, fmt_interval, fmt_value
@@ -218,7 +220,8 @@ def _row(block: str, result, counts: dict, replica: int, prompt: list[int], **wh
            "local_hit_tokens": counts.get("local_cache_hit"), "external_hit_tokens": counts.get("external_kv_transfer"),
            "computed_tokens": counts.get("local_compute"), "ttft_s": result.ttft_s, "e2e_s": result.e2e_s,
            "started_at": result.started_at, "finished_at": time.time(), "output_text": result.output_text,
-           "error": result.error or None, **where}
+           "error": result.error or None, "request_id": result.request_id, **metrics.request_timings(counts),
+           **where}
     return records.row(ChainRecord, **row)
 
 
@@ -674,7 +677,7 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     workload = read_json(workload_path)
     with unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
         rows, meta, sent = studyb_block(plan, block, workload, study, config, Path(log_dir))
-    frame = records.frame(ChainRecord, rows)
+    frame = with_retrievals(records.frame(ChainRecord, rows), Path(log_dir))
     records.write_records(frame, csv_out, f"studyb-{block}")
     invariant = batch_invariant(config["engine"])
     compared = pd.DataFrame(columns=reference.COLUMNS)
