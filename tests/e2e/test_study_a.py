@@ -146,6 +146,23 @@ def test_telemetry_covers_the_reuse_phase(study_run):
         assert reuse["power"]["gpu_unavailable"]
 
 
+def test_each_follow_up_s_ttft_is_split_by_its_replica_s_own_times(study_run):
+    """results/breakdown.csv from real replicas: vLLM's histograms around each follow-up and LMCache's
+    retrieve in the serving replica's log, which the shared arm's follow-ups all have and the isolated
+    arm's (nothing to load) none; the parts nest and add up to the client's TTFT."""
+    rows = pd.read_csv(study_run / "results" / "breakdown.csv")
+    reuse = rows[rows["source"] == "reuse"]
+    shared, isolated = (reuse[reuse["cell"].str.contains(f"arm~{arm}")] for arm in ("shared", "isolated"))
+    assert len(shared) == len(isolated) == 4  # e2e.yaml's documents, one follow-up each
+    assert shared["separable"].all() and (shared["transfer"] > 0).all()
+    assert (shared["external_hit_tokens"] == 2048).all() and (shared["transfer_gb_per_s"] > 0).all()
+    assert not isolated["separable"].any()
+    assert rows["nested"].all(), rows[~rows["nested"]]
+    parts = rows[["queue", "transfer", "prefill", "server_other", "client"]].fillna(0).sum(axis=1)
+    assert ((parts - rows["ttft_s"]).abs() < 1e-6).all()
+    assert (study_run / "results" / "figures" / "breakdown.png").exists()
+
+
 def test_tier_compare_has_a_column_per_tier(study_run):
     table = pd.read_csv(study_run / "results" / "tier_compare.csv")
     assert "disk" in table.columns

@@ -67,8 +67,14 @@ def _differs(mine, again, theirs) -> bool:
 
 def vllm_parser() -> argparse.ArgumentParser:
     """The parser of vLLM's OpenAI server (the `vllm serve` command and the api_server module both use it)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    try:  # vLLM 0.32's places, then the earlier ones (0.26, the GPU bundle's)
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        from vllm.utils import FlexibleArgumentParser
 
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 
