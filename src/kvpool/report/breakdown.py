@@ -13,8 +13,11 @@ The client's TTFT then splits into parts that add up to it:
 - ``client``: the client's TTFT beyond the replica's (the HTTP round trip, the stream's first chunk).
 
 Where the backend's retrieve is not in the replica's log (the LMCache MP server does it in its own
-process) ``prefill`` holds it and the row says ``separable`` False. A part that comes out negative by more
-than a millisecond says the times do not nest as above: the row is flagged (``nested`` False).
+process) the row says ``separable`` False, and the load sits in ``queue`` when the connector loads
+asynchronously (the request waits for its KV before it is scheduled: the MP connector on the H200, where a
+64K reload added 75 ms to the queue and nothing to the prefill) or in ``prefill`` when it loads inside the
+model step. A part that comes out negative by more than a millisecond says the times do not nest as above:
+the row is flagged (``nested`` False).
 """
 
 from __future__ import annotations
@@ -88,9 +91,9 @@ def markdown(table: pd.DataFrame) -> str:
         shown[column] = shown[column].map(lambda s: "n/a" if pd.isna(s) else f"{s * 1e3:.1f}")
     shown = shown.rename(columns={"ttft_s": "TTFT ms", **{part: f"{part} ms" for part in PARTS}})
     note = ("Medians over each unit's requests sent one at a time; queue holds the pool lookup. `n/a` under "
-            "transfer: the backend retrieves in a process of its own (the LMCache MP server), so prefill holds "
-            "it. `separable` counts requests whose transfer was measured, `nested` those whose parts are all at "
-            "least zero.")
+            "transfer: the backend retrieves in a process of its own (the LMCache MP server), so the load is in "
+            "queue (an asynchronous load, before the request is scheduled) or in prefill. `separable` counts "
+            "requests whose transfer was measured, `nested` those whose parts are all at least zero.")
     return shown.to_markdown(index=False) + f"\n\n{note}\n"
 
 
