@@ -8,7 +8,11 @@ from kvpool.measure.records import ChainRecord, LevelRecord, RequestRecord, Rout
 
 
 def test_a_level_record_is_a_request_record_and_when_it_was_due():
-    assert records.columns(LevelRecord) == [*records.columns(RequestRecord), "level", "due_s"]
+    times = records.columns(records.RequestTimes)
+    request = [column for column in records.columns(RequestRecord) if column not in times]
+    # the times a request carries are every kind's last columns, after its own
+    assert records.columns(LevelRecord) == [*request, "level", "due_s", *times]
+    assert records.columns(RequestRecord) == [*request, *times] and times[0] == "queue_s"
     assert records.columns(RequestRecord)[:3] == ["doc_id", "prefill_replica", "serve_replica"]
 
 

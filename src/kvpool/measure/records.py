@@ -16,8 +16,23 @@ from pathlib import Path
 import pandas as pd
 
 
+@dataclasses.dataclass(kw_only=True)
+class RequestTimes:
+    """Where a request's time went, when it was sent alone: the change of the serving replica's histograms
+    around it (kvpool.engine.metrics.TIMINGS), its id on the replica, and the stored KV its in-process
+    LMCache retrieved for it (the replica's log, by that id). Every kind's last columns."""
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    server_ttft_s: float | None = None
+    request_id: str | None = None
+    retrieved_tokens: int | None = None
+    retrieve_s: float | None = None
+
+
 @dataclasses.dataclass
-class RequestRecord:
+class RequestRecord(RequestTimes):
     """One request of a populate or reuse phase, with the serving replica's token counters around it."""
 
     doc_id: int
@@ -34,15 +49,6 @@ class RequestRecord:
     output_text: str | None
     followup: int | None = None
     local_cache_hit_tokens: int | None = None
-    # where its time went, by the serving replica's histograms (kvpool.engine.metrics.TIMINGS)
-    queue_s: float | None = None
-    prefill_s: float | None = None
-    decode_s: float | None = None
-    server_ttft_s: float | None = None
-    # the serving replica's id of it, and its LMCache's retrieve of the stored KV (its log, by that id)
-    request_id: str | None = None
-    retrieved_tokens: int | None = None
-    retrieve_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -54,7 +60,7 @@ class LevelRecord(RequestRecord):
 
 
 @dataclasses.dataclass
-class ChainRecord:
+class ChainRecord(RequestTimes):
     """One request of a Study B block or a length unit: a chain's step or a session's turn."""
 
     block: str
@@ -82,15 +88,6 @@ class ChainRecord:
     output_text: str | None
     planted_recalled: bool | None
     error: str | None
-    # where its time went, when it was sent alone (kvpool.engine.metrics.TIMINGS)
-    queue_s: float | None = None
-    prefill_s: float | None = None
-    decode_s: float | None = None
-    server_ttft_s: float | None = None
-    # the serving replica's id of it, and its LMCache's retrieve of the stored KV (its log, by that id)
-    request_id: str | None = None
-    retrieved_tokens: int | None = None
-    retrieve_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -116,8 +113,9 @@ class RoutedRecord:
 
 
 def columns(kind: type) -> list[str]:
-    """The CSV columns of a record kind, in order."""
-    return [field.name for field in dataclasses.fields(kind)]
+    """The CSV columns of a record kind, in order: its own, then the times (``RequestTimes``) it carries."""
+    fields = dataclasses.fields(kind)
+    return [field.name for field in fields if not field.kw_only] + [field.name for field in fields if field.kw_only]
 
 
 def row(kind: type, /, **values) -> dict:  # positional: a record may have a column "kind"
