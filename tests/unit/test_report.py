@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support import REPO
 
 from kvpool.cells import Cell
+from kvpool.report.breakdown import run_breakdown
+from kvpool.report.figures import placeholder_note, save
 from kvpool.report.page import build_report
 from kvpool.report.tables import run_table1, run_tier_compare
 
@@ -43,19 +46,30 @@ def built(tmp_path_factory):
         ("validity", "validity.json"), ("reuse", "reuse.csv"), ("reuse_meta", "reuse.json"),
         ("populate_meta", "populate.json"), ("manifest", "manifest.json"), ("telemetry", "telemetry/summary.json"),
         ("drive", "telemetry/drive.csv"), ("power", "telemetry/power.csv"))}
+    # the breakdown as its rule makes it: these records are from before kvpool read a request's times
+    run_breakdown(config, [{"cell": c.name, "source": "reuse"} for c in CELLS], [f / "reuse.csv" for f in folders],
+                  csv_out=results / "breakdown.csv", md_out=results / "breakdown.md",
+                  figure_dir=str(results / "figures"))
+    # a length sweep's table (the committed CPU one) and its figure where its rule leaves it
+    shutil.copy(REPO / "docs" / "results" / "cpu-contexts" / "results" / "contexts.csv", results / "contexts.csv")
+    save(placeholder_note("TTFT against document length", "drawn by the contexts rule"), results / "contexts",
+         "contexts")
     build_report(config, CELLS, files, [results / "tiers" / "disk" / "ceiling.json"],
                  cell_table=results / "cell_table.csv", table1_csv=results / "table1.csv",
                  tier_table=results / "tier_table.csv",
                  kv_bytes=None, out_html=results / "report.html", figures_dir=results / "report" / "figures",
-                 tables_dir=results / "report" / "tables")
+                 tables_dir=results / "report" / "tables", breakdown=str(results / "breakdown.csv"),
+                 contexts=str(results / "contexts.csv"))
     return results
 
 
 def test_page_has_every_table_and_figure(built):
     html = (built / "report.html").read_text()
     for heading in ("Run summary", "Table 1", "Table 2", "Figure 1.", "Figure 2.", "Figure 3.", "Figure 4.",
-                    "ECDF", "Timeline per cell and phase", "Energy per follow-up", "measured ceiling", "Caveats"):
+                    "ECDF", "Timeline per cell and phase", "Energy per follow-up", "measured ceiling", "Caveats",
+                    "Where a follow-up's TTFT goes", "Document length: where the pool starts paying"):
         assert heading in html, heading
+    assert "No request carried its replica's own times" in html  # said, not an empty table
     assert "replica CPU seconds per follow-up" in html  # no GPU in the fixture: labelled, not called watts
 
 
@@ -169,7 +183,7 @@ def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
 def test_the_page_opens_on_the_verdict_and_the_headline_figure_then_the_details(built):
     html = (built / "report.html").read_text()
     verdict = re.search(r'<p class="verdict invalid"><b><span class="flag">INVALID</span></b>: ([^<]*)</p>', html)
-    assert verdict and verdict.group(1).startswith(f"2 of 3 cells valid. Failed: {INVALID}: ")
+    assert verdict and verdict.group(1).startswith(f"2 of 3 cells valid; 10 length units judged. Failed: {INVALID}: ")
     order = [html.index(marker) for marker in ('class="verdict', "Figure 1. Cross-replica TTFT, p50",
                                                "Isolated / shared", 'id="summary"', 'id="table1"', 'id="figures"')]
     assert order == sorted(order)

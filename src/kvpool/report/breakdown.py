@@ -82,14 +82,19 @@ def summary(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return out.reset_index()
 
 
-def markdown(table: pd.DataFrame) -> str:
+def for_reading(table: pd.DataFrame) -> pd.DataFrame:
     """The summary as a person reads it: each part's median in milliseconds, beside the TTFT's."""
-    if table.empty:
-        return "No request carried its replica's own times (a run from before kvpool read them).\n"
     shown = table.copy()
     for column in ["ttft_s", *PARTS]:
         shown[column] = shown[column].map(lambda s: "n/a" if pd.isna(s) else f"{s * 1e3:.1f}")
-    shown = shown.rename(columns={"ttft_s": "TTFT ms", **{part: f"{part} ms" for part in PARTS}})
+    return shown.rename(columns={"ttft_s": "TTFT ms", **{part: f"{part} ms" for part in PARTS}})
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """:func:`for_reading` in Markdown, with what n/a and the counts mean."""
+    if table.empty:
+        return "No request carried its replica's own times (a run from before kvpool read them).\n"
+    shown = for_reading(table)
     note = ("Medians over each unit's requests sent one at a time; queue holds the pool lookup. `n/a` under "
             "transfer: the backend retrieves in a process of its own (the LMCache MP server), so the load is in "
             "queue (an asynchronous load, before the request is scheduled) or in prefill. `separable` counts "

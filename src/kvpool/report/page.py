@@ -152,7 +152,8 @@ def caveats(results: Results) -> list[str]:
     return notes
 
 
-def image_data_uri(path: Path) -> str:
+def image_data_uri(path: Path | str) -> str:
+    path = Path(path)  # a section may name its figure as a string (the length units' did, and failed here)
     kind = "svg+xml" if path.suffix == ".svg" else "png"
     return f"data:image/{kind};base64," + base64.b64encode(path.read_bytes()).decode()
 
@@ -389,7 +390,8 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
                  tier_table: str | None,
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
                  load: str | None = None, studyb: dict | None = None, peer: str | None = None,
-                 routers: str | None = None, contexts: str | None = None) -> None:
+                 routers: str | None = None, contexts: str | None = None,
+                 breakdown: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records (``files`` and
@@ -462,6 +464,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
         "peer_html": _peer_html(peer) if peer else "",
         "routers": _routers_section(routers) if routers else None,
         "contexts": _contexts_section(contexts) if contexts else None,
+        "breakdown": _breakdown_section(breakdown) if breakdown else None,
         "load_figures": [drawn[s] for s, _ in under_load],
         "studyb": studyb_part,
     })
@@ -520,6 +523,17 @@ def _routers_section(routers_csv: str) -> dict:
     return {"html": _html(routers_for_reading(pd.read_csv(routers_csv))),
             "figures": [{"png": str(folder / f"{stem}.png"), "title": title}
                         for stem, (_, title) in ROUTER_FIGURES.items()]}
+
+
+def _breakdown_section(breakdown_csv: str) -> dict:
+    """The report's TTFT breakdown: each unit's medians (kvpool.report.breakdown) and its figure beside it."""
+    from kvpool.report import breakdown
+
+    rows = pd.read_csv(breakdown_csv)
+    table = breakdown.summary(rows, ["cell", "source"]) if len(rows) else pd.DataFrame()
+    return {"html": _html(breakdown.for_reading(table)) if len(table) else "<p>No request carried its replica's own "
+            "times (a run from before kvpool read them).</p>",
+            "figure": Path(breakdown_csv).parent / "figures" / "breakdown.png"}
 
 
 def _contexts_section(contexts_csv: str) -> dict:
