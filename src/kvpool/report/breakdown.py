@@ -96,9 +96,11 @@ def markdown(table: pd.DataFrame) -> str:
         return "No request carried its replica's own times (a run from before kvpool read them).\n"
     shown = for_reading(table)
     note = ("Medians over each unit's requests sent one at a time; queue holds the pool lookup. `n/a` under "
-            "transfer: the backend retrieves in a process of its own (the LMCache MP server), so the load is in "
-            "queue (an asynchronous load, before the request is scheduled) or in prefill. `separable` counts "
-            "requests whose transfer was measured, `nested` those whose parts are all at least zero.")
+            "transfer: the replica's log has no retrieve for the request, because it loaded nothing (the isolated "
+            "arm, a cold step) or because its backend retrieves in a process of its own (the LMCache MP server), "
+            "whose load is then in queue (an asynchronous load, before the request is scheduled) or in prefill. "
+            "`separable` counts requests whose transfer was measured, `nested` those whose parts are all at least "
+            "zero.")
     return shown.to_markdown(index=False) + f"\n\n{note}\n"
 
 
