@@ -64,3 +64,18 @@ def test_the_shared_pool_at_32_in_flight_uses_about_a_third_of_the_link(tmp_path
     assert 0.30 < table.loc["c32", "link_use"] < 0.40
     assert table.loc["c1", "link_use"] < table.loc["c16", "link_use"] < table.loc["c32", "link_use"]
     assert "of the link" in (out / "load.md").read_text()
+
+
+def test_a_ceiling_without_a_link_adds_no_link_column_to_the_load_table(tmp_path):
+    """A CPU run's ceiling says the link does not apply: the load table stays as it was (its n/a column
+    once widened the page past 1,280 px)."""
+    cpu = tmp_path / "tiers" / "ram" / "ceiling.json"
+    cpu.parent.mkdir(parents=True)
+    cpu.write_text(json.dumps({"gb_per_s": 5.0, "link": link.ceiling([], [], repeats=1)}))
+    files = {"csv": str(C32.cell_dir(SHARED) / "reuse.csv"), "meta": str(C32.cell_dir(SHARED) / "reuse.json"),
+             "validity": str(C32.cell_dir(SHARED) / "validity.json"),
+             "telemetry": str(C32.cell_dir(SHARED) / "telemetry" / "summary.json")}
+    load.run_load_table(config_of(C32, SHARED), [SHARED], reuse={SHARED: files}, levels={},
+                        csv_out=str(tmp_path / "load.csv"), md_out=str(tmp_path / "load.md"), ceilings=[str(cpu)])
+    assert "link_use" not in pd.read_csv(tmp_path / "load.csv")
+    assert "of the link" not in (tmp_path / "load.md").read_text()

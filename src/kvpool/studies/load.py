@@ -371,7 +371,7 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
                                              meta["summary"]["drive"], power, meta["valid"], config, per_token))
     table = pd.DataFrame(rows)
     links = {path.split("/")[-2]: read_json(path).get("link") for path in ceilings or []}
-    if any(links.values()):  # the share of the host-to-GPU link the level's reloads used
+    if any((link or {}).get("gb_per_s") for link in links.values()):  # the share of the GPU link the reloads used
         table["link_ceiling_gb_per_s"] = table["tier"].map(
             lambda tier: (links.get(tier) or {}).get("gb_per_s") or np.nan).astype(float)
         table["link_use"] = table["loaded_gb_per_s"] / table["link_ceiling_gb_per_s"]
