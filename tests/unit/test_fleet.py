@@ -229,3 +229,19 @@ def test_a_replica_says_what_it_serves_its_model_length_and_its_lmcache_chunk_si
         assert replica.served() == {"max_model_len": 4096, "chunk_sizes": [256]}
         replica.log_path.write_text("")  # no connector: no chunk size to hold against the plan
         assert replica.served() == {"max_model_len": 4096, "chunk_sizes": []}
+
+
+def test_a_stopped_replica_s_lmcache_sockets_are_found_from_its_log_and_no_other_engine_s(tmp_path):
+    """LMCache's engine leaves its RPC sockets in /tmp (thousands after a day of runs here): the replica's
+    log names its engine's, and only those go when it stops."""
+    from kvpool.engine.fleet import lmcache_sockets
+
+    mine, other = "0fca8666-c252-4334-b988-26acf6b61c33", "685c06c7-cd31-43bb-ac5a-bd3854cd1223"
+    files = [tmp_path / f"engine_{engine}_service_{service}" for engine in (mine, other)
+             for service in ("lookup_lmcache_rpc_port_0", "offload_lmcache_rpc_port_100")]
+    for path in files:
+        path.write_text("")
+    log = ("\x1b[32;20m[2026-12-04 00:27:56,960] LMCache INFO:\x1b[0m Transport connecting to rank 0 with socket path "
+           f"{tmp_path}/engine_{mine}_service_lookup_lmcache_rpc_port_0 \x1b[3m(zmq_transport.py:53)\x1b[0m\n")
+    assert lmcache_sockets(log) == sorted(files[:2])
+    assert lmcache_sockets("no LMCache here") == []

@@ -209,6 +209,18 @@ class ManagedProcess:
         log.info("%s stopped", self.name)
 
 
+# LMCache's engine names its RPC sockets in the replica's log ("... with socket path
+# /tmp/engine_<id>_service_lookup_lmcache_rpc_port_0"), and leaves them, with their offload twins, behind.
+LMCACHE_SOCKET = re.compile(r"socket path (/\S*?/engine_[0-9a-f-]+_service_)\S*")
+
+
+def lmcache_sockets(log_text: str) -> list[Path]:
+    """The socket files of the LMCache engines a replica's log names, that exist: every service of each."""
+    prefixes = {Path(match[1]) for match in LMCACHE_SOCKET.finditer(log_text)}
+    return sorted(path for prefix in prefixes for path in prefix.parent.glob(f"{prefix.name}*")
+                  if path.is_socket() or path.is_file())
+
+
 class Replica(ManagedProcess):
     """One vLLM server."""
 
@@ -221,6 +233,13 @@ class Replica(ManagedProcess):
         if self.entry["lmcache_config_file"]:
             Path(self.entry["lmcache_config_file"]).write_text(yaml.safe_dump(self.entry["lmcache_config"]))
         super().start()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Stop it, then remove the RPC socket files its LMCache engine left (two in /tmp per start)."""
+        super().stop(grace_s)
+        if self.proc is not None and self.log_path.exists():
+            for path in lmcache_sockets(self.log_path.read_text(errors="replace")):
+                path.unlink(missing_ok=True)
 
     def port_owner_problem(self) -> str | None:
         """Why requests to this replica's port might reach another process, or None.
