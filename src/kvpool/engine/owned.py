@@ -55,14 +55,16 @@ def _fields(value):
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
-def _differs(mine, again, theirs) -> bool:
-    """Whether ``theirs`` differs from ``mine`` in a field that two parses of kvpool's line agree on (vLLM
-    draws a fresh engine_id per parse: that is not a setting)."""
+def _change(mine, again, theirs) -> str | None:
+    """How ``theirs`` differs from ``mine`` as a person reads it, or None: a config object (vLLM parses
+    --kv-transfer-config into one) by the fields that differ, among those two parses of kvpool's line
+    agree on (vLLM draws a fresh engine_id per parse: that is not a setting)."""
     mine, again, theirs = _fields(mine), _fields(again), _fields(theirs)
     if isinstance(mine, dict) and isinstance(theirs, dict):
-        return any(mine.get(key) != theirs.get(key) for key in mine.keys() | theirs.keys()
-                   if mine.get(key) == again.get(key))
-    return mine != theirs
+        keys = sorted(key for key in mine.keys() | theirs.keys()
+                      if mine.get(key) == again.get(key) and mine.get(key) != theirs.get(key))
+        return ", ".join(f"{key} from {mine.get(key)!r} to {theirs.get(key)!r}" for key in keys) or None
+    return f"from {mine!r} to {theirs!r}" if mine != theirs else None
 
 
 def vllm_parser() -> argparse.ArgumentParser:
@@ -121,16 +123,6 @@ def lmcache_changes(file_config: dict, file_path: str, env: dict) -> dict[str, t
             if key in file_config and getattr(alone, key) != getattr(loaded, key)}
 
 
-def _shown(mine, again, theirs) -> str:
-    """A change as a person reads it: a config object's fields that differ, else both values."""
-    mine, again, theirs = _fields(mine), _fields(again), _fields(theirs)
-    if isinstance(mine, dict) and isinstance(theirs, dict):
-        keys = sorted(key for key in mine.keys() | theirs.keys()
-                      if mine.get(key) == again.get(key) and mine.get(key) != theirs.get(key))
-        return ", ".join(f"{key} from {mine.get(key)!r} to {theirs.get(key)!r}" for key in keys)
-    return f"from {mine!r} to {theirs!r}"
-
-
 def problems(launches: list[dict]) -> list[str]:
     """What the launches would run otherwise than kvpool planned them, each problem once with the launches
     it holds for. A launch: ``name``; ``engine_own`` and ``engine_extra`` (a replica's options),
@@ -153,11 +145,9 @@ def problems(launches: list[dict]) -> list[str]:
                     launch["name"])
                 continue
             for dest in sorted(_given_dests(parser, own)):
-                if _differs(mine[dest], again[dest], theirs[dest]):
-                    found.setdefault(
-                        f"{where} changes {dest} ({_shown(mine[dest], again[dest], theirs[dest])}), which kvpool "
-                        f"sets per {what} and records in the plan: use the config's own key", []).append(
-                        launch["name"])
+                if change := _change(mine[dest], again[dest], theirs[dest]):
+                    found.setdefault(f"{where} changes {dest} ({change}), which kvpool sets per {what} and records "
+                                     "in the plan: use the config's own key", []).append(launch["name"])
         if launch.get("lmcache_config") is not None:
             changes = lmcache_changes(launch["lmcache_config"], launch["lmcache_config_file"], launch["env"])
             for key, (mine, theirs) in changes.items():

@@ -291,7 +291,7 @@ def gpu_state(gpus: pd.DataFrame) -> dict:
     (min, p50, max), PCIe receive and send rates (mean, p95 and max of the samples), and each clock-event
     reason with the fraction of samples it was set in."""
     found = {}
-    for source, rows in gpus.sort_values("t_s").groupby("source"):
+    for source, rows in gpus.groupby("source"):
         state = {}
         for clock in ("sm_clock_mhz", "mem_clock_mhz"):
             if clock in rows and rows[clock].notna().any():
@@ -304,10 +304,12 @@ def gpu_state(gpus: pd.DataFrame) -> dict:
                 state[column] = {"mean": float(values.mean()), "p95": float(values.quantile(0.95)),
                                  "max": float(values.max())}
         if "clock_event_reasons" in rows and rows["clock_event_reasons"].notna().any():
-            masks = rows["clock_event_reasons"].dropna().astype(int)
-            seen = pd.Series([name for mask in masks for name in clock_event_names(int(mask))], dtype=object)
-            state["clock_event_reasons"] = {name: float(count / len(masks)) for name, count in
-                                            seen.value_counts().items()}
+            masks = rows["clock_event_reasons"].dropna().astype(int).value_counts()  # each mask named once
+            shares: dict[str, float] = {}
+            for mask, count in masks.items():
+                for name in clock_event_names(int(mask)):
+                    shares[name] = shares.get(name, 0.0) + count / masks.sum()
+            state["clock_event_reasons"] = {name: float(share) for name, share in shares.items()}
         if state:
             found[source] = state
     return found

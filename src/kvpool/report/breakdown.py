@@ -108,12 +108,11 @@ def figure(table: pd.DataFrame):
     """Stacked bars: each unit's median parts, which add up to about its median TTFT."""
     from plotnine import aes, coord_flip, geom_col, ggplot, labs, theme, theme_bw
 
-    from kvpool.report.figures import placeholder_note
+    from kvpool.report.figures import placeholder_note, short_cell
 
     if table.empty:
         return placeholder_note("Where the TTFT goes", "no request carried its replica's own times")
-    long = table.assign(unit=table["cell"].str.replace("backend~", "").str.replace("arm~", "")
-                        .str.replace("chunk~", "c").str.replace("tier~", "") + " " + table["source"])
+    long = table.assign(unit=table["cell"].map(short_cell) + " " + table["source"])
     long = long.melt(id_vars=["unit"], value_vars=PARTS, var_name="part", value_name="seconds").dropna()
     long["part"] = pd.Categorical(long["part"], categories=list(reversed(PARTS)), ordered=True)
     return (ggplot(long, aes("unit", "seconds", fill="part")) + geom_col() + coord_flip() + theme_bw()

@@ -35,6 +35,11 @@ ARM_COLOURS = {"shared": "#1b9e77", "isolated": "#d95f02"}
 FAINT_INVALID = {"valid": 1.0, "INVALID": 0.35}
 
 
+def short_cell(name: str) -> str:
+    """A cell's name as a figure labels it: ``lmcache-fs/shared/c256/disk``."""
+    return name.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
+
+
 def _label(frame: pd.DataFrame) -> pd.DataFrame:
     frame = frame.copy()
     frame["setting"] = frame["backend"] + " / chunk " + frame["chunk"].astype(str) + " / " + frame["tier"]
@@ -127,8 +132,7 @@ def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFra
     starts = {(c["cell"], phase): start for _, c in cells.iterrows() for phase, (start, _) in c["phases"].items()}
     data["since_phase_s"] = data["since_start_s"] - [starts[(c, p)]
                                                      for c, p in zip(data["cell"], data["phase"], strict=True)]
-    labels = {c: c.replace("backend~", "").replace("arm~", "").replace("chunk~", "c").replace("tier~", "")
-              .replace("/", "/\n", 2) for c in cells["cell"]}
+    labels = {c: short_cell(c).replace("/", "/\n", 2) for c in cells["cell"]}
     data["column"] = pd.Categorical(data["cell"].map(labels), categories=list(labels.values()))
     # a column per cell, its phases as colours; past 12 cells the columns narrow (plotnine refuses over 25 in)
     return (ggplot(data, aes("since_phase_s", "value", colour="phase"))

@@ -234,7 +234,7 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
                  "split; the gate compares each step with a recompute in its own split)", cell.name, tokens,
                  agreement["chains"] - agreement["cold_agrees"], agreement["chains"])
     gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
-                                cell.chunk)
+                       cell.chunk)
     meta.update(doc_tokens=tokens, information={"answers_agree": agreement}, **gate)
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
 

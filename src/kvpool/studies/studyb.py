@@ -687,7 +687,7 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     compared.to_csv(reference_out, index=False)
     checks = block_checks(frame, arm, study, config["min_hit_fraction"], compared, invariant)
     gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
-                                cell.chunk)
+                       cell.chunk)
     checks = gate["checks"]
     meta.update(arm=arm, cell=cell.name, information={"chain_answers_agree": answer_agreement(frame)}, **gate)
     records.write_meta(meta, json_out)
