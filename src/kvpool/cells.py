@@ -1,15 +1,30 @@
-"""The experiment matrix: one cell per (backend, arm, chunk size, tier), and where each keeps its pool."""
+"""The experiment matrix: one cell per (backend, arm, chunk size, tier), and where each keeps its pool.
+
+An lmcache-mp cell has one more dimension, the server's GPU worker threads (``lmcache_mp.gpu_workers``).
+It is written into the backend's folder name (``backend~lmcache-mp+gpu_workers=2``) only when set, so the
+cells of LMCache's own default keep their folder, and adding a value builds only the cells that have it.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 CELL_PATTERN = "backend~{backend}/arm~{arm}/chunk~{chunk}/tier~{tier}"
 MP_BACKEND = "lmcache-mp"
 REDIS_BACKEND = "lmcache-redis"
+BACKENDS = ("lmcache-fs", "lmcache-local-disk", MP_BACKEND, REDIS_BACKEND)
+# An lmcache-mp cell's backend folder with its server setting: lmcache-mp, or lmcache-mp+gpu_workers=N.
+GPU_WORKERS = "+gpu_workers="
+BACKEND_LABEL = "|".join(BACKENDS).replace(MP_BACKEND, MP_BACKEND + r"(?:\+gpu_workers=[1-9][0-9]*)?")
+
+
+def backend_of(label: str) -> str:
+    """The backend of a backend folder's name, without its server setting."""
+    return label.partition(GPU_WORKERS)[0]
 
 
 @dataclass(frozen=True)
@@ -18,31 +33,50 @@ class Cell:
     arm: str
     chunk: int
     tier: str
+    # lmcache-mp only: the server's GPU worker threads (`lmcache server --max-gpu-workers`), which run
+    # its stores and retrieves, each connected engine's on one thread; None leaves LMCache's default.
+    gpu_workers: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The backend with its server setting, as the cell's folder and the tables' backend column name it."""
+        return self.backend if self.gpu_workers is None else f"{self.backend}{GPU_WORKERS}{self.gpu_workers}"
 
     @property
     def name(self) -> str:
-        return CELL_PATTERN.format(**self.__dict__)
+        return CELL_PATTERN.format(backend=self.label, arm=self.arm, chunk=self.chunk, tier=self.tier)
+
+    @classmethod
+    def from_label(cls, label: str, arm: str, chunk: int, tier: str) -> Cell:
+        """The cell whose backend folder is ``label`` (``lmcache-mp+gpu_workers=2``, say)."""
+        if not re.fullmatch(BACKEND_LABEL, label):
+            raise ValueError(f"{label!r} is not a backend kvpool knows ({', '.join(BACKENDS)}; lmcache-mp may "
+                             f"carry {GPU_WORKERS}N)")
+        workers = label.partition(GPU_WORKERS)[2]
+        return cls(backend_of(label), arm, int(chunk), tier, int(workers) if workers else None)
 
     @classmethod
     def from_wildcards(cls, wildcards) -> Cell:
-        return cls(wildcards.backend, wildcards.arm, int(wildcards.chunk), wildcards.tier)
+        return cls.from_label(wildcards.backend, wildcards.arm, int(wildcards.chunk), wildcards.tier)
 
     @classmethod
     def from_name(cls, name: str) -> Cell:
         """The cell of a folder name, ``backend~B/arm~A/chunk~C/tier~T``."""
         fields = dict(part.split("~", 1) for part in name.split("/"))
-        return cls(fields["backend"], fields["arm"], int(fields["chunk"]), fields["tier"])
+        return cls.from_label(fields["backend"], fields["arm"], int(fields["chunk"]), fields["tier"])
 
 
 def cells(config: dict) -> list[Cell]:
     """Every cell of the configured matrix, in a stable order. An lmcache-redis pool is its server's
-    memory wherever the tier points, so that backend forms cells only on ``lmcache_redis.tiers``."""
+    memory wherever the tier points, so that backend forms cells only on ``lmcache_redis.tiers``; an
+    lmcache-mp cell is formed once per value of ``lmcache_mp.gpu_workers``."""
     return [
-        Cell(backend, arm, chunk, tier)
+        Cell(backend, arm, chunk, tier, workers)
         for backend, chunk, tier, arm in itertools.product(
             config["backends"], config["chunk_sizes"], config["tiers"], config["arms"]
         )
         if backend != REDIS_BACKEND or tier in config["lmcache_redis"]["tiers"]
+        for workers in (config["lmcache_mp"]["gpu_workers"] if backend == MP_BACKEND else [None])
     ]
 
 

@@ -29,7 +29,7 @@ OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--d
 OWNED_ENV = {"LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES",
              "CUDA_DEVICE_ORDER"} | {f"LMCACHE_{key.upper()}" for key in OWNED_LMCACHE_KEYS}
 OWNED_SERVER_FLAGS = {"--host", "--port", "--http-host", "--http-port", "--chunk-size", "--l1-size-gb",
-                      "--eviction-policy", "--l2-adapter"}
+                      "--eviction-policy", "--l2-adapter", "--max-gpu-workers", "--max-workers"}
 
 # What the timed phases read: the engine's timeouts and host, the workload, where pools live, the MP
 # server's timeouts, the preflight policy, sampling, the drop and whether a pool is kept. A rule hands
@@ -63,9 +63,18 @@ def reads(*sections: str, picked=None):
     return declare
 
 
+# Settings that are dimensions of the matrix (kvpool.cells): each cell's value is in its name and its Cell,
+# so no step is handed the list, and adding a value re-runs no cell measured before.
+DIMENSIONS = {"lmcache_mp": ("gpu_workers",)}
+
+
 def step_settings(step, config: dict, wildcards=None) -> dict:
-    """The config that ``step`` declares it reads (``reads``), for one job (``wildcards``)."""
+    """The config that ``step`` declares it reads (``reads``), for one job (``wildcards``), less the
+    matrix's dimensions."""
     values = {key: config[key] for key in step.reads}
+    for section, keys in DIMENSIONS.items():
+        if section in values:
+            values[section] = {k: v for k, v in values[section].items() if k not in keys}
     if step.picked is not None:
         values.update(step.picked(config, wildcards))
     return values
@@ -155,7 +164,7 @@ def _input_problems(config: dict) -> list[str]:
                      "folder name say; use the config's own keys (chunk_sizes, hash_keys, engine.cores, engine.gpus)")
     if owned := _owned(config["lmcache_mp"]["extra_args"], OWNED_SERVER_FLAGS):
         found.append(f"lmcache_mp.extra_args sets {', '.join(owned)}, which kvpool sets per server; use the "
-                     "lmcache_mp keys (l1_size_gib, eviction_policy, l2_use_odirect) instead")
+                     "lmcache_mp keys (l1_size_gib, eviction_policy, l2_use_odirect, gpu_workers) instead")
     try:
         if ipaddress.ip_address(engine["host"]).version == 6:
             found.append(f"engine.host {engine['host']!r} is an IPv6 address; kvpool's replicas, pool servers and "

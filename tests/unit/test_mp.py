@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import psutil
@@ -15,7 +16,7 @@ from support import REPO
 from support.fakes import FAKE, FAKE_ENGINE, fake_server_plan, family, write_driver
 
 from kvpool import config as kvpool_config
-from kvpool.cells import Cell
+from kvpool.cells import Cell, cells
 from kvpool.engine import mp
 from kvpool.engine.fleet import FleetError, free_ports, resolve_server_ports, running_servers
 from kvpool.engine.model import vocabulary
@@ -34,7 +35,7 @@ def gpu_config(config):
     config["tiers"] = {"ram": "/dev/shm/kvpool", "disk": "pools/disk"}
     config["lmcache_mp"] = {"memory_tiers": ["ram"], "l1_size_gib": None, "l1_fill": 0.7, "eviction_policy": "LRU",
                             "l2_use_odirect": False, "extra_args": [], "env": {}, "startup_timeout_s": 60,
-                            "drain_timeout_s": 30}
+                            "drain_timeout_s": 30, "gpu_workers": [None]}
     return config
 
 
@@ -82,6 +83,43 @@ def test_isolated_arm_has_a_server_per_replica_and_nothing_else_differs(gpu_conf
     for r_shared, r_isolated in zip(shared["replicas"], isolated["replicas"], strict=True):
         assert [a for a in r_shared["argv"] if "LMCacheMPConnector" not in a] == \
                [a for a in r_isolated["argv"] if "LMCacheMPConnector" not in a]
+
+
+def test_gpu_workers_is_a_dimension_of_the_mp_cells_alone(gpu_config):
+    gpu_config["backends"] = ["lmcache-mp", "lmcache-fs"]
+    gpu_config["lmcache_mp"]["gpu_workers"] = [None, 2]
+    found = cells(gpu_config)
+    mp_cells = [cell for cell in found if cell.backend == "lmcache-mp"]
+    assert len(mp_cells) == 2 * len([cell for cell in found if cell.backend == "lmcache-fs"])
+    assert {cell.gpu_workers for cell in mp_cells} == {None, 2}
+    assert {cell.gpu_workers for cell in found if cell.backend == "lmcache-fs"} == {None}
+    two = Cell("lmcache-mp", "shared", 256, "ram", 2)
+    # LMCache's default keeps the folder it always had; a set value is in it, and the name reads back
+    assert Cell("lmcache-mp", "shared", 256, "ram").name == "backend~lmcache-mp/arm~shared/chunk~256/tier~ram"
+    assert two.name == "backend~lmcache-mp+gpu_workers=2/arm~shared/chunk~256/tier~ram"
+    assert Cell.from_name(two.name) == two and two.label == "lmcache-mp+gpu_workers=2"
+    with pytest.raises(ValueError, match="lmcache-fs\\+gpu_workers=2.*not a backend"):
+        Cell.from_name("backend~lmcache-fs+gpu_workers=2/arm~shared/chunk~256/tier~ram")
+
+
+def test_the_server_gets_the_cells_gpu_workers_and_the_user_cannot_set_them(gpu_config):
+    two = fleet_plan(gpu_config, Cell("lmcache-mp", "shared", 256, "ram", 2), "/models/m", Path("/tmp/cell"),
+                     [18100, 18101], "config", server_ports=[20001, 20002])
+    assert flag(two["servers"][0]["argv"], "--max-gpu-workers") == "2"
+    assert "--max-gpu-workers" not in mp_plan(gpu_config, "shared", "ram")["servers"][0]["argv"]
+    gpu_config["lmcache_mp"]["extra_args"] = ["--max-workers", "4"]
+    assert any("lmcache_mp.extra_args sets --max-workers" in problem for problem in kvpool_config.problems(gpu_config, Path("/tmp"), check_paths=False))
+
+
+def test_adding_a_gpu_workers_value_re_runs_no_measured_cell(gpu_config):
+    """Each step is handed its sections less the dimension, so a cell's jobs see the same settings
+    whatever the other cells are."""
+    before = {step: kvpool_config.step_settings(step, gpu_config, SimpleNamespace(backend="lmcache-mp", level="c32"))
+              for step in (study_a.make_plan, study_a.run_memory_pool_cell, load.run_load_level)}
+    gpu_config["lmcache_mp"]["gpu_workers"] = [None, 2]
+    for step, settings in before.items():
+        assert kvpool_config.step_settings(step, gpu_config, SimpleNamespace(backend="lmcache-mp", level="c32")) == settings
+        assert "gpu_workers" not in settings.get("lmcache_mp", {})
 
 
 def test_l1_is_sized_for_the_whole_pool(gpu_config):

@@ -6,7 +6,7 @@ from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import runlock
 from kvpool.report import breakdown, tables
 from kvpool.studies import contexts, crossover, load, routers, study_a, studyb
-from kvpool.cells import CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
+from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.engine.model import RANDOM_MODEL_DIR
 
@@ -48,7 +48,7 @@ CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'
 
 
 wildcard_constraints:
-    backend="lmcache-fs|lmcache-local-disk|lmcache-mp|lmcache-redis",
+    backend=BACKEND_LABEL,
     arm="shared|isolated",
     chunk=r"\d+",
     level=LEVEL_PATTERN,

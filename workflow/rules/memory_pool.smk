@@ -4,7 +4,7 @@
 # cell runs them as the three rules of populate.smk, drop.smk and reuse.smk. Re-run such a cell with
 # --forcerun memory_pool_cell. The rule exists in every matrix (it matches no cell where none is a
 # memory pool), so that --forcerun names it anywhere.
-MEMORY_POOLS = sorted({(c.backend, c.tier) for c in cells(config) if is_memory_pool(config, c)})
+MEMORY_POOLS = sorted({(c.label, c.tier) for c in cells(config) if is_memory_pool(config, c)})
 # The backend wildcard matches only where the same path's tier makes the pair a memory pool (a
 # lookahead to the tier), so an lmcache-mp cell on a drive tier never falls to this rule.
 MEMORY_POOL_BACKENDS = "|".join(

@@ -113,6 +113,8 @@ def server_argv(config: dict, cell: Cell, host: str, port: int, http_port: int, 
     argv = [executable(), "server", "--host", host, "--port", str(port), "--http-host", host,
             "--http-port", str(http_port), "--chunk-size", str(cell.chunk),
             "--l1-size-gb", f"{l1_size_gib(config, cell.tier):g}", "--eviction-policy", settings["eviction_policy"]]
+    if cell.gpu_workers is not None:
+        argv += ["--max-gpu-workers", str(cell.gpu_workers)]
     if l2_dir is not None:
         adapter = {"type": "fs", "base_path": str(l2_dir), "use_odirect": settings["l2_use_odirect"]}
         argv += ["--l2-adapter", json.dumps(adapter, sort_keys=True)]

@@ -47,7 +47,7 @@ class Results:
 
 
 def _cell_keys(cell: Cell, valid: bool) -> dict:
-    return {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+    return {"cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
             "valid": valid}
 
 
@@ -137,7 +137,7 @@ def caveats(results: Results) -> list[str]:
         "Hash keys: " + ("PYTHONHASHSEED=0 on every replica." if cfg["hash_keys"] == "pythonhashseed"
                          else "LMCache sha256_cbor content hash.") + " The populate preflight checked them.",
     ]
-    if (results.cells["backend"] == "lmcache-mp").any():
+    if results.cells["backend"].str.startswith("lmcache-mp").any():
         notes.append("lmcache-mp cells: the LMCache server keys chunks by a blake3 content hash, so hash_keys does "
                      "not apply to them; their preflight checked that replicas find each other's chunks.")
     for _, cell in results.cells.iterrows():
@@ -257,7 +257,7 @@ def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
 def _cell_label(name: str) -> str:
     """A cell's name as the tables show it: backend / arm / chunk / tier, with spaces a line can break at."""
     cell = Cell.from_name(name)
-    return f"{cell.backend} / {cell.arm} / chunk {cell.chunk} / {cell.tier}"
+    return f"{cell.label} / {cell.arm} / chunk {cell.chunk} / {cell.tier}"
 
 
 def _paired_change(row) -> dict:

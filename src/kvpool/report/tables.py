@@ -157,7 +157,7 @@ def cell_row(cell: Cell, records: pd.DataFrame, wall_s: float, power: dict, vali
                           mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
     ttft = records.loc[records["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
     n = len(records)
-    row = {"cell": cell.name, "backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
+    row = {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
            "valid": validity["valid"], "reasons": "; ".join(failures(validity)), "ttft_n": len(ttft)}
     for q in PERCENTILES:
         found = reported_percentile(ttft, q)
@@ -392,7 +392,7 @@ def tier_row(cell: Cell, reuse_summary: dict, records: pd.DataFrame, drive: pd.D
     bootstrap 95% intervals from the reuse phase's raw samples (``drive``: its iostat rows), the same
     series the telemetry reduced: r_await over samples with reads, queue depth summed over the tier's
     disks per tick."""
-    row = {"cell": cell.name, "backend": cell.backend, "chunk": cell.chunk, "tier": cell.tier,
+    row = {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier,
            **tier_signals(reuse_summary, records, ceiling, per_token), "ceiling_method": ceiling.get("method")}
     reuse = drive[drive["phase"] == "reuse"] if len(drive) else drive
     r_await = reuse.loc[reuse["r_per_s"] > 0, "r_await_ms"] if len(reuse) else pd.Series(dtype=float)
@@ -450,7 +450,7 @@ def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: d
     ttft, e2e = ok["ttft_s"].astype(float), ok["e2e_s"].astype(float)
     wall = meta["wall_s"]
     hit_tokens = float(ok["external_hit_tokens"].fillna(0).astype(float).sum())
-    row = {"cell": cell.name, "backend": cell.backend, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+    row = {"cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
            "level": level, "level_kind": "rate" if level.startswith("r") else "concurrency",
            "level_value": float(level[1:]), "valid": bool(valid), "requests": len(records), "ttft_n": len(ttft)}
     for q in PERCENTILES:

@@ -13,8 +13,8 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
-from kvpool.cells import Cell, is_memory_pool, pool_root
-from kvpool.config import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
+from kvpool.cells import Cell, backend_of, is_memory_pool, pool_root
+from kvpool.config import DIMENSIONS, MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
 from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.cross_router import followup_route, populate_route
@@ -60,9 +60,10 @@ log = logging.getLogger(__name__)
 def _plan_sections(config: dict, wildcards) -> dict:
     """The sections only some cells' plans read: an external fleet's, and the pool servers' of their backend."""
     picked = external_fleet(config)
-    if wildcards.backend == mp.BACKEND:
-        picked["lmcache_mp"] = config["lmcache_mp"]
-    if wildcards.backend == redis_pool.BACKEND:
+    backend = backend_of(wildcards.backend)
+    if backend == mp.BACKEND:  # less the dimensions, as step_settings hands whole sections
+        picked["lmcache_mp"] = {k: v for k, v in config["lmcache_mp"].items() if k not in DIMENSIONS["lmcache_mp"]}
+    if backend == redis_pool.BACKEND:
         picked["lmcache_redis"] = config["lmcache_redis"]
     return picked
 
@@ -330,14 +331,14 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
 @reads("engine", "workload", "tiers", "lmcache_mp", picked=external_fleet)
 def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], csv_out: str, md_out: str) -> None:
     """Compare each chunk's bytes across the arms' pools (see kvbytes); differences are logged."""
-    digests = {(c.backend, c.chunk, c.tier, c.arm): kvbytes.read_digests(path)
+    digests = {(c.label, c.chunk, c.tier, c.arm): kvbytes.read_digests(path)
                for c, path in zip(cells_run, digests_csvs, strict=True)}
     # an MP memory pool is the server's L1: nothing of it is a file, so there are no bytes to hash (a
     # Redis pool's values are read from its servers and hashed like files)
-    no_files = {(c.backend, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
+    no_files = {(c.label, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
                 "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
                 for c in cells_run if is_memory_pool(config, c) and c.backend == mp.BACKEND}
-    no_files |= {(c.backend, c.chunk, c.tier): external.not_verified(config, c.arm)["pool_unchanged"]
+    no_files |= {(c.label, c.chunk, c.tier): external.not_verified(config, c.arm)["pool_unchanged"]
                  for c in cells_run if "pool_unchanged" in external.not_verified(config, c.arm)}
     table = kvbytes.kv_bytes_table(digests, config, no_files)
     table.to_csv(csv_out, index=False)
