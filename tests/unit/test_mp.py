@@ -108,17 +108,19 @@ def test_the_server_gets_the_cells_gpu_workers_and_the_user_cannot_set_them(gpu_
     assert flag(two["servers"][0]["argv"], "--max-gpu-workers") == "2"
     assert "--max-gpu-workers" not in mp_plan(gpu_config, "shared", "ram")["servers"][0]["argv"]
     gpu_config["lmcache_mp"]["extra_args"] = ["--max-workers", "4"]
-    assert any("lmcache_mp.extra_args sets --max-workers" in problem for problem in kvpool_config.problems(gpu_config, Path("/tmp"), check_paths=False))
+    found = kvpool_config.problems(gpu_config, Path("/tmp"), check_paths=False)
+    assert any("lmcache_mp.extra_args sets --max-workers" in problem for problem in found)
 
 
 def test_adding_a_gpu_workers_value_re_runs_no_measured_cell(gpu_config):
     """Each step is handed its sections less the dimension, so a cell's jobs see the same settings
     whatever the other cells are."""
-    before = {step: kvpool_config.step_settings(step, gpu_config, SimpleNamespace(backend="lmcache-mp", level="c32"))
+    job = SimpleNamespace(backend="lmcache-mp", level="c32")
+    before = {step: kvpool_config.step_settings(step, gpu_config, job)
               for step in (study_a.make_plan, study_a.run_memory_pool_cell, load.run_load_level)}
     gpu_config["lmcache_mp"]["gpu_workers"] = [None, 2]
     for step, settings in before.items():
-        assert kvpool_config.step_settings(step, gpu_config, SimpleNamespace(backend="lmcache-mp", level="c32")) == settings
+        assert kvpool_config.step_settings(step, gpu_config, job) == settings
         assert "gpu_workers" not in settings.get("lmcache_mp", {})
 
 
