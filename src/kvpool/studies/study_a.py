@@ -81,7 +81,8 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name, **notes))
 
 
-@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "lmcache_mp", "lmcache_redis", "workload")
+# random_model: an MP server's L1 is sized from the model's KV bytes per token
+@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "lmcache_mp", "lmcache_redis", "workload", "random_model")
 def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> None:
     """Every cell's replica and pool-server launches, and the reference replica's, read by the programs that
     will run them (kvpool.engine.owned): a setting kvpool owns that the config's ``extra_args`` or ``env``
