@@ -54,10 +54,11 @@ def test_vllms_client_got_the_split_matched_recomputes_answers():
 
 def test_the_table_rebuilds_from_the_records(tmp_path):
     peer.run_peer_table(
-        [CELL],
+        [(CELL, "peer")],
         reuse={CELL: {"csv": str(FOLDER / "reuse.csv"), "validity": str(FOLDER / "validity.json")}},
         replays={
-            CELL: {"csv": str(FOLDER / "load~peer" / "requests.csv"), "meta": str(FOLDER / "load~peer" / "level.json")}
+            (CELL, "peer"): {"csv": str(FOLDER / "load~peer" / "requests.csv"),
+                             "meta": str(FOLDER / "load~peer" / "level.json")}
         },
         csv_out=str(tmp_path / "peer.csv"),
         md_out=str(tmp_path / "peer.md"),

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -15,7 +16,9 @@ import pytest
 from support import REPO, completions_server
 
 from kvpool.cells import Cell
+from kvpool.config import step_settings
 from kvpool.engine.model import build_tokenizer
+from kvpool.measure.records import write_records
 from kvpool.studies import load, peer
 
 SHARED = Cell("lmcache-fs", "shared", 256, "disk")
@@ -224,3 +227,45 @@ def test_the_peer_table_splits_each_cell_by_serving_replica():
     head, per_replica = text.split("## Per serving replica")
     assert head.count("lmcache-fs / shared") == 1 and per_replica.count("lmcache-fs / shared") == 2
     assert "+50.0%" in per_replica and "+50.0%" not in head
+
+
+def test_each_replica_order_is_a_unit_of_its_own_and_adding_one_re_runs_no_other(config):
+    """peer.orders: the serving replicas' runs in index order (load~peer, as before) and reversed
+    (load~peer-descending), so a slow first run is told apart from a slow replica."""
+    config["load"].update(concurrency=[4], rates=[])
+    config["peer"].update(enabled=True, arms=["shared"])
+    job = SimpleNamespace(backend="lmcache-fs", level="peer")
+    before = step_settings(load.run_load_level, config, job)
+    config["peer"]["orders"] = ["ascending", "descending"]
+    assert [level.name for level in load.load_chain(config, SHARED)] == ["peer", "peer-descending", "c4"]
+    assert load.Level.from_name("peer-descending") == load.Level("peer", 1, "descending")
+    assert re.fullmatch(load.LEVEL_PATTERN, "peer-descending") and not re.fullmatch(load.LEVEL_PATTERN, "peer-up")
+    with pytest.raises(ValueError, match="peer-sideways"):
+        load.Level.from_name("peer-sideways")
+    assert step_settings(load.run_load_level, config, job) == before
+    route, workload = {0: 1, 1: 0, 2: 1}, [{"doc_id": d} for d in range(3)]
+    assert peer.serving_order(route, workload, "ascending") == [0, 1]
+    assert peer.serving_order(route, workload, "descending") == [1, 0]
+
+
+def test_the_peer_table_names_each_rows_order_where_both_ran(tmp_path):
+    ours = pd.DataFrame({"doc_id": [0, 1], "serve_replica": [1, 0], "ttft_s": [0.10, 0.10], "error": [""] * 2,
+                         "output_text": ["a", "b"]})
+    files = {}
+    for unit, slow in (("peer", 0), ("peer-descending", 1)):
+        theirs = ours.assign(ttft_s=[0.2 if r == slow else 0.1 for r in ours["serve_replica"]])
+        files[(SHARED, unit)] = {"csv": str(tmp_path / f"replay-{unit}.csv"), "meta": str(tmp_path / f"{unit}.json")}
+        write_records(theirs, files[(SHARED, unit)]["csv"], unit)
+        (tmp_path / f"{unit}.json").write_text(json.dumps({"valid": True}))
+    write_records(ours, str(tmp_path / "reuse.csv"), "reuse")
+    (tmp_path / "validity.json").write_text(json.dumps({"valid": True}))
+    reuse = {SHARED: {"csv": str(tmp_path / "reuse.csv"), "validity": str(tmp_path / "validity.json")}}
+    out = {"csv_out": str(tmp_path / "peer.csv"), "md_out": str(tmp_path / "peer.md")}
+    peer.run_peer_table([(SHARED, "peer")], reuse=reuse, replays=files, **out)
+    assert "order" not in pd.read_csv(tmp_path / "peer.csv").columns  # one order: the table as it was
+    peer.run_peer_table(list(files), reuse=reuse, replays=files, **out)
+    table = pd.read_csv(tmp_path / "peer.csv", dtype={"replica": str}).set_index(["order", "replica"])
+    assert table.loc[("ascending", "0"), "p50_difference_pct"] == pytest.approx(100.0)
+    assert table.loc[("descending", "1"), "p50_difference_pct"] == pytest.approx(100.0)
+    assert table.loc[("descending", "0"), "p50_difference_pct"] == pytest.approx(0.0)
+    assert "replica order" in (tmp_path / "peer.md").read_text()

@@ -154,7 +154,7 @@ def units_done(names):
 
 
 LOAD_DONE = units_done([level.name for level in levels(config)])
-PEER_DONE = units_done(["peer"] if config["peer"]["enabled"] else [])
+PEER_DONE = units_done([level.name for level in load_chain(config) if level.kind == "peer"])
 # In all and the gate when a cell is replayed through vllm bench serve
 PEER_TARGETS = {"csv": "results/peer.csv"} if PEER_DONE else {}
 
@@ -211,7 +211,7 @@ def level_after(wildcards):
     chain = cell_chain(cell)
     if wildcards.level not in chain:
         raise ValueError(
-            f"load~{wildcards.level} is not a unit of {cell.name} (load.concurrency, load.rates, peer.enabled, peer.arms)"
+            f"load~{wildcards.level} is not a unit of {cell.name} (load.concurrency, load.rates, peer.enabled, peer.arms, peer.orders)"
         )
     position = chain.index(wildcards.level)
     before = "reuse.json" if position == 0 else f"load~{chain[position - 1]}/level.json"

@@ -14,7 +14,9 @@ rule load_level:
         populate_digests=cell_path("populate-digests.csv"),
         after=level_after,
         # the peer replay's gate compares its hits with what the reuse phase loaded
-        reuse=lambda wc: (f"results/cells/{Cell.from_wildcards(wc).name}/reuse.csv" if wc.level == "peer" else []),
+        reuse=lambda wc: (
+            f"results/cells/{Cell.from_wildcards(wc).name}/reuse.csv" if wc.level.startswith("peer") else []
+        ),
         # the split-matched recompute its answers are compared with (none for an external fleet without one)
         # (ordering only: a reference recomputed with more splits leaves a measured level as it is)
         reference=ancient("results/reference/outputs.csv") if external.needs_reference(config) else [],

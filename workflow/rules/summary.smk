@@ -114,8 +114,8 @@ rule peer_table:
     input:
         reuse=[f"results/cells/{cell.name}/reuse.csv" for cell, _ in PEER_DONE],
         validity=[f"results/cells/{cell.name}/validity.json" for cell, _ in PEER_DONE],
-        replays=[f"results/cells/{cell.name}/load~peer/requests.csv" for cell, _ in PEER_DONE],
-        meta=[f"results/cells/{cell.name}/load~peer/level.json" for cell, _ in PEER_DONE],
+        replays=[f"results/cells/{cell.name}/load~{unit}/requests.csv" for cell, unit in PEER_DONE],
+        meta=[f"results/cells/{cell.name}/load~{unit}/level.json" for cell, unit in PEER_DONE],
     output:
         csv="results/peer.csv",
         md="results/peer.md",
@@ -125,6 +125,7 @@ rule peer_table:
         CONDA_ENV
     params:
         cells=[cell.name for cell, _ in PEER_DONE],
+        units=[unit for _, unit in PEER_DONE],
     script:
         "../scripts/peer_table.py"
 

@@ -3,9 +3,10 @@ from kvpool.measure import logs
 from kvpool.studies import peer
 
 logs.to_log(snakemake.log[0])
-cells = [Cell.from_name(name) for name in snakemake.params.cells]
+params = snakemake.params
+units = [(Cell.from_name(name), unit) for name, unit in zip(params.cells, params.units, strict=True)]
 inputs = snakemake.input
 reuse = {cell: {"csv": csv, "validity": validity}
-         for cell, csv, validity in zip(cells, inputs.reuse, inputs.validity, strict=True)}
-replays = {cell: {"csv": csv, "meta": meta} for cell, csv, meta in zip(cells, inputs.replays, inputs.meta, strict=True)}
-peer.run_peer_table(cells, reuse=reuse, replays=replays, csv_out=snakemake.output.csv, md_out=snakemake.output.md)
+         for (cell, _), csv, validity in zip(units, inputs.reuse, inputs.validity, strict=True)}
+replays = {unit: {"csv": csv, "meta": meta} for unit, csv, meta in zip(units, inputs.replays, inputs.meta, strict=True)}
+peer.run_peer_table(units, reuse=reuse, replays=replays, csv_out=snakemake.output.csv, md_out=snakemake.output.md)

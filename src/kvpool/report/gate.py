@@ -76,13 +76,13 @@ def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = 
                   for row in bad_levels.itertuples()]
         invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
     if peer_csv is not None:  # vLLM's replay of a cell: an invalid one measured something else
-        from kvpool.studies.peer import cell_rows
+        from kvpool.studies.peer import ORDERS, cell_rows, level_name
 
         replays = pd.read_csv(peer_csv, dtype={"replica": str})
         replays = replays[cell_rows(replays)] if len(replays) else replays
         bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
-        lines += [f"  {row.cell} load~peer: the cell or vllm bench serve's replay of it is invalid (its level.json "
-                  f"names the failed checks)" for row in bad.itertuples()]
+        lines += [f"  {row.cell} load~{level_name(getattr(row, 'order', ORDERS[0]))}: the cell or vllm bench serve's "
+                  f"replay of it is invalid (its level.json names the failed checks)" for row in bad.itertuples()]
     if routers_csv is not None:  # a router unit whose pool missed, leaked, or whose tokens are unattributed
         units = pd.read_csv(routers_csv).drop_duplicates(["cell", "router"])
         bad = units[~units["valid"].astype(bool)]

@@ -57,32 +57,35 @@ from kvpool.measure.timed import (
 )
 from kvpool.report import tables as summary
 from kvpool.report.tables import phase_power
-from kvpool.studies.peer import replay_with_vllm_bench
+from kvpool.studies import peer
+from kvpool.studies.peer import PEER_LEVEL, replay_with_vllm_bench
 from kvpool.studies.study_a import prefill_replicas, run_populate
 
-LEVEL_PATTERN = r"c[0-9]+|r[0-9]+(\.[0-9]+)?|peer"
+LEVEL_PATTERN = r"c[0-9]+|r[0-9]+(\.[0-9]+)?|peer(-descending)?"
 
 
 @dataclass(frozen=True)
 class Level:
     """A unit of a cell's load chain: ``concurrency`` (N in flight), ``rate`` (open-loop arrivals per
-    second) or ``peer`` (vLLM's own client replaying the reuse phase one at a time, kvpool.studies.peer)."""
+    second) or ``peer`` (vLLM's own client replaying the reuse phase one at a time, kvpool.studies.peer,
+    its serving replicas' runs in ``order``)."""
 
     kind: str
     value: float
+    order: str = peer.ORDERS[0]
 
     @property
     def name(self) -> str:
         if self.kind == "peer":
-            return "peer"
+            return peer.level_name(self.order)
         if self.kind == "concurrency":
             return f"c{int(self.value)}"
         return f"r{self.value:g}"
 
     @classmethod
     def from_name(cls, name: str) -> Level:
-        if name == "peer":
-            return cls("peer", 1)
+        if name.startswith(peer.PEER_LEVEL) and peer.order_of(name) in peer.ORDERS:
+            return cls("peer", 1, peer.order_of(name))
         if name.startswith("c"):
             return cls("concurrency", int(name[1:]))
         if name.startswith("r"):
@@ -102,9 +105,11 @@ def load_chain(config: dict, cell: Cell | None = None) -> list[Level]:
     that phase first when ``peer.enabled`` and the cell's arm is one of ``peer.arms``, then the load
     levels in config order, so that a level added later builds only itself. The last unit removes the
     pool when pools are not kept. Without ``cell``: every unit any cell runs."""
-    peer = config["peer"]
-    replayed = peer["enabled"] and (cell is None or cell.arm in peer.get("arms", ("shared", "isolated")))
-    return ([Level("peer", 1)] if replayed else []) + levels(config)
+    replay = config["peer"]
+    replayed = replay["enabled"] and (cell is None or cell.arm in replay.get("arms", ("shared", "isolated")))
+    # a config recorded before peer.orders replayed in ascending order
+    orders = replay.get("orders", peer.ORDERS[:1]) if replayed else []
+    return [Level("peer", 1, order) for order in orders] + levels(config)
 
 
 def arrival_offsets(rate: float, count: int, burstiness: float, seed: int) -> np.ndarray:
@@ -240,7 +245,8 @@ def _level_sections(config: dict, wildcards) -> dict:
     none of ``load``'s keys, so a new level in the lists leaves the measured levels as they are."""
     arrivals = wildcards.level.startswith("r")
     return {"load": {key: config["load"][key] for key in ("max_in_flight", "burstiness", "seed")} if arrivals else {},
-            "peer": config["peer"] if wildcards.level == "peer" else {}}
+            "peer": ({k: v for k, v in config["peer"].items() if k != "orders"}
+                     if wildcards.level.startswith(PEER_LEVEL) else {})}
 
 
 @reads(*PHASE_SETTINGS, "min_hit_fraction", "max_resident_fraction", picked=_level_sections)
@@ -324,7 +330,6 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
     """A level's rows, its gate (its answers against the split-matched ``reference``) and its telemetry
     summary."""
     from kvpool.engine.plan import batch_invariant
-    from kvpool.studies import peer
 
     records.write_records(frame, csv_out, f"load-{level.name}")
     in_flight = in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
@@ -427,7 +432,7 @@ def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: d
         with fleet.window(f"load~{level.name}", disks):
             if level.kind == "peer":
                 rows, started, finished, window, commands = replay_with_vllm_bench(
-                    fleet.plan, fleet.replicas, workload, route, prefill, cfg, log_dir, out_dir)
+                    fleet.plan, fleet.replicas, workload, route, prefill, cfg, log_dir, out_dir, level.order)
             else:
                 rows, started, finished, window = asyncio.run(_load(fleet.replicas, workload, route, prefill, cfg,
                                                                     level))

@@ -39,6 +39,18 @@ from kvpool.measure.timed import external_window, scrape_serving
 from kvpool.report.tables import percentile_ci, reported_percentile
 
 PEER_LEVEL = "peer"
+# peer.orders: the serving replicas' runs in index order (the unit load~peer) or the reverse (load~peer-descending)
+ORDERS = ("ascending", "descending")
+
+
+def level_name(order: str) -> str:
+    """The load unit of the replay in ``order``: ``peer`` (ascending, the first kind kvpool ran) or ``peer-<order>``."""
+    return PEER_LEVEL if order == ORDERS[0] else f"{PEER_LEVEL}-{order}"
+
+
+def order_of(level: str) -> str:
+    """The replica order of the replay unit ``level`` (``peer`` or ``peer-<order>``)."""
+    return level.partition("-")[2] or ORDERS[0]
 
 
 class PeerError(RuntimeError):
@@ -218,6 +230,7 @@ def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
     unit."""
     return pd.DataFrame([{
         "cell": f"{r['backend']} / {r['arm']} / chunk {r['chunk']} / {r['tier']}", "replica": r["replica"],
+        **({"replica order": r["order"]} if "order" in r else {}),
         "gate": "valid" if r["valid"] else "INVALID", "follow-ups": int(r["requests"]),
         "kvpool TTFT p50": f"{r['kvpool_ttft_p50_s']:.4g} s", "vllm bench TTFT p50": f"{r['vllm_ttft_p50_s']:.4g} s",
         "p50 difference": f"{r['p50_difference_pct']:+.1f}%",
@@ -262,28 +275,44 @@ if __name__ == "__main__":
 log = logging.getLogger(__name__)
 
 
-def run_peer_table(cells_run: list[Cell], *, reuse: dict, replays: dict, csv_out: str, md_out: str) -> None:
-    """``results/peer.csv``: per cell, kvpool's TTFT (its reuse phase) beside vLLM's client's (the
-    ``load~peer`` replay of the same follow-ups to the same replicas); ``reuse`` maps a cell to its
-    reuse.csv and validity.json, ``replays`` to its replay's requests.csv and level.json."""
+def run_peer_table(units: list[tuple[Cell, str]], *, reuse: dict, replays: dict, csv_out: str, md_out: str) -> None:
+    """``results/peer.csv``: per replay unit (a cell's ``load~peer`` or ``load~peer-<order>``), kvpool's TTFT
+    (the cell's reuse phase) beside vLLM's client's (the replay of the same follow-ups to the same
+    replicas); ``reuse`` maps a cell to its reuse.csv and validity.json, ``replays`` a (cell, unit) to the
+    replay's requests.csv and level.json. Where some replay ran in another order than ascending, an
+    ``order`` column says each row's."""
 
-    rows = [row for cell in cells_run
-            for row in peer_rows(cell, read_records(reuse[cell]["csv"]), read_records(replays[cell]["csv"]),
-                                      read_json(reuse[cell]["validity"])["valid"],
-                                      read_json(replays[cell]["meta"])["valid"])]
+    rows = []
+    for cell, level in units:
+        replay = replays[(cell, level)]
+        found = peer_rows(cell, read_records(reuse[cell]["csv"]), read_records(replay["csv"]),
+                          read_json(reuse[cell]["validity"])["valid"], read_json(replay["meta"])["valid"])
+        rows += [{**row, "order": order_of(level)} for row in found]
     table = pd.DataFrame(rows)
+    if (table.get("order", pd.Series(dtype=str)) == ORDERS[0]).all():
+        table = table.drop(columns="order", errors="ignore")  # one order: the table as it always was
+    else:
+        table.insert(table.columns.get_loc("replica") + 1, "order", table.pop("order"))
     table.to_csv(csv_out, index=False)
     Path(md_out).write_text(peer_markdown(table))
     for row in rows:
-        log.info("%s replica %s: TTFT p50 kvpool %.4g s, vllm bench serve %.4g s (%+.1f%%)", row["cell"],
-                 row["replica"], row["kvpool_ttft_p50_s"], row["vllm_ttft_p50_s"], row["p50_difference_pct"])
+        log.info("%s replica %s (%s): TTFT p50 kvpool %.4g s, vllm bench serve %.4g s (%+.1f%%)", row["cell"],
+                 row["replica"], row["order"], row["kvpool_ttft_p50_s"], row["vllm_ttft_p50_s"],
+                 row["p50_difference_pct"])
+
+
+def serving_order(route: dict[int, int], workload: list[dict], order: str) -> list[int]:
+    """The serving replicas, each run after the one before it: by index, ascending or descending."""
+    if order not in ORDERS:
+        raise ValueError(f"peer.orders: {order!r} is not one of {', '.join(ORDERS)}")
+    return sorted({route[item["doc_id"]] for item in workload}, reverse=order == "descending")
 
 
 def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[dict], route: dict[int, int],
-          prefill: dict[int, int], cfg: dict, log_dir: Path, out_dir: Path) -> tuple:
-    """The peer replay (kvpool.studies.peer): per serving replica, ``vllm bench serve`` sends its follow-ups
-    one at a time from a custom dataset of their exact token ids as text; the hits are the serving
-    replicas' /metrics deltas over the whole window."""
+          prefill: dict[int, int], cfg: dict, log_dir: Path, out_dir: Path, order: str = ORDERS[0]) -> tuple:
+    """The peer replay (kvpool.studies.peer): per serving replica, in ``order`` of their indices, ``vllm
+    bench serve`` sends its follow-ups one at a time from a custom dataset of their exact token ids as text;
+    the hits are the serving replicas' /metrics deltas over the whole window."""
 
     from transformers import AutoTokenizer
 
@@ -292,7 +321,7 @@ def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[d
     output_tokens = cfg["workload"]["output_tokens"]
     tokenizer = AutoTokenizer.from_pretrained(plan["model"])
     by_index = {r.index: r for r in replicas}
-    serving = sorted({route[item["doc_id"]] for item in workload})
+    serving = serving_order(route, workload, order)
     bench_dir = log_dir.parent / "vllm-bench"  # log_dir holds the replicas' logs
     bench_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **BASE_ENV}
@@ -315,7 +344,7 @@ def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[d
         log.info("vllm bench serve: %d follow-ups to replica %d", len(items), index)
         run_bench(args, bench_dir / f"replica-{index}.log", cfg["peer"]["timeout_s"], env)
         result = read_result(out_dir / result_name, len(items))
-        replayed += [{**row, "level": "peer", "due_s": 0.0}
+        replayed += [{**row, "level": level_name(order), "due_s": 0.0}
                      for row in rows(result, [item["doc_id"] for item in items], prefill, index)]
     finished = time.time()
     try:
