@@ -2,10 +2,13 @@
 parser (kvpool.engine.owned). The spellings here pass the config's own string check; each ran a cell with
 other settings than its plan before the launch check existed (issue 34's hostile probe)."""
 import copy
+import json
 
 import pytest
 
 from kvpool.cells import Cell
+from kvpool.cells import cells as kvpool_cells
+from kvpool.config import step_settings
 from kvpool.engine import owned
 from kvpool.engine.plan import fleet_plan
 from kvpool.studies import study_a
@@ -79,3 +82,20 @@ def test_the_check_covers_every_cell_and_the_reference_and_names_the_problems(co
     config["engine"]["extra_args"] = config["engine"]["extra_args"][:-2]
     study_a.check_launches(config, cells, "/models/m", str(out))
     assert out.read_text().count("replica") == 5  # two cells of two replicas, and the reference
+
+
+def test_the_check_runs_on_the_settings_its_rule_hands_it_for_mp_cells(config, tmp_path):
+    """The rule hands the step only the sections it declares: an MP server's L1 is sized from the random
+    model's KV bytes, so the check must declare random_model (it failed on the H200 with a KeyError)."""
+    config["engine"].update(kind="vllm", gpus=[0], replicas_per_gpu=2)
+    config["backends"], config["tiers"] = ["lmcache-mp"], {"ram": "/dev/shm/kvpool"}
+    config["lmcache_mp"].update(memory_tiers=["ram"], gpu_workers=[None, 2])
+    cells = [cell for cell in kvpool_cells(config) if cell.arm == "shared"]
+    assert [cell.gpu_workers for cell in cells] == [None, 2]
+    out = tmp_path / "launch-check.json"
+    study_a.check_launches(step_settings(study_a.check_launches, config), cells, "/models/m", str(out))
+    launches = json.loads(out.read_text())["launches"]
+    assert sum("pool server" in name for name in launches) == 2
+    config["lmcache_mp"]["extra_args"] = ["--max-gpu-workers", "4"]
+    with pytest.raises(ValueError, match=r"changes max_gpu_workers \(from 2 to 4\)"):
+        study_a.check_launches(step_settings(study_a.check_launches, config), cells[1:], "/models/m", str(out))
