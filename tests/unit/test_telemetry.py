@@ -1,6 +1,7 @@
 import os
 import time
 
+import psutil
 import pytest
 
 from kvpool.measure.drive import block_devices, iostat
@@ -22,16 +23,21 @@ def test_sampler_attributes_a_real_read_to_the_device(tmp_path):
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
     assert resident_bytes(path) == 0
+    before = psutil.Process().io_counters().read_bytes
     with Sampler("test", "read", disks, hz=20) as sampler:
         time.sleep(0.2)
         with open(path, "rb") as f:
             while f.read(4 * 1024 * 1024):
                 pass
         time.sleep(0.2)
+    own = psutil.Process().io_counters().read_bytes - before
     drive, _ = sampler.frames()
     read = iostat(drive)["r_bytes"].sum()
-    # Other readers on the machine add a little; readahead never reads past the file's end.
-    assert read == pytest.approx(size, rel=0.10)
+    # this process fetched the file from storage once (readahead never reads past its end); the drive's
+    # counters saw at least that, plus whatever other readers of the drive did meanwhile (the other
+    # test workers import packages from it: 40 MB more in one run)
+    assert own == pytest.approx(size, rel=0.10)
+    assert read >= 0.95 * own
     assert set(drive["phase"]) == {"read"} and set(drive["cell"]) == {"test"}
     assert sampler.meta["started_at"] <= drive["t_s"].min() and drive["t_s"].max() <= sampler.meta["finished_at"]
 
