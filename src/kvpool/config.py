@@ -63,9 +63,10 @@ def reads(*sections: str, picked=None):
     return declare
 
 
-# Settings that are dimensions of the matrix (kvpool.cells): each cell's value is in its name and its Cell,
-# so no step is handed the list, and adding a value re-runs no cell measured before.
-DIMENSIONS = {"lmcache_mp": ("gpu_workers",)}
+# Settings that are dimensions of the matrix: each cell's (kvpool.cells) or unit's (a replay's order,
+# kvpool.studies.load.Level) value is in its name, so no step is handed the list, and adding a value
+# re-runs nothing measured before.
+DIMENSIONS = {"lmcache_mp": ("gpu_workers",), "peer": ("orders",)}
 
 
 def step_settings(step, config: dict, wildcards=None) -> dict:
