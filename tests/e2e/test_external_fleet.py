@@ -17,7 +17,7 @@ import yaml
 from support import CONFIGS
 from support.e2e import copy_prerequisites, snakemake
 
-from kvpool.engine.fleet import free_ports
+from kvpool.engine.fleet import free_ports, lmcache_sockets
 
 CELL = "results/cells/backend~lmcache-fs/arm~shared/chunk~256/tier~disk"
 
@@ -77,12 +77,15 @@ def fleet(tmp_path_factory, prerequisites):
         for proc, _ in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        for proc, _ in procs:
+        for proc, log in procs:
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            # the fleet's owner (this test, not kvpool) removes what its LMCache engines left in /tmp
+            for path in lmcache_sockets(log.read_text(errors="replace")):
+                path.unlink(missing_ok=True)
 
 
 def test_kvpool_measures_an_external_fleet_and_stops_none_of_it(fleet, tmp_path):
