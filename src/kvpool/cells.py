@@ -19,7 +19,9 @@ REDIS_BACKEND = "lmcache-redis"
 BACKENDS = ("lmcache-fs", "lmcache-local-disk", MP_BACKEND, REDIS_BACKEND)
 # An lmcache-mp cell's backend folder with its server setting: lmcache-mp, or lmcache-mp+gpu_workers=N.
 GPU_WORKERS = "+gpu_workers="
-BACKEND_LABEL = "|".join(BACKENDS).replace(MP_BACKEND, MP_BACKEND + r"(?:\+gpu_workers=[1-9][0-9]*)?")
+# The backend wildcard: any backend, lmcache-mp with or without its setting.
+BACKEND_LABEL = "|".join([*(re.escape(backend) for backend in BACKENDS if backend != MP_BACKEND),
+                          rf"{re.escape(MP_BACKEND)}(?:{re.escape(GPU_WORKERS)}[1-9][0-9]*)?"])
 
 
 def backend_of(label: str) -> str:
