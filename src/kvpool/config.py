@@ -70,14 +70,14 @@ DIMENSIONS = {"lmcache_mp": ("gpu_workers",), "peer": ("orders",)}
 
 
 def step_settings(step, config: dict, wildcards=None) -> dict:
-    """The config that ``step`` declares it reads (``reads``), for one job (``wildcards``), less the
-    matrix's dimensions."""
+    """The config that ``step`` declares it reads (``reads``, and what ``picked`` gives), for one job
+    (``wildcards``), less the matrix's dimensions."""
     values = {key: config[key] for key in step.reads}
-    for section, keys in DIMENSIONS.items():
-        if section in values:
-            values[section] = {k: v for k, v in values[section].items() if k not in keys}
     if step.picked is not None:
         values.update(step.picked(config, wildcards))
+    for section, keys in DIMENSIONS.items():
+        if isinstance(values.get(section), dict):
+            values[section] = {k: v for k, v in values[section].items() if k not in keys}
     return values
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool.cells import Cell
+from kvpool.cells import MP_BACKEND, Cell, backend_of
 from kvpool.engine.plan import (
     SERVER_BACKENDS,
 )
@@ -137,7 +137,7 @@ def caveats(results: Results) -> list[str]:
         "Hash keys: " + ("PYTHONHASHSEED=0 on every replica." if cfg["hash_keys"] == "pythonhashseed"
                          else "LMCache sha256_cbor content hash.") + " The populate preflight checked them.",
     ]
-    if results.cells["backend"].str.startswith("lmcache-mp").any():
+    if (results.cells["backend"].map(backend_of) == MP_BACKEND).any():
         notes.append("lmcache-mp cells: the LMCache server keys chunks by a blake3 content hash, so hash_keys does "
                      "not apply to them; their preflight checked that replicas find each other's chunks.")
     for _, cell in results.cells.iterrows():

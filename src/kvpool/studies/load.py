@@ -27,7 +27,7 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import Cell, pool_root
-from kvpool.config import DIMENSIONS, PHASE_SETTINGS, reads
+from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.cross_router import followup_route
@@ -245,8 +245,7 @@ def _level_sections(config: dict, wildcards) -> dict:
     none of ``load``'s keys, so a new level in the lists leaves the measured levels as they are."""
     arrivals = wildcards.level.startswith("r")
     return {"load": {key: config["load"][key] for key in ("max_in_flight", "burstiness", "seed")} if arrivals else {},
-            "peer": ({k: v for k, v in config["peer"].items() if k not in DIMENSIONS["peer"]}
-                     if wildcards.level.startswith(PEER_LEVEL) else {})}
+            "peer": config["peer"] if wildcards.level.startswith(PEER_LEVEL) else {}}
 
 
 @reads(*PHASE_SETTINGS, "min_hit_fraction", "max_resident_fraction", picked=_level_sections)

@@ -14,7 +14,7 @@ import yaml
 from tqdm import tqdm
 
 from kvpool.cells import Cell, backend_of, is_memory_pool, pool_root
-from kvpool.config import DIMENSIONS, MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
+from kvpool.config import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
 from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.cross_router import followup_route, populate_route
@@ -61,8 +61,8 @@ def _plan_sections(config: dict, wildcards) -> dict:
     """The sections only some cells' plans read: an external fleet's, and the pool servers' of their backend."""
     picked = external_fleet(config)
     backend = backend_of(wildcards.backend)
-    if backend == mp.BACKEND:  # less the dimensions, as step_settings hands whole sections
-        picked["lmcache_mp"] = {k: v for k, v in config["lmcache_mp"].items() if k not in DIMENSIONS["lmcache_mp"]}
+    if backend == mp.BACKEND:
+        picked["lmcache_mp"] = config["lmcache_mp"]
     if backend == redis_pool.BACKEND:
         picked["lmcache_redis"] = config["lmcache_redis"]
     return picked
