@@ -261,3 +261,52 @@ def test_the_gate_fails_on_a_load_level_beyond_c1_and_counts_the_levels_it_rests
     levels.assign(valid=[False, True, True]).to_csv(load_csv, index=False)
     gate.gate(validity, kv_bytes, str(tmp_path / "gate.ok"), load_csv=str(load_csv))
     assert "; 2 load levels (2 with answers not verified) valid" in (tmp_path / "gate.ok").read_text()
+
+
+def test_a_levels_window_splits_its_requests_time_by_the_replicas_own_histograms():
+    """Many requests in flight: no request's own split, but the window's means per part, summed over
+    the serving replicas' histogram changes."""
+    from kvpool.engine.metrics import token_counters
+    from kvpool.measure.timed import times_window
+
+    def scrape(queue_sum, queue_count, prefill_sum, prefill_count):
+        text = "\n".join([
+            "# TYPE vllm:request_queue_time_seconds histogram",
+            f'vllm:request_queue_time_seconds_bucket{{le="+Inf"}} {queue_count}',
+            f"vllm:request_queue_time_seconds_sum {queue_sum}",
+            f"vllm:request_queue_time_seconds_count {queue_count}",
+            "# TYPE vllm:request_prefill_time_seconds histogram",
+            f'vllm:request_prefill_time_seconds_bucket{{le="+Inf"}} {prefill_count}',
+            f"vllm:request_prefill_time_seconds_sum {prefill_sum}",
+            f"vllm:request_prefill_time_seconds_count {prefill_count}", ""])
+        return token_counters(text)
+
+    before = {0: scrape(1.0, 10, 2.0, 10), 1: scrape(0.0, 0, 0.0, 0)}
+    after = {0: scrape(4.0, 40, 5.0, 40), 1: scrape(3.0, 20, 1.5, 20)}
+    split = times_window(before, after)
+    assert split["queue_s"] == {"requests": 50, "mean_s": pytest.approx(6.0 / 50)}
+    assert split["prefill_s"] == {"requests": 50, "mean_s": pytest.approx(4.5 / 50)}
+    assert "decode_s" not in split  # not exported here: no entry rather than a zero
+    idle = times_window(before, before)
+    assert idle["queue_s"] == {"requests": 0, "mean_s": None}
+
+
+def test_the_load_table_gains_the_time_split_only_where_a_level_recorded_it():
+    from kvpool.report.tables import load_for_reading, time_split
+
+    reuse = pd.DataFrame({"queue_s": [0.01, 0.03, np.nan], "prefill_s": [0.05, 0.07, 0.06]})
+    split = time_split(reuse, {})  # the reuse phase: its requests' own times
+    assert split["queue_mean_s"] == pytest.approx(0.02) and split["prefill_mean_s"] == pytest.approx(0.06)
+    assert np.isnan(split["decode_mean_s"]) and np.isnan(split["server_ttft_mean_s"])
+    level = time_split(pd.DataFrame({"ttft_s": [0.5]}),
+                       {"window_times": {"queue_s": {"requests": 64, "mean_s": 0.25},
+                                         "prefill_s": {"requests": 0, "mean_s": None}}})
+    assert level["queue_mean_s"] == 0.25 and np.isnan(level["prefill_mean_s"])
+    row = {"backend": "lmcache-mp", "arm": "shared", "chunk": 256, "tier": "ram", "level": "c32", "valid": True,
+           "ttft_p50_s": 0.5, "ttft_p50_ci_low_s": 0.4, "ttft_p50_ci_high_s": 0.6, "ttft_n": 64, "ttft_p99_s": 1.0,
+           "e2e_p50_s": 0.8, "achieved_rps": 30.0, "goodput_rps": 30.0, "output_tokens_per_s": 240.0,
+           "hit_fraction": 1.0, "errors": 0, "requests": 64, "drive_read_gb_per_s": np.nan,
+           "queue_depth_p95": np.nan, "mean_power_w": 350.0, "energy_per_request_j": 12.0}
+    assert "queue / prefill mean" not in load_for_reading(pd.DataFrame([row])).columns
+    shown = load_for_reading(pd.DataFrame([{**row, **level}]))
+    assert shown.loc[0, "queue / prefill mean"] == "0.25 s / n/a"

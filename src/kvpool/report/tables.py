@@ -479,6 +479,25 @@ def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: d
     return {key: (np.nan if value is None else value) for key, value in row.items()}
 
 
+# vLLM's own split of a request's time (kvpool.engine.metrics.TIMINGS) as a level's load-table columns
+TIME_SPLIT = {"queue_s": "queue_mean_s", "prefill_s": "prefill_mean_s", "decode_s": "decode_mean_s",
+              "server_ttft_s": "server_ttft_mean_s"}
+
+
+def time_split(records: pd.DataFrame, meta: dict) -> dict:
+    """A level's mean seconds per request in each part of vLLM's split: from the serving replicas'
+    histograms over the window (a load level's ``window_times``), or, for the reuse phase (one request
+    at a time), the mean of the requests' own times. NaN where neither was recorded."""
+    times, split = meta.get("window_times") or {}, {}
+    for part, column in TIME_SPLIT.items():
+        if part in times:
+            split[column] = np.nan if times[part]["mean_s"] is None else times[part]["mean_s"]
+        else:
+            own = pd.to_numeric(records[part], errors="coerce").dropna() if part in records else pd.Series()
+            split[column] = float(own.mean()) if len(own) else np.nan
+    return split
+
+
 def _basis_value(row, q: int) -> str:
     """A row's TTFT percentile as a table shows it, named "max of n" where too few samples make one."""
     basis = row.get(f"ttft_p{q}_basis")
@@ -503,6 +522,8 @@ def load_for_reading(load: pd.DataFrame) -> pd.DataFrame:
         "errors": f"{int(row['errors'])} of {int(row['requests'])}",
         "KV loaded": fmt_value(row.get("loaded_gb_per_s", np.nan), "GB/s"),
         **({"of the link": fmt_value(row["link_use"], "fraction")} if "link_use" in row else {}),
+        **({"queue / prefill mean": f"{fmt_value(row['queue_mean_s'], 's')} / {fmt_value(row['prefill_mean_s'], 's')}"}
+           if "queue_mean_s" in row else {}),
         "drive read": fmt_value(row["drive_read_gb_per_s"], "GB/s"),
         "queue p95": fmt_value(row["queue_depth_p95"], ""), "GPU power": fmt_value(row["mean_power_w"], "W"),
         "energy / request": fmt_value(row["energy_per_request_j"], "J"),

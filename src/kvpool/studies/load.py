@@ -53,6 +53,7 @@ from kvpool.measure.timed import (
     scrape_serving,
     server_settings,
     timed_fleet,
+    times_window,
     write_unit,
 )
 from kvpool.report import tables as summary
@@ -360,19 +361,23 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
     each level's KV loaded per second is also given as a share of it (``link_use``)."""
     from kvpool.engine.model import engine_kv_bytes_per_token
 
-    per_token, rows = engine_kv_bytes_per_token(config), []
+    per_token, rows, units = engine_kv_bytes_per_token(config), [], []
     for cell in cells_run:
         files = reuse[cell]
         summary_ = read_json(files["telemetry"])["reuse"]
         cell_gate = read_json(files["validity"])
-        rows.append(summary.load_row(cell, "c1", read_records(files["csv"]), {**read_json(files["meta"]), **cell_gate},
-                                     summary_["drive"], phase_power(summary_), cell_gate["valid"], config, per_token))
+        units.append((read_records(files["csv"]), {**read_json(files["meta"]), **cell_gate}))
+        rows.append(summary.load_row(cell, "c1", *units[-1], summary_["drive"], phase_power(summary_),
+                                     cell_gate["valid"], config, per_token))
         for (level_cell, level), paths in levels.items():
             if level_cell == cell:
-                meta = read_json(paths["meta"])
+                units.append((read_records(paths["csv"]), read_json(paths["meta"])))
+                meta = units[-1][1]
                 power = energy_mean_power(meta["summary"]["power"], meta["telemetry"].get("duration_s"))
-                rows.append(summary.load_row(cell, level, read_records(paths["csv"]), meta,
-                                             meta["summary"]["drive"], power, meta["valid"], config, per_token))
+                rows.append(summary.load_row(cell, level, *units[-1], meta["summary"]["drive"], power,
+                                             meta["valid"], config, per_token))
+    if any("window_times" in meta for _, meta in units):  # vLLM's split of the time (tables recorded before: none)
+        rows = [{**row, **summary.time_split(*unit)} for row, unit in zip(rows, units, strict=True)]
     table = pd.DataFrame(rows)
     links = {path.split("/")[-2]: read_json(path).get("link") for path in ceilings or []}
     if any((link or {}).get("gb_per_s") for link in links.values()):  # the share of the GPU link the reloads used
@@ -385,7 +390,8 @@ def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: 
 
 
 
-async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[dict], float, float, int | None]:
+async def _load(replicas, workload, route, prefill, cfg, level
+                ) -> tuple[list[dict], float, float, int | None, dict | None]:
 
     # a closed-loop level has no arrivals to draw and keeps its own N in flight
     load = cfg["load"] if level.kind == "rate" else {"max_in_flight": int(level.value), "burstiness": 1.0, "seed": 0}
@@ -400,9 +406,10 @@ async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[di
                                 load["burstiness"], load["seed"])
         finished = time.time()
         try:
-            window = external_window(before, await scrape_serving(session, by_index, serving))
+            after = await scrape_serving(session, by_index, serving)
+            window, times = external_window(before, after), times_window(before, after)
         except (aiohttp.ClientError, TimeoutError):
-            window = None
+            window = times = None
     rows = []
     for doc_id, due, result in sent:
         serve = by_index[route[doc_id]]
@@ -414,7 +421,7 @@ async def _load(replicas, workload, route, prefill, cfg, level) -> tuple[list[di
                 else result.prompt_tokens - result.cached_tokens}
         rows.append({**request_row(doc_id, prefill[doc_id], serve.index, result, hits), "level": level.name,
                      "due_s": due})
-    return rows, started, finished, window
+    return rows, started, finished, window, times
 
 
 def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path,
@@ -425,7 +432,7 @@ def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: d
     starts fresh servers on the restored L2 folder, as its reuse does, unless ``servers`` (a memory
     pool's, re-populated for the level) run already."""
     route = followup_route(prefill, len(plan["replicas"]))
-    commands = None
+    commands = times = None
     with timed_fleet(plan, cfg, log_dir, servers) as fleet:
         drop = drop_pool(fleet.plan, cfg["drop_caches"])
         with fleet.window(f"load~{level.name}", disks):
@@ -433,12 +440,14 @@ def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: d
                 rows, started, finished, window, commands = replay_with_vllm_bench(
                     fleet.plan, fleet.replicas, workload, route, prefill, cfg, log_dir, out_dir, level.order)
             else:
-                rows, started, finished, window = asyncio.run(_load(fleet.replicas, workload, route, prefill, cfg,
-                                                                    level))
+                rows, started, finished, window, times = asyncio.run(_load(fleet.replicas, workload, route,
+                                                                           prefill, cfg, level))
     frame = records.frame(LevelRecord, rows)
     # the level's own span (its schedule, or vLLM's client's requests), narrower than the sampled window
     meta = fleet.meta(level=level.name, drop_before_level=drop, wall_s=finished - started, started_at=started,
                       finished_at=finished, window_external_tokens=window)
     if commands is not None:
         meta["commands"] = commands
+    if times is not None:
+        meta["window_times"] = times
     return frame, meta, fleet.sampler
