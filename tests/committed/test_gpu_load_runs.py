@@ -9,7 +9,9 @@ responses' hits, and the load table rebuilt byte for byte. Then each run's measu
 - docs/results/h200-mp-load-c32: a third session, both arms at 1, 32 and 16
   (config/h200-mp-load-c32.yaml), on the reference outputs of h200-mp-load-arms;
 - docs/results/h200-mp-workers: a fourth, the shared arm at 1 and 32 with two GPU worker threads in the
-  MP server (config/h200-mp-workers.yaml, lmcache_mp.gpu_workers)."""
+  MP server (config/h200-mp-workers.yaml, lmcache_mp.gpu_workers);
+- docs/results/h200-mp-knee: a fifth, the shared arm at 1, 16, 32 and 24 in one session, each level's time
+  split by the replicas' histograms (config/h200-mp-knee.yaml)."""
 
 import json
 from dataclasses import dataclass
@@ -66,7 +68,10 @@ C32 = Run("h200-mp-load-c32",
           {ISOLATED: ["c32", "c16"], SHARED: ["c32", "c16"]}, True)
 WORKERS = Run("h200-mp-workers", {TWO_WORKERS: "abb3eaa29528ae177aae16cdb6e7f4715f617dee"},
               {TWO_WORKERS: ["c32"]}, True)
-RUNS = [FIRST, ARMS, C32, WORKERS]
+# the levels in the order they ran: the knee's two known ends first (config/h200-mp-knee.yaml)
+KNEE = Run("h200-mp-knee", {SHARED: "ac987231a10c94084c1a9de0513607c40d206ca3"}, {SHARED: ["c16", "c32", "c24"]},
+           True)
+RUNS = [FIRST, ARMS, C32, WORKERS, KNEE]
 UNITS = [(run, cell, level) for run in RUNS for cell, level in run.units()]
 UNIT_IDS = [f"{run.folder}-{cell.arm}-{level}" for run, cell, level in UNITS]
 LINK_GB_PER_S = read_json(RESULTS / "h200-link" / "results" / "tiers" / "ram" / "ceiling.json")["link"]["gb_per_s"]
@@ -240,3 +245,26 @@ def test_workers_run_a_second_gpu_worker_thread_does_not_lift_32_in_flight(tmp_p
     rx = samples["pcie_rx_gb_per_s"].dropna()
     assert rx.max() > 0.95 * LINK_GB_PER_S > 3 * two.loc["c32", "loaded_gb_per_s"]
     assert (rx < 1).sum() > len(rx) / 2
+
+
+def test_knee_run_the_shared_pool_stops_gaining_by_16_in_flight_and_every_part_of_the_time_grows(tmp_path):
+    """One session, one machine: 16, 24 and 32 in flight deliver the same follow-ups per second (within
+    5%), while TTFT p50 doubles with intervals apart. The replicas' own histograms say where the added
+    time goes: queue (which holds the MP connector's asynchronous load), prefill and decode all grow, decode
+    the most; the KV arrives at under 40% of the link. The knee is at or below 16."""
+    shared = rebuilt_table(KNEE, tmp_path).loc["shared"]
+    loaded = shared.loc[["c16", "c24", "c32"]]
+    assert loaded["achieved_rps"].max() < 1.05 * loaded["achieved_rps"].min()
+    assert loaded["achieved_rps"].min() > 5 * shared.loc["c1", "achieved_rps"]
+    assert shared.loc["c32", "ttft_p50_ci_low_s"] > shared.loc["c16", "ttft_p50_ci_high_s"]
+    assert shared.loc[["c1", "c16", "c24", "c32"], "ttft_p50_s"].is_monotonic_increasing
+    growth = {part: shared.loc["c32", f"{part}_mean_s"] - shared.loc["c16", f"{part}_mean_s"]
+              for part in ("queue", "prefill", "decode")}
+    assert all(grew > 0.03 for grew in growth.values()) and max(growth, key=growth.get) == "decode"
+    # the reuse phase (one at a time) reads its split from its requests: a short queue, the same prefill
+    assert shared.loc["c1", "queue_mean_s"] < shared.loc["c16", "queue_mean_s"] / 4
+    assert (loaded["loaded_gb_per_s"] < 0.4 * LINK_GB_PER_S).all()
+    for level in ("c16", "c24", "c32"):  # the window's split counted every request of the level
+        times = read_json(KNEE.level_dir(SHARED, level) / "level.json")["window_times"]
+        assert {part: entry["requests"] for part, entry in times.items()} == dict.fromkeys(
+            ("queue_s", "prefill_s", "decode_s", "server_ttft_s"), 64)
