@@ -300,10 +300,10 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             studyb.resolved(config)
         except ValueError as exc:
             found.append(str(exc))
-    from kvpool.studies import contexts
+    from kvpool.studies import capacity, contexts
 
-    return (found + contexts.problems(config) + _input_problems(config) + mp.problems(config)
-            + redis_pool.problems(config) + external.problems(config))
+    return (found + contexts.problems(config) + capacity.problems(config) + _input_problems(config)
+            + mp.problems(config) + redis_pool.problems(config) + external.problems(config))
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:

@@ -5,7 +5,7 @@ from kvpool import config as kvpool_config
 from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import runlock
 from kvpool.report import breakdown, tables
-from kvpool.studies import contexts, crossover, load, routers, study_a, studyb
+from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb
 from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.engine.model import RANDOM_MODEL_DIR
@@ -189,6 +189,16 @@ CONTEXT_UNITS = [
 ]
 CONTEXT_TARGETS = {"csv": "results/contexts.csv", "md": "results/contexts.md"} if CONTEXT_UNITS else {}
 
+
+# Pool capacity (kvpool.studies.capacity): per shared lmcache-redis cell and fraction in capacity.fractions, one
+# unit on a fleet and a Redis server of its own, so a new fraction builds only its unit.
+CAPACITY_UNITS = [
+    (cell, fraction)
+    for cell, fraction in capacity.units(config)
+    if not MEASURED_ONLY
+    or Path(f"results/cells/{cell.name}/capacity~{capacity.unit_label(fraction)}/unit.json").exists()
+]
+CAPACITY_TARGETS = {"csv": "results/capacity.csv", "md": "results/capacity.md"} if CAPACITY_UNITS else {}
 
 # What the TTFT breakdown reads: each cell's reuse phase (one request at a time) and each length unit's chains
 BREAKDOWN_UNITS = [

@@ -21,6 +21,8 @@ rule report:
         routers=ROUTER_TARGETS.get("csv", []),
         # document length as a dimension, when the run has length units (the figure beside the table)
         contexts=CONTEXT_TARGETS.get("csv", []),
+        # pool capacity as a dimension, when the run has capacity units (the figure beside the table)
+        capacity=CAPACITY_TARGETS.get("csv", []),
         # where each follow-up's TTFT goes (its figure beside it)
         breakdown="results/breakdown.csv" if CELLS else [],
         # Study B's section, when the run has one

@@ -194,3 +194,23 @@ rule breakdown:
         settings=settings(breakdown.run_breakdown),
     script:
         "../scripts/breakdown.py"
+
+
+rule capacity_table:
+    """results/capacity.csv: per shared cell and capacity, hit rate, recomputes, silent misses, evictions,
+    bytes held, TTFT and energy (kvpool.studies.capacity)."""
+    input:
+        csvs=[f"results/cells/{cell.name}/capacity~{capacity.unit_label(f)}/requests.csv" for cell, f in CAPACITY_UNITS],
+        metas=[f"results/cells/{cell.name}/capacity~{capacity.unit_label(f)}/unit.json" for cell, f in CAPACITY_UNITS],
+    output:
+        csv="results/capacity.csv",
+        md="results/capacity.md",
+        figures=directory("results/capacity"),
+    log:
+        "logs/summary/capacity.log",
+    conda:
+        CONDA_ENV
+    params:
+        units=[[cell.name, f] for cell, f in CAPACITY_UNITS],
+    script:
+        "../scripts/capacity_table.py"

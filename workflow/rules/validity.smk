@@ -52,6 +52,7 @@ rule gate:
         peer=PEER_TARGETS.get("csv", []),
         routers=ROUTER_TARGETS.get("csv", []),
         contexts=CONTEXT_TARGETS.get("csv", []),
+        capacity=CAPACITY_TARGETS.get("csv", []),
     output:
         "results/gate.ok",
     log:

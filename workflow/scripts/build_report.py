@@ -13,4 +13,5 @@ page.build_report(snakemake.params.config, cells, files, list(snakemake.input.ce
                   tables_dir=snakemake.output.tables, load=snakemake.input.load,
                   studyb=snakemake.params.studyb or None, peer=snakemake.input.get("peer") or None,
                   routers=snakemake.input.get("routers") or None, contexts=snakemake.input.get("contexts") or None,
-                  breakdown=snakemake.input.get("breakdown") or None)
+                  breakdown=snakemake.input.get("breakdown") or None,
+                  capacity=snakemake.input.get("capacity") or None)

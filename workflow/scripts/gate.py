@@ -4,4 +4,5 @@ from kvpool.report import gate
 logs.to_log(snakemake.log[0])
 gate.gate(snakemake.input.validity, snakemake.input.kv_bytes, snakemake.output[0], load_csv=snakemake.input.load,
           studyb_json=snakemake.input.get("studyb") or None, peer_csv=snakemake.input.get("peer") or None,
-          routers_csv=snakemake.input.get("routers") or None, contexts_csv=snakemake.input.get("contexts") or None)
+          routers_csv=snakemake.input.get("routers") or None, contexts_csv=snakemake.input.get("contexts") or None,
+          capacity_csv=snakemake.input.get("capacity") or None)

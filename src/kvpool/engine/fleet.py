@@ -363,6 +363,10 @@ class RedisServer(ManagedProcess):
     def _client(self):
         return redis_pool.client(self.entry["host"], self.entry["port"])
 
+    def connection(self):
+        """A client of this server (a context manager), for a unit that reads and sets it while it runs."""
+        return self._client()
+
     def healthy(self) -> bool:
         """Answers PING, and is the server this process started (another one could hold the port)."""
         import redis

@@ -53,11 +53,15 @@ def _disk_budget_gb(config: dict) -> float:
     return max(1.0, 4 * config["min_pool_bytes"] / 1e9)
 
 
-def kv_transfer_config(engine_kind: str) -> dict:
-    """The kv_both LMCache connector; on CPU loaded through kvpool's adapter module."""
+def kv_transfer_config(engine_kind: str, load_failure_policy: str | None = None) -> dict:
+    """The kv_both LMCache connector; on CPU loaded through kvpool's adapter module. ``load_failure_policy``:
+    vLLM's ``kv_load_failure_policy`` (what a replica does when chunks the pool promised are gone: fail the
+    request or recompute them); None leaves vLLM's default."""
     transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if engine_kind == "vllm-cpu":
         transfer["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    if load_failure_policy is not None:
+        transfer["kv_load_failure_policy"] = load_failure_policy
     return transfer
 
 
@@ -141,14 +145,17 @@ def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Pat
 
 def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list[int], port_source: str,
                available_cores: list[int] | None = None, server_ports: list[int] | None = None,
-               pool_root: Path | None = None) -> dict:
+               pool_root: Path | None = None, dev_mode: bool = False,
+               load_failure_policy: str | None = None) -> dict:
     """The resolved launch plan of ``cell``'s fleet; an lmcache-mp cell also gets its servers
     (``server_ports``: a ZMQ and an HTTP port per server). ``pool_root``: the pool's folder when it
-    is not the cell's own (a Study B block's)."""
+    is not the cell's own (a Study B block's). ``dev_mode``: the replicas open /reset_prefix_cache (a unit
+    that empties their caches; a reuse phase of several follow-ups per document opens it too).
+    ``load_failure_policy``: vLLM's ``kv_load_failure_policy`` for an in-process connector (kv_transfer_config)."""
     engine = config["engine"]
     replicas = config["replicas"]
     places = placements(engine, replicas, available_cores)
-    dev_mode = config["workload"].get("followups_per_document", 1) > 1
+    dev_mode = dev_mode or config["workload"].get("followups_per_document", 1) > 1
     util = _gpu_memory_share(engine)
     off = cell.arm == OFF_ARM
     dirs = [None] * replicas if off else pool_dirs(config, cell, root=pool_root)
@@ -168,7 +175,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         else:
             lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
-            transfer = kv_transfer_config(engine["kind"])
+            transfer = kv_transfer_config(engine["kind"], load_failure_policy)
             server_url = None
             if servers:  # lmcache-redis: the in-process connector, pointed at the replica's server
                 server = servers[0] if cell.arm == "shared" else servers[index]

@@ -60,6 +60,20 @@ class LevelRecord(RequestRecord):
 
 
 @dataclasses.dataclass
+class CapacityRecord(RequestRecord):
+    """One request of a capacity unit: its part (populate, warmup, window), its place in the drawn sequence,
+    the pool server's evicted keys around it, where its document came from (``source``), and whether a
+    recompute happened where the pool had evicted nothing since the document was stored (``silent_miss``)."""
+
+    part: str | None = None
+    sequence: int | None = None
+    evicted_before: int | None = None
+    evicted_after: int | None = None
+    source: str | None = None
+    silent_miss: bool | None = None
+
+
+@dataclasses.dataclass
 class ChainRecord(RequestTimes):
     """One request of a Study B block or a length unit: a chain's step or a session's turn."""
 

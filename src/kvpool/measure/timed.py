@@ -53,10 +53,12 @@ def _ports(config: dict, count: int) -> tuple[list[int], str]:
     return list(ports[:count]), "config"
 
 
-def new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Path | None = None) -> dict:
+def new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Path | None = None,
+             dev_mode: bool = False, load_failure_policy: str | None = None) -> dict:
     """``cell``'s fleet plan on free (or configured) ports; an lmcache-mp cell's servers get a ZMQ and an
     HTTP port each, clear of the replicas' (one server shared, one per replica isolated, none off).
-    An external fleet's plan is its endpoints."""
+    An external fleet's plan is its endpoints. ``dev_mode``: the replicas open /reset_prefix_cache;
+    ``load_failure_policy``: vLLM's kv_load_failure_policy (kvpool.engine.plan.kv_transfer_config)."""
     if external.is_external(config):
         return external_plan(config, cell, model)
     ports, source = _ports(config, config["replicas"])
@@ -64,7 +66,7 @@ def new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Pa
     if count := server_port_count(cell, config["replicas"]):
         server_ports = free_ports(config["engine"]["host"], count, exclude=ports)
     return fleet_plan(config, cell, model, Path(cell_dir).resolve(), ports, source, server_ports=server_ports,
-                      pool_root=pool_root)
+                      pool_root=pool_root, dev_mode=dev_mode, load_failure_policy=load_failure_policy)
 
 
 def checked_ports(plan: dict, servers=None) -> dict:

@@ -353,6 +353,29 @@ def contexts(table, fits):
     return plot
 
 
+def capacity(table):
+    """Pool capacity (kvpool.studies.capacity): the window's pool hit rate (Wilson 95% interval) and TTFT p50
+    (bootstrap 95% interval) against the pool's size as a fraction of the working set, per shared cell;
+    hollow where the unit is invalid."""
+    from plotnine import scale_shape_manual
+
+    data = table.assign(setting=table["backend"] + " / chunk " + table["chunk"].astype(str) + " / " + table["tier"],
+                        validity=table["valid"].map({True: "valid", False: "INVALID"}))
+    panels = pd.concat([
+        data.assign(measure="follow-ups served from the pool", value=data["hit_rate"], low=data["hit_rate_low"],
+                    high=data["hit_rate_high"]),
+        data.assign(measure="TTFT p50 (s)", value=data["ttft_p50_s"], low=data["ttft_p50_ci_low_s"],
+                    high=data["ttft_p50_ci_high_s"])])
+    return (ggplot(panels, aes("fraction", "value", colour="setting"))
+            + geom_line() + geom_point(aes(shape="validity"), size=2.5)
+            + geom_errorbar(aes(ymin="low", ymax="high"), width=0.02)
+            + scale_shape_manual(values={"valid": "o", "INVALID": "x"})
+            + facet_wrap("~measure", scales="free_y")
+            + labs(title="A pool smaller than the working set: hit rate and TTFT against its capacity",
+                   x="pool capacity (fraction of the working set's KV bytes)", y="", colour="", shape="")
+            + theme_bw() + theme(figure_size=(8, 3.6), plot_title=element_text(size=11)))
+
+
 ROUTER_PHASES = ["follow-up", "hot", "after-loss"]
 SOURCE_COLOURS = {"own cache": "#7570b3", "pool": "#1b9e77", "computed": "#d95f02"}
 

@@ -36,12 +36,12 @@ VALIDITY_COLUMNS = ["cell", "valid", "checks_passed", "checks_failed", "reasons"
 
 def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
          studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
-         contexts_csv: str | None = None) -> None:
+         contexts_csv: str | None = None, capacity_csv: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is."""
     table = pd.read_csv(validity_csv, keep_default_na=False)
     lines, counted, invalid, damaged, study = judge(table, kv_bytes_csv, load_csv, studyb_json, peer_csv,
-                                                    routers_csv, contexts_csv)
+                                                    routers_csv, contexts_csv, capacity_csv)
     if lines:
         raise SystemExit(
             f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate, "
@@ -56,7 +56,8 @@ def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = 
 
 def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = None,
           studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
-          contexts_csv: str | None = None) -> tuple[list[str], list[str], pd.DataFrame, pd.DataFrame, dict | None]:
+          contexts_csv: str | None = None, capacity_csv: str | None = None
+          ) -> tuple[list[str], list[str], pd.DataFrame, pd.DataFrame, dict | None]:
     """The run's verdict, for the gate and the report page alike: a line per failure (an invalid cell, load
     level, replay, router or length unit, damaged KV bytes, Study B), the units beyond the cells it rests on,
     the invalid cells, the damaged comparisons and Study B's record."""
@@ -95,6 +96,13 @@ def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = 
         lines += [f"  {row.cell} doc~{row.context}: its unit.json names the failed checks" for row in bad.itertuples()]
         invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
         counted.append(f"{len(units)} length units")
+    if capacity_csv is not None:  # a capacity unit that erred, missed silently, or held more than allowed
+        units = pd.read_csv(capacity_csv)
+        bad = units[~units["valid"].astype(bool)]
+        lines += [f"  {row.cell} capacity~{row.fraction:g}: its unit.json names the failed checks"
+                  for row in bad.itertuples()]
+        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
+        counted.append(f"{len(units)} capacity units")
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]

@@ -391,7 +391,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
                  load: str | None = None, studyb: dict | None = None, peer: str | None = None,
                  routers: str | None = None, contexts: str | None = None,
-                 breakdown: str | None = None) -> None:
+                 breakdown: str | None = None, capacity: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records (``files`` and
@@ -445,7 +445,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
     studyb_part = _studyb_section(studyb) if studyb else None
     failed, counted, *_ = judge(results.cells[["cell", "valid", "reasons"]],
                                 kv_bytes if kv_bytes and Path(kv_bytes).exists() else None, load,
-                                studyb["validity"] if studyb else None, peer, routers, contexts)
+                                studyb["validity"] if studyb else None, peer, routers, contexts, capacity)
     render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
         "verdict": verdict(results.cells, failed, counted, studyb_part),
         "headline_figure": drawn["fig1_ttft_p50"],
@@ -464,6 +464,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
         "peer_html": _peer_html(peer) if peer else "",
         "routers": _routers_section(routers) if routers else None,
         "contexts": _contexts_section(contexts) if contexts else None,
+        "capacity": _capacity_section(capacity) if capacity else None,
         "breakdown": _breakdown_section(breakdown) if breakdown else None,
         "load_figures": [drawn[s] for s, _ in under_load],
         "studyb": studyb_part,
@@ -534,6 +535,15 @@ def _breakdown_section(breakdown_csv: str) -> dict:
     return {"html": _html(breakdown.for_reading(table)) if len(table) else "<p>No request carried its replica's own "
             "times (a run from before kvpool read them).</p>",
             "figure": Path(breakdown_csv).parent / "figures" / "breakdown.png"}
+
+
+def _capacity_section(capacity_csv: str) -> dict:
+    """The report's pool-capacity section: results/capacity.csv and its figure beside it."""
+    from kvpool.studies import capacity
+
+    folder = Path(capacity_csv).with_suffix("")  # run_capacity_table's figures folder
+    return {"html": _html(capacity.for_reading(pd.read_csv(capacity_csv))), "intro": capacity.INTRODUCTION,
+            "figure": str(folder / "capacity.png")}
 
 
 def _contexts_section(contexts_csv: str) -> dict:

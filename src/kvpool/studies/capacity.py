@@ -1,0 +1,422 @@
+"""Pool capacity as a dimension: how big must the shared pool be, under a popularity-skewed workload.
+
+Per shared ``lmcache-redis`` cell and per fraction in ``capacity.fractions``, one unit
+``results/cells/<cell>/capacity~<fraction>/`` on a fleet and a Redis server of its own:
+
+1. populate: every document prefilled once on its replica (round robin), with no limit, so the server's
+   memory per KV byte (its allocator's size classes, the metadata keys) is measured, not assumed;
+2. the cap: the server's own ``maxmemory`` set to its empty memory plus ``fraction`` of the working set's
+   KV bytes (every document's follow-up prompt in whole chunks) at that measured memory per byte, with
+   ``capacity.policy`` as its ``maxmemory-policy``. Redis evicts down to it at once;
+3. ``capacity.warmup_requests`` then ``capacity.requests`` follow-ups, their documents drawn with a seeded
+   Zipf popularity (``capacity.popularity_exponent``; 0: uniform) over a seeded ranking, each sent alone to
+   a replica that did not prefill its document, whose own prefix cache is emptied first
+   (``capacity.reset_own_cache``), so the pool or a recompute serves it.
+
+Each request's source is read from the serving replica's counters (pool, own cache, partial, recomputed),
+and the server's ``evicted_keys`` around it. A recompute where the server evicted nothing since the
+document was last stored is a silent miss: the unit's gate fails on it, as on any error, and on a pool
+that held more KV bytes than its capacity.
+
+Other backends are refused: a pool of files has no limit short of a filesystem quota, and the MP server's
+L1 limit (``--l1-size-gb``) is not built here yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import psutil
+from scipy import stats
+
+from kvpool.cells import REDIS_BACKEND, Cell, run_pools
+from kvpool.cells import cells as matrix_cells
+from kvpool.config import PHASE_SETTINGS, reads
+from kvpool.engine import external, prompts
+from kvpool.engine.client import new_session
+from kvpool.engine.cross_router import followup_route, populate_route
+from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.measure import provenance, records
+from kvpool.measure.checks import check, verdict
+from kvpool.measure.files import read_json
+from kvpool.measure.records import CapacityRecord, read_records
+from kvpool.measure.timed import (
+    REPO,
+    checked_ports,
+    measured_request,
+    new_plan,
+    request_row,
+    reset_prefix_cache,
+    run_unit,
+    timed_fleet,
+    write_unit,
+)
+from kvpool.measure.validity import with_served
+
+log = logging.getLogger(__name__)
+
+BACKENDS = (REDIS_BACKEND,)
+SOURCES = ("pool", "own cache", "partial", "recomputed")
+COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "hit_rate", "hit_rate_low",
+           "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes", "held_kv_bytes",
+           "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_p99_s", "mean_power_w",
+           "energy_per_request_j"]
+
+
+def fractions(config: dict) -> list[float]:
+    return [float(f) for f in config["capacity"]["fractions"]]
+
+
+def unit_label(fraction: float) -> str:
+    return f"{fraction:g}"
+
+
+def cells(config: dict) -> list[Cell]:
+    return [cell for cell in matrix_cells(config) if cell.arm == "shared" and cell.backend in BACKENDS]
+
+
+def units(config: dict) -> list[tuple[Cell, float]]:
+    return [(cell, fraction) for cell in cells(config) for fraction in fractions(config)]
+
+
+def working_set_tokens(config: dict, chunk: int) -> int:
+    """The KV tokens the pool would hold with nothing evicted: every document's follow-up prompt (the
+    document and its question) in whole chunks, what LMCache stores of it."""
+    workload = config["workload"]
+    return workload["documents"] * ((workload["doc_tokens"] + workload["followup_tokens"]) // chunk * chunk)
+
+
+def capacity_bytes(config: dict, chunk: int, fraction: float, per_token: int) -> int:
+    return int(fraction * working_set_tokens(config, chunk) * per_token)
+
+
+def problems(config: dict) -> list[str]:
+    """What keeps the configured capacities from running, each naming the setting and the numbers."""
+    asked = fractions(config)
+    if not asked:
+        return []
+    found = []
+    if not cells(config):
+        found.append(f"capacity.fractions needs a shared {REDIS_BACKEND} cell (arms: shared, backends: "
+                     f"{REDIS_BACKEND}): a pool of files has no capacity limit short of a filesystem quota, and the "
+                     "lmcache-mp server's L1 limit is not built for capacity units yet")
+    if external.is_external(config):
+        found.append("capacity.fractions needs kvpool's own fleet and Redis server (it caps the server and empties "
+                     "the replicas' caches): an external fleet's pool is not kvpool's to limit")
+    if config["replicas"] < 2:
+        found.append("capacity.fractions needs two replicas or more (every follow-up goes to a replica that did not "
+                     "prefill its document)")
+    per_token = engine_kv_bytes_per_token(config)
+    if per_token is None:
+        found.append(f"capacity.fractions needs the model's KV bytes per token, and {config['engine']['model']} has "
+                     "no config.json here to read them from")
+        return found
+    workload = config["workload"]
+    for chunk in sorted({cell.chunk for cell in cells(config)}):
+        document = (workload["doc_tokens"] + workload["followup_tokens"]) // chunk * chunk * per_token
+        total = capacity_bytes(config, chunk, 1.0, per_token)
+        small = [f for f in asked if f * total < document]
+        if small:
+            found.append(f"capacity.fractions {small} give a pool smaller than one document's KV at chunk {chunk} "
+                         f"({min(small) * total:,.0f} bytes of the working set's {total:,} bytes; one document's "
+                         f"follow-up prompt holds {document:,}): no document could be served from it")
+    # the server's memory holds the whole working set once (populate runs with no limit), in host RAM
+    total = max(capacity_bytes(config, chunk, 1.0, per_token) for chunk in config["chunk_sizes"])
+    ram = psutil.virtual_memory().total
+    if total > ram / 2:
+        found.append(f"capacity.fractions: the working set's KV ({total:,} bytes) is populated whole into the Redis "
+                     f"server's memory before the cap, and this host has {ram:,} bytes of RAM (at most half may go "
+                     "to the pool): fewer or shorter documents (workload)")
+    return found
+
+
+def popularity_ranks(documents: int, exponent: float, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` popularity ranks (1 = most popular) of ``documents``: Zipf with ``exponent`` (scipy's
+    finite ``zipfian``), uniform at 0."""
+    if exponent == 0:
+        return rng.integers(1, documents + 1, size=count)
+    return stats.zipfian(exponent, documents).rvs(size=count, random_state=rng)
+
+
+def fitted_exponent(ranks: np.ndarray, documents: int) -> float:
+    """The Zipf exponent that best explains ``ranks`` (scipy's maximum-likelihood fit, ``n`` held)."""
+    fit = stats.fit(stats.zipfian, ranks, bounds={"a": (0.0, 5.0), "n": (documents, documents)})
+    return float(fit.params.a)
+
+
+def draws(documents: int, exponent: float, count: int, seed: int) -> list[int]:
+    """The documents of ``count`` follow-ups: ranks drawn by popularity, mapped onto documents by a seeded
+    ranking, so popularity is independent of the order populate stored them in (LRU evicts by it)."""
+    rng = np.random.default_rng(seed)
+    ranking = rng.permutation(documents)
+    return [int(ranking[rank - 1]) for rank in popularity_ranks(documents, exponent, count, rng)]
+
+
+def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
+    """Where a follow-up's document came from, by the serving replica's counters: the pool, its own cache,
+    partly the pool, or recomputed. None for a failed request."""
+    if row.get("error"):
+        return None
+    needed = min_hit_fraction * doc_tokens
+    external, local = row.get("external_hit_tokens") or 0, row.get("local_cache_hit_tokens") or 0
+    if external >= needed:
+        return "pool"
+    if local >= needed:
+        return "own cache"
+    return "partial" if external > 0 else "recomputed"
+
+
+def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, evicted_at_populate: int) -> list[dict]:
+    """Each follow-up's source, and its silent miss: a document not served from the pool although the
+    server evicted nothing since the document was last stored (populate stored every document before
+    ``evicted_at_populate`` evictions had happened, at the latest; a follow-up that recomputed its
+    document stored it again). Rows in the order they were sent."""
+    stored_at: dict[int, int] = {}
+    accounted = []
+    for row in rows:
+        found = source(row, doc_tokens, min_hit_fraction)
+        since = row["evicted_before"] - stored_at.get(row["doc_id"], evicted_at_populate)
+        silent = found in ("partial", "recomputed") and since == 0
+        if found in ("partial", "recomputed"):  # the serving replica stored the recomputed chunks again
+            stored_at[row["doc_id"]] = row["evicted_after"]
+        accounted.append({**row, "source": found, "silent_miss": silent if found is not None else None})
+    return accounted
+
+
+def unit_checks(frame: pd.DataFrame, held_kv_bytes: int, limit_bytes: int) -> dict:
+    """A capacity unit's gate: no errors, every follow-up cross-replica, no silent miss, and the pool never
+    held more KV than its capacity (after the cap and at the end)."""
+    asked = frame[frame["part"] != "populate"]
+    errors = int((frame["error"].fillna("") != "").sum())
+    cross = asked["prefill_replica"] != asked["serve_replica"]
+    silent = int(asked["silent_miss"].fillna(False).astype(bool).sum())
+    return {"zero_errors": check(errors == 0, errors, 0),
+            "cross_replica": check(bool(len(asked)) and bool(cross.all()),
+                                   float(cross.mean()) if len(asked) else 0.0, 1.0),
+            "no_silent_miss": check(silent == 0, silent, 0),
+            "held_within_capacity": check(held_kv_bytes <= limit_bytes, held_kv_bytes, limit_bytes)}
+
+
+def _unit_sections(config: dict, wildcards=None) -> dict:
+    """A unit reads its own fraction from its path, not capacity.fractions: a new fraction leaves the measured
+    units as they are."""
+    return {"capacity": {key: value for key, value in config["capacity"].items() if key != "fractions"}}
+
+
+@reads(*PHASE_SETTINGS, "min_hit_fraction", "hash_keys", "lmcache", "lmcache_redis", "random_model",
+       picked=_unit_sections)
+def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, prompts_path: str, plan_out: str,
+                      manifest_out: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, log_dir: str,
+                      provenance_config: dict) -> None:
+    """One capacity unit (kvpool.studies.capacity): its own plan, server and fleet; populate, the cap, the
+    drawn follow-ups; the rows, the unit's gate and its telemetry summary."""
+    per_token = engine_kv_bytes_per_token(config)
+    limit = capacity_bytes(config, cell.chunk, fraction, per_token)
+    root = run_pools(config, cell.tier) / "capacity" / cell.name / f"capacity~{unit_label(fraction)}"
+    settings = config["capacity"]
+    plan = checked_ports(new_plan(config, cell, model, Path(csv_out).parent, pool_root=root,
+                                  dev_mode=settings["reset_own_cache"],
+                                  load_failure_policy=settings["kv_load_failure_policy"]))
+    workload = prompts.read_workload(Path(prompts_path))
+    frame, meta = run_unit(
+        config, plan, root,
+        lambda disks: capacity_unit(plan, workload, config, fraction, limit, Path(log_dir), disks),
+        plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction),
+        manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
+        name=f"capacity-{unit_label(fraction)}")
+    held = max(meta["pool"]["capped"]["kv_bytes"], meta["pool"]["end"]["kv_bytes"])
+    checks = unit_checks(frame, held, limit)
+    gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
+                       cell.chunk)
+    meta.update(fraction=fraction, capacity_bytes=limit, **gate)
+    asked = frame[frame["part"] == "window"]
+    log.info("%s capacity~%s: %d of %d follow-ups from the pool, %d recomputed, %d keys evicted, %d silent misses",
+             cell.name, unit_label(fraction), int((asked["source"] == "pool").sum()), len(asked),
+             int((asked["source"] == "recomputed").sum()), meta["pool"]["end"]["evicted_keys"],
+             int(asked["silent_miss"].fillna(False).astype(bool).sum()))
+    write_unit(meta, len(asked), drive_csv, power_csv, plan, json_out, f"{cell.name} capacity~{unit_label(fraction)}")
+
+
+def capacity_unit(plan: dict, workload: list[dict], cfg: dict, fraction: float, limit: int, log_dir: Path,
+                  disks: list[str]):
+    """Populate with no limit, cap the server at ``limit`` KV bytes (at its measured memory per KV byte),
+    the warm-up, then the window of drawn follow-ups, one at a time, its drives and power sampled. Returns
+    the rows, the meta data (the pool's state at each point, the cap as set) and the sampler."""
+    settings = cfg["capacity"]
+    sequence = draws(len(workload), settings["popularity_exponent"],
+                     settings["warmup_requests"] + settings["requests"], settings["seed"])
+    with timed_fleet(plan, cfg, log_dir) as fleet:
+        (server,) = fleet.servers  # the shared arm's one server
+        with server.connection() as conn:
+            ask = Asking(fleet.replicas, workload, cfg, conn)
+            populated = asyncio.run(ask.populate())
+            per_byte, maxmemory = redis_maxmemory(populated, limit)
+            conn.config_set("maxmemory-policy", settings["policy"])
+            conn.config_set("maxmemory", maxmemory)  # Redis evicts down to it at once
+            capped = _pool_state(conn)
+            warmup = settings["warmup_requests"]
+            asked = asyncio.run(ask.followups(sequence[:warmup], "warmup", 0, settings["reset_own_cache"]))
+            with fleet.window("capacity", disks):
+                asked += asyncio.run(ask.followups(sequence[warmup:], "window", warmup, settings["reset_own_cache"]))
+            end = _pool_state(conn)
+    rows = ask.populated + account(asked, cfg["workload"]["doc_tokens"], cfg["min_hit_fraction"],
+                                   populated["evicted_keys"])
+    pool = {"populated": populated, "memory_per_kv_byte": per_byte,
+            "maxmemory": maxmemory, "capped": capped, "end": end}
+    meta = fleet.meta(pool=pool, policy=settings["policy"], popularity_exponent=settings["popularity_exponent"],
+                      kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
+                      warmup_requests=warmup, window_requests=len(sequence) - warmup)
+    return records.frame(CapacityRecord, rows), meta, fleet.sampler
+
+
+def redis_maxmemory(populated: dict, limit: int) -> tuple[float, int]:
+    """A Redis server's ``maxmemory`` for ``limit`` KV bytes: its overhead (clients' buffers, its own
+    structures: ``used_memory_overhead``) plus the limit at the dataset memory per KV byte it showed
+    holding the populated pool (its allocator's size classes and LMCache's metadata keys ride on every
+    chunk). Returns that ratio and the setting."""
+    if populated["kv_bytes"] <= 0:
+        raise RuntimeError("populate stored no KV in the Redis server: there is nothing to size the cap by "
+                           f"(its dataset: {populated['dataset_memory']:,} bytes)")
+    per_byte = populated["dataset_memory"] / populated["kv_bytes"]
+    return per_byte, populated["overhead_memory"] + int(limit * per_byte)
+
+
+def _pool_state(conn) -> dict:
+    from kvpool.engine import redis_pool
+
+    held, memory = redis_pool.pool_metrics(conn), conn.info("memory")
+    return {"kv_bytes": int(held[redis_pool.POOL_BYTES]), "chunks": int(held[redis_pool.POOL_CHUNKS]),
+            "keys": int(conn.dbsize()), "used_memory": int(held[redis_pool.USED_MEMORY]),
+            "dataset_memory": int(memory["used_memory_dataset"]),
+            "overhead_memory": int(memory["used_memory_overhead"]),
+            "evicted_keys": int(conn.info("stats")["evicted_keys"])}
+
+
+def settled(conn, poll_s: float = 0.1, timeout_s: float = 10.0) -> int:
+    """The server's evicted keys once its keys and evictions stop changing (LMCache may store a request's
+    chunks after its answer): two reads ``poll_s`` apart that agree, or the last one at ``timeout_s``."""
+    import time
+
+    def now():
+        return int(conn.dbsize()), int(conn.info("stats")["evicted_keys"])
+
+    last, deadline = now(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        current = now()
+        if current == last:
+            break
+        last = current
+    return last[1]
+
+
+class Asking:
+    """A capacity unit's requests on its fleet, one at a time: populate, and drawn follow-ups with the
+    server's evicted keys read, settled, around each."""
+
+    def __init__(self, replicas, workload: list[dict], cfg: dict, conn):
+        self.by_index, self.by_doc = {r.index: r for r in replicas}, {item["doc_id"]: item for item in workload}
+        self.prefill = populate_route(list(self.by_doc), len(replicas))
+        self.route = followup_route(self.prefill, len(replicas))
+        self.output_tokens, self.timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
+        self.conn, self.populated = conn, []
+
+    async def populate(self) -> dict:
+        """Every document once on its replica; the pool's state once its stores have landed."""
+        async with new_session() as session:
+            for doc_id, item in self.by_doc.items():
+                replica = self.by_index[self.prefill[doc_id]]
+                result, counts = await measured_request(session, replica, item["document"], self.output_tokens,
+                                                        self.timeout_s)
+                self.populated.append({**request_row(doc_id, replica.index, replica.index, result, counts),
+                                       "part": "populate"})
+        settled(self.conn)
+        return _pool_state(self.conn)
+
+    async def followups(self, sequence: list[int], part: str, first: int, reset_own_cache: bool) -> list[dict]:
+        rows = []
+        async with new_session() as session:
+            for number, doc_id in enumerate(sequence, start=first):
+                serve = self.by_index[self.route[doc_id]]
+                reset = await reset_prefix_cache(session, serve) if reset_own_cache else ""
+                before = settled(self.conn)
+                result, counts = await measured_request(session, serve, self.by_doc[doc_id]["followup"],
+                                                        self.output_tokens, self.timeout_s)
+                if reset and not result.error:
+                    result.error = f"the prefix cache reset before this follow-up failed: {reset}"
+                rows.append({**request_row(doc_id, self.prefill[doc_id], serve.index, result, counts), "part": part,
+                             "sequence": number, "evicted_before": before, "evicted_after": settled(self.conn)})
+        return rows
+
+
+def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> dict:
+    """One unit's window: its hit rate (Wilson 95% interval), recomputes, silent misses, evictions, the
+    bytes it held against its capacity, TTFT p50 (bootstrap interval) and p99, power and energy."""
+    from kvpool.report.tables import reported_percentile
+
+    window = frame[(frame["part"] == "window") & (frame["error"].fillna("") == "")]
+    hits = int((window["source"] == "pool").sum())
+    interval = stats.binomtest(hits, len(window)).proportion_ci(method="wilson") if len(window) else None
+    ttft = window["ttft_s"].astype(float)
+    p50, p99 = reported_percentile(ttft, 50), reported_percentile(ttft, 99)
+    power = (meta.get("summary") or {}).get("power") or {}
+    return {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "fraction": fraction,
+            "policy": meta["policy"], "valid": bool(meta["valid"]), "requests": len(window),
+            "hit_rate": hits / len(window) if len(window) else np.nan,
+            "hit_rate_low": interval.low if interval else np.nan,
+            "hit_rate_high": interval.high if interval else np.nan,
+            "recomputed": int(window["source"].isin(["recomputed", "partial"]).sum()),
+            "silent_misses": int(window["silent_miss"].fillna(False).astype(bool).sum()),
+            "evicted_keys": meta["pool"]["end"]["evicted_keys"], "capacity_bytes": meta["capacity_bytes"],
+            "held_kv_bytes": max(meta["pool"]["capped"]["kv_bytes"], meta["pool"]["end"]["kv_bytes"]),
+            "ttft_p50_s": p50["value"], "ttft_p50_ci_low_s": p50["ci_low"], "ttft_p50_ci_high_s": p50["ci_high"],
+            "ttft_p99_s": p99["value"], "mean_power_w": power.get("mean_power_w"),
+            "energy_per_request_j": power.get("energy_per_request_j")}
+
+
+def for_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """results/capacity.csv as a person reads it: per cell and capacity, each figure with its unit and
+    interval."""
+    def energy(value) -> str:
+        return "n/a" if pd.isna(value) else f"{value:.3g} J"
+
+    return pd.DataFrame([{
+        "cell": f"{row.backend} / chunk {row.chunk} / {row.tier}", "capacity": f"{row.fraction:g}",
+        "policy": row.policy, "gate": "valid" if row.valid else "INVALID",
+        "from the pool": f"{row.hit_rate:.0%} [{row.hit_rate_low:.0%}, {row.hit_rate_high:.0%}] of {row.requests}",
+        "recomputed": row.recomputed, "silent misses": row.silent_misses, "keys evicted": row.evicted_keys,
+        "KV held / capacity": f"{row.held_kv_bytes / 1e6:.3g} / {row.capacity_bytes / 1e6:.3g} MB",
+        "TTFT p50": f"{row.ttft_p50_s:.3g} s [{row.ttft_p50_ci_low_s:.3g}, {row.ttft_p50_ci_high_s:.3g}]",
+        "TTFT p99": f"{row.ttft_p99_s:.3g} s", "energy / follow-up": energy(row.energy_per_request_j),
+    } for row in table.itertuples()])
+
+
+INTRODUCTION = ("Per shared cell and capacity (a fraction of the working set's KV bytes, set as the server's own "
+                "limit), the window's follow-ups, their documents drawn by popularity, each to a replica that did not "
+                "prefill it with its own cache emptied. Hit rate with its Wilson 95% interval, TTFT p50 with its "
+                "bootstrap 95% interval.")
+
+
+def markdown(table: pd.DataFrame) -> str:
+    return ("# Pool capacity: what a pool smaller than the working set serves\n\n" + INTRODUCTION + "\n\n"
+            + for_reading(table).to_markdown(index=False) + "\n")
+
+
+def run_capacity_table(units: list[tuple[Cell, float]], *, csvs: list[str], metas: list[str], csv_out: str,
+                       md_out: str, figures_dir: str) -> None:
+    """results/capacity.csv and .md and their figure: per shared cell and capacity, the window's hit rate,
+    recomputes, silent misses, evictions, bytes held, TTFT and energy."""
+    import os
+
+    from kvpool.report import figures
+
+    rows = [unit_row(cell, fraction, read_records(csv), read_json(meta))
+            for (cell, fraction), csv, meta in zip(units, csvs, metas, strict=True)]
+    table = pd.DataFrame(rows, columns=COLUMNS).sort_values(["cell", "fraction"], kind="stable")
+    table.to_csv(csv_out, index=False)
+    drawn = figures.save(figures.capacity(table), Path(figures_dir), "capacity")
+    Path(md_out).write_text(f"{markdown(table)}\n![capacity]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")

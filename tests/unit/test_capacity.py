@@ -1,0 +1,109 @@
+"""Pool capacity (kvpool.studies.capacity): the popularity draws, the capacity's setting, each follow-up's
+source and silent miss, the unit's gate and the refusals."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvpool.studies import capacity
+
+
+@pytest.mark.parametrize("exponent", [0.7, 1.0, 1.4])
+def test_the_popularity_draws_recover_their_zipf_exponent(exponent):
+    ranks = capacity.popularity_ranks(64, exponent, 5000, np.random.default_rng(3))
+    assert ranks.min() >= 1 and ranks.max() <= 64
+    assert capacity.fitted_exponent(ranks, 64) == pytest.approx(exponent, abs=0.05)
+
+
+def test_uniform_popularity_and_seeded_draws_independent_of_the_populate_order():
+    uniform = capacity.popularity_ranks(8, 0.0, 16000, np.random.default_rng(0))
+    counts = np.bincount(uniform, minlength=9)[1:]
+    assert counts.min() > 0.9 * 2000 and counts.max() < 1.1 * 2000
+    first = capacity.draws(16, 1.0, 400, seed=5)
+    assert first == capacity.draws(16, 1.0, 400, seed=5) and first != capacity.draws(16, 1.0, 400, seed=6)
+    # the most drawn document is the seeded ranking's first, not populate's first (document 0)
+    top = np.bincount(first).argmax()
+    assert top == np.random.default_rng(5).permutation(16)[0]
+    assert np.bincount(first)[top] > 400 / 16 * 3
+
+
+def test_the_cap_is_the_servers_overhead_plus_the_limit_at_its_measured_dataset_memory_per_kv_byte():
+    populated = {"dataset_memory": 4_400_000, "overhead_memory": 1_000_000, "kv_bytes": 4_000_000}
+    per_byte, maxmemory = capacity.redis_maxmemory(populated, 1_000_000)
+    assert per_byte == pytest.approx(1.1) and maxmemory == 1_000_000 + 1_100_000
+    with pytest.raises(RuntimeError, match="populate stored no KV"):
+        capacity.redis_maxmemory({**populated, "kv_bytes": 0, "dataset_memory": 0}, 1_000_000)
+
+
+def test_the_working_set_is_every_follow_up_prompt_in_whole_chunks():
+    config = {"workload": {"documents": 8, "doc_tokens": 2048, "followup_tokens": 300}}
+    assert capacity.working_set_tokens(config, 256) == 8 * 2304  # 2,348 tokens hold 9 whole chunks
+    assert capacity.capacity_bytes(config, 256, 0.25, per_token=1024) == int(0.25 * 8 * 2304 * 1024)
+
+
+def row(doc_id, external, local, before, after, error=""):
+    return {"doc_id": doc_id, "external_hit_tokens": external, "local_cache_hit_tokens": local,
+            "evicted_before": before, "evicted_after": after, "error": error}
+
+
+def test_each_follow_up_names_its_source_and_a_recompute_with_nothing_evicted_is_a_silent_miss():
+    rows = [row(0, 2048, 0, 0, 0),       # the pool served it
+            row(1, 0, 0, 0, 0),          # recomputed with nothing ever evicted: silent
+            row(2, 0, 0, 0, 6),          # recomputed, but (counted as of populate) nothing evicted before: silent
+            row(3, 0, 0, 6, 6),          # recomputed after evictions: explained
+            row(2, 0, 0, 6, 6),          # again: nothing evicted since its recompute stored it: silent
+            row(3, 1024, 0, 8, 8),       # partly from the pool after more evictions: explained
+            row(0, 0, 2048, 8, 8),       # its own cache
+            row(1, None, None, 8, 8, error="replica 1 died")]
+    found = capacity.account(rows, doc_tokens=2048, min_hit_fraction=0.95, evicted_at_populate=0)
+    assert [r["source"] for r in found] == ["pool", "recomputed", "recomputed", "recomputed", "recomputed",
+                                           "partial", "own cache", None]
+    assert [r["silent_miss"] for r in found] == [False, True, True, False, True, False, False, None]
+
+
+def test_the_gate_fails_a_silent_miss_an_error_and_a_pool_that_held_more_than_its_capacity():
+    frame = pd.DataFrame({"part": ["populate", "window", "window"], "prefill_replica": [0, 0, 1],
+                          "serve_replica": [0, 1, 0], "error": ["", "", ""], "silent_miss": [None, False, False]})
+    assert all(c["ok"] for c in capacity.unit_checks(frame, 900, 1000).values())
+    over = capacity.unit_checks(frame, 1001, 1000)["held_within_capacity"]
+    assert not over["ok"] and over["value"] == 1001 and over["threshold"] == 1000
+    silent = capacity.unit_checks(frame.assign(silent_miss=[None, True, False]), 900, 1000)
+    assert not silent["no_silent_miss"]["ok"] and silent["no_silent_miss"]["value"] == 1
+    failed = capacity.unit_checks(frame.assign(error=["", "replica 1 died", ""]), 900, 1000)
+    assert not failed["zero_errors"]["ok"]
+    same = capacity.unit_checks(frame.assign(serve_replica=[0, 0, 0]), 900, 1000)
+    assert not same["cross_replica"]["ok"]
+
+
+@pytest.fixture
+def config_with(config):
+    """The embedded default on a shared lmcache-redis cell, with ``capacity`` settings."""
+    def made(**capacity_settings):
+        made_config = {**config, "backends": ["lmcache-redis"], "tiers": {"ram": "pools/ram"}, "arms": ["shared"]}
+        made_config["capacity"] = {**config["capacity"], **capacity_settings}
+        return made_config
+
+    return made
+
+
+def test_a_capacity_below_one_documents_kv_or_on_no_redis_cell_is_refused_with_the_numbers(config_with):
+    assert capacity.problems(config_with(fractions=[0.25, 1.0])) == []
+    small = capacity.problems(config_with(fractions=[0.01, 0.5]))
+    assert len(small) == 1 and "[0.01]" in small[0] and "smaller than one document's KV" in small[0]
+    files = config_with(fractions=[0.5])
+    files.update(backends=["lmcache-fs"], tiers={"disk": "pools/disk"})
+    (refused,) = capacity.problems(files)
+    assert "shared lmcache-redis cell" in refused and "filesystem quota" in refused
+    assert capacity.units(files) == []
+    isolated = config_with(fractions=[0.5])
+    isolated["arms"] = ["isolated"]
+    assert "shared lmcache-redis cell" in capacity.problems(isolated)[0]
+
+
+def test_a_working_set_the_hosts_memory_cannot_hold_is_refused(config_with, monkeypatch):
+    class Small:
+        total = 10_000_000
+
+    monkeypatch.setattr(capacity.psutil, "virtual_memory", lambda: Small)
+    (refused,) = capacity.problems(config_with(fractions=[0.5]))
+    assert "10,000,000 bytes of RAM" in refused and "working set's KV" in refused
