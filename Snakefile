@@ -39,6 +39,7 @@ if not MEASURED_ONLY:
     include: "workflow/rules/load.smk"
     include: "workflow/rules/routers.smk"
     include: "workflow/rules/contexts.smk"
+    include: "workflow/rules/capacity.smk"
     include: "workflow/rules/studyb.smk"
 
 
@@ -62,6 +63,7 @@ STUDY_A_TARGETS = (
         PEER_TARGETS.get("csv", []),
         ROUTER_TARGETS.get("md", []),
         CONTEXT_TARGETS.get("md", []),
+        CAPACITY_TARGETS.get("md", []),
         "results/breakdown.csv",
         "results/gate.ok",
     ]
