@@ -27,12 +27,8 @@ def test_uniform_popularity_and_seeded_draws_independent_of_the_populate_order()
     assert np.bincount(first)[top] > 400 / 16 * 3
 
 
-def test_the_cap_is_the_servers_overhead_plus_the_limit_at_its_measured_dataset_memory_per_kv_byte():
-    populated = {"dataset_memory": 4_400_000, "overhead_memory": 1_000_000, "kv_bytes": 4_000_000}
-    per_byte, maxmemory = capacity.redis_maxmemory(populated, 1_000_000)
-    assert per_byte == pytest.approx(1.1) and maxmemory == 1_000_000 + 1_100_000
-    with pytest.raises(RuntimeError, match="populate stored no KV"):
-        capacity.redis_maxmemory({**populated, "kv_bytes": 0, "dataset_memory": 0}, 1_000_000)
+def test_the_cap_is_the_servers_empty_overhead_plus_the_capacity():
+    assert capacity.redis_maxmemory(900_000, 18_874_368) == 900_000 + 18_874_368
 
 
 def test_the_working_set_is_every_follow_up_prompt_in_whole_chunks():
@@ -107,3 +103,51 @@ def test_a_working_set_the_hosts_memory_cannot_hold_is_refused(config_with, monk
     monkeypatch.setattr(capacity.psutil, "virtual_memory", lambda: Small)
     (refused,) = capacity.problems(config_with(fractions=[0.5]))
     assert "10,000,000 bytes of RAM" in refused and "working set's KV" in refused
+
+
+def test_the_operators_number_is_where_ttft_has_come_90_percent_of_the_way_from_the_recompute():
+    points = pd.DataFrame({"fraction": [0.25, 0.5, 1.0], "ttft_p50_s": [0.30, 0.10, 0.05]})
+    # recompute 0.30 s, full 0.05 s: the target is 0.30 - 0.9 * 0.25 = 0.075 s, between 0.5 and 1.0
+    assert capacity.capacity_for_gain(points, 0.30) == pytest.approx(0.5 + (0.10 - 0.075) / 0.05 * 0.5)
+    # recompute 0.12 s: the target is 0.057 s
+    assert capacity.capacity_for_gain(points, 0.12) == pytest.approx(0.5 + (0.10 - 0.057) / 0.05 * 0.5)
+    assert np.isnan(capacity.capacity_for_gain(points.iloc[:2], 0.30))  # no unit at full capacity
+    assert np.isnan(capacity.capacity_for_gain(points, np.nan))  # nothing recomputed: no gain to measure
+    assert np.isnan(capacity.capacity_for_gain(points, 0.04))  # the pool is slower than the recompute
+    assert capacity.capacity_for_gain(points.assign(ttft_p50_s=[0.05, 0.05, 0.05]), 0.30) == 0.25
+
+
+def test_the_capacity_table_from_unit_records(tmp_path):
+    import json
+
+    from kvpool.cells import Cell
+
+    cell = Cell("lmcache-redis", "shared", 256, "ram")
+    csvs, metas = [], []
+    for fraction, sources, ttft in ((0.25, ["pool", "recomputed", "recomputed", "partial"], [0.05, 0.3, 0.32, 0.2]),
+                                    (1.0, ["pool"] * 4, [0.05, 0.06, 0.04, 0.05])):
+        frame = pd.DataFrame({"part": ["populate"] + ["window"] * 4, "source": [None, *sources],
+                              "ttft_s": [0.3, *ttft], "error": [""] * 5,
+                              "silent_miss": [None, False, False, False, False]})
+        csvs.append(str(tmp_path / f"{fraction}.csv"))
+        frame.to_csv(csvs[-1], index=False)
+        metas.append(str(tmp_path / f"{fraction}.json"))
+        held = {"capped": {"kv_bytes": int(fraction * 0.9e6)},
+                "end": {"kv_bytes": int(fraction * 0.8e6), "evicted_keys": 10 if fraction < 1 else 0}}
+        (tmp_path / f"{fraction}.json").write_text(json.dumps({
+            "policy": "allkeys-lru", "valid": True, "capacity_bytes": int(fraction * 1e6), "pool": held,
+            "summary": {"power": {}}}))
+    capacity.run_capacity_table([(cell, 0.25), (cell, 1.0)], csvs=csvs, metas=metas,
+                                csv_out=str(tmp_path / "capacity.csv"), md_out=str(tmp_path / "capacity.md"),
+                                figures_dir=str(tmp_path / "capacity"))
+    table = pd.read_csv(tmp_path / "capacity.csv").set_index("fraction")
+    assert table.loc[0.25, "hit_rate"] == 0.25 and table.loc[0.25, "recomputed"] == 3
+    assert table.loc[0.25, "hit_rate_low"] < 0.25 < table.loc[0.25, "hit_rate_high"]
+    assert table.loc[1.0, "hit_rate"] == 1.0 and table.loc[1.0, "evicted_keys"] == 0
+    assert table.loc[0.25, "held_kv_bytes"] == 225000 and table.loc[0.25, "capacity_bytes"] == 250000
+    # the recompute's TTFT from the two recomputed follow-ups (not the partial one)
+    assert table["recompute_ttft_p50_s"].eq(0.31).all() and table["recomputes_measured"].eq(2).all()
+    assert 0.25 < table.loc[1.0, "capacity_for_90pct_gain"] <= 1.0
+    page = (tmp_path / "capacity.md").read_text()
+    assert "25% [" in page and "90% of the full-capacity TTFT gain" in page
+    assert (tmp_path / "capacity" / "capacity.png").stat().st_size > 0

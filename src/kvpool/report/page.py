@@ -542,7 +542,9 @@ def _capacity_section(capacity_csv: str) -> dict:
     from kvpool.studies import capacity
 
     folder = Path(capacity_csv).with_suffix("")  # run_capacity_table's figures folder
-    return {"html": _html(capacity.for_reading(pd.read_csv(capacity_csv))), "intro": capacity.INTRODUCTION,
+    table = pd.read_csv(capacity_csv)
+    return {"html": _html(capacity.for_reading(table)), "intro": capacity.INTRODUCTION,
+            "numbers": [line.removeprefix("- ").replace("**", "") for line in capacity.operators_numbers(table)],
             "figure": str(folder / "capacity.png")}
 
 

@@ -3,11 +3,11 @@
 Per shared ``lmcache-redis`` cell and per fraction in ``capacity.fractions``, one unit
 ``results/cells/<cell>/capacity~<fraction>/`` on a fleet and a Redis server of its own:
 
-1. populate: every document prefilled once on its replica (round robin), with no limit, so the server's
-   memory per KV byte (its allocator's size classes, the metadata keys) is measured, not assumed;
-2. the cap: the server's own ``maxmemory`` set to its empty memory plus ``fraction`` of the working set's
-   KV bytes (every document's follow-up prompt in whole chunks) at that measured memory per byte, with
-   ``capacity.policy`` as its ``maxmemory-policy``. Redis evicts down to it at once;
+1. populate: every document prefilled once on its replica (round robin), with no limit: the pool whole, as
+   the server holds it;
+2. the cap: the server's own ``maxmemory`` set to its overhead while empty plus ``fraction`` of the working
+   set's KV bytes (every document's follow-up prompt in whole chunks), with ``capacity.policy`` as its
+   ``maxmemory-policy``. Redis evicts down to it at once;
 3. ``capacity.warmup_requests`` then ``capacity.requests`` follow-ups, their documents drawn with a seeded
    Zipf popularity (``capacity.popularity_exponent``; 0: uniform) over a seeded ranking, each sent alone to
    a replica that did not prefill its document, whose own prefix cache is emptied first
@@ -25,6 +25,7 @@ L1 limit (``--l1-size-gb``) is not built here yet.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from pathlib import Path
 
@@ -64,7 +65,8 @@ SOURCES = ("pool", "own cache", "partial", "recomputed")
 COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "hit_rate", "hit_rate_low",
            "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes", "held_kv_bytes",
            "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_p99_s", "mean_power_w",
-           "energy_per_request_j"]
+           "energy_per_request_j", "recompute_ttft_p50_s", "recomputes_measured", "capacity_for_90pct_gain"]
+GAIN_SHARE = 0.9  # the operator's number: the capacity at which the pool gives this share of its full gain
 
 
 def fractions(config: dict) -> list[float]:
@@ -243,7 +245,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
 
 def capacity_unit(plan: dict, workload: list[dict], cfg: dict, fraction: float, limit: int, log_dir: Path,
                   disks: list[str]):
-    """Populate with no limit, cap the server at ``limit`` KV bytes (at its measured memory per KV byte),
+    """Populate with no limit, cap the server at ``limit`` KV bytes (``redis_maxmemory``),
     the warm-up, then the window of drawn follow-ups, one at a time, its drives and power sampled. Returns
     the rows, the meta data (the pool's state at each point, the cap as set) and the sampler."""
     settings = cfg["capacity"]
@@ -253,8 +255,9 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, fraction: float, 
         (server,) = fleet.servers  # the shared arm's one server
         with server.connection() as conn:
             ask = Asking(fleet.replicas, workload, cfg, conn)
+            empty = _pool_state(conn)
             populated = asyncio.run(ask.populate())
-            per_byte, maxmemory = redis_maxmemory(populated, limit)
+            maxmemory = redis_maxmemory(empty["overhead_memory"], limit)
             conn.config_set("maxmemory-policy", settings["policy"])
             conn.config_set("maxmemory", maxmemory)  # Redis evicts down to it at once
             capped = _pool_state(conn)
@@ -265,24 +268,20 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, fraction: float, 
             end = _pool_state(conn)
     rows = ask.populated + account(asked, cfg["workload"]["doc_tokens"], cfg["min_hit_fraction"],
                                    populated["evicted_keys"])
-    pool = {"populated": populated, "memory_per_kv_byte": per_byte,
-            "maxmemory": maxmemory, "capped": capped, "end": end}
+    pool = {"empty": empty, "populated": populated, "maxmemory": maxmemory, "capped": capped, "end": end}
     meta = fleet.meta(pool=pool, policy=settings["policy"], popularity_exponent=settings["popularity_exponent"],
                       kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
                       warmup_requests=warmup, window_requests=len(sequence) - warmup)
     return records.frame(CapacityRecord, rows), meta, fleet.sampler
 
 
-def redis_maxmemory(populated: dict, limit: int) -> tuple[float, int]:
-    """A Redis server's ``maxmemory`` for ``limit`` KV bytes: its overhead (clients' buffers, its own
-    structures: ``used_memory_overhead``) plus the limit at the dataset memory per KV byte it showed
-    holding the populated pool (its allocator's size classes and LMCache's metadata keys ride on every
-    chunk). Returns that ratio and the setting."""
-    if populated["kv_bytes"] <= 0:
-        raise RuntimeError("populate stored no KV in the Redis server: there is nothing to size the cap by "
-                           f"(its dataset: {populated['dataset_memory']:,} bytes)")
-    per_byte = populated["dataset_memory"] / populated["kv_bytes"]
-    return per_byte, populated["overhead_memory"] + int(limit * per_byte)
+def redis_maxmemory(empty_overhead: int, limit: int) -> int:
+    """A Redis server's ``maxmemory`` for ``limit`` KV bytes: its own overhead while empty (its structures
+    and idle clients: ``used_memory_overhead``) plus the limit. Redis evicts once its memory passes
+    maxmemory, and its dataset holds every KV value and more (each chunk's metadata key, the allocator's
+    size classes), so the KV it holds never exceeds ``limit``; clients' buffers filled by large writes
+    count against maxmemory too, so at times it holds less."""
+    return empty_overhead + limit
 
 
 def _pool_state(conn) -> dict:
@@ -378,6 +377,40 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
             "energy_per_request_j": power.get("energy_per_request_j")}
 
 
+def capacity_for_gain(points: pd.DataFrame, recompute_s: float, share: float = GAIN_SHARE) -> float:
+    """The smallest capacity (fraction) at which TTFT p50 has come down by ``share`` of the way from the
+    recompute (``recompute_s``) to its value at full capacity, linearly interpolated between the measured
+    capacities (``points``: fraction, ttft_p50_s of the valid units). NaN without a unit at full capacity
+    (1.0 or more), without a measured recompute, or where the pool gains nothing at full capacity."""
+    points = points.sort_values("fraction")
+    if points.empty or points["fraction"].iloc[-1] < 1.0 or not np.isfinite(recompute_s):
+        return np.nan
+    full = points["ttft_p50_s"].iloc[-1]
+    if full >= recompute_s:
+        return np.nan
+    target = recompute_s - share * (recompute_s - full)
+    fractions, ttft = points["fraction"].to_numpy(), points["ttft_p50_s"].to_numpy()
+    if ttft[0] <= target:
+        return float(fractions[0])
+    for (f0, t0), (f1, t1) in itertools.pairwise(zip(fractions, ttft, strict=True)):
+        if t1 <= target < t0:
+            return float(f0 + (t0 - target) / (t0 - t1) * (f1 - f0))
+    return np.nan
+
+
+def with_gain(table: pd.DataFrame, recomputed: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Per cell, the recompute's TTFT p50 (every recomputed follow-up of its units' windows: ``recomputed``)
+    and the capacity at which its pool gives 90% of its full-capacity gain (``capacity_for_gain``)."""
+    parts = []
+    for name, cell in table.groupby("cell", sort=False):
+        own = recomputed.get(name, np.array([]))
+        recompute_s = float(np.median(own)) if len(own) else np.nan
+        at = capacity_for_gain(cell[cell["valid"]], recompute_s)
+        parts.append(cell.assign(recompute_ttft_p50_s=recompute_s, recomputes_measured=len(own),
+                                 capacity_for_90pct_gain=at))
+    return pd.concat(parts, ignore_index=True) if parts else table
+
+
 def for_reading(table: pd.DataFrame) -> pd.DataFrame:
     """results/capacity.csv as a person reads it: per cell and capacity, each figure with its unit and
     interval."""
@@ -401,9 +434,31 @@ INTRODUCTION = ("Per shared cell and capacity (a fraction of the working set's K
                 "bootstrap 95% interval.")
 
 
+def operators_numbers(table: pd.DataFrame) -> list[str]:
+    """Per cell, a line with the capacity at which its pool gives 90% of its full-capacity TTFT gain, or why
+    there is none."""
+    lines = []
+    for _, cell in table.groupby("cell", sort=False):
+        first = cell.iloc[0]
+        name = f"{first.backend} / chunk {first.chunk} / {first.tier}"
+        if pd.isna(first.recompute_ttft_p50_s):
+            lines.append(f"- {name}: no follow-up was recomputed, so there is no recompute TTFT to measure a gain "
+                         "from.")
+        elif pd.isna(first.capacity_for_90pct_gain):
+            lines.append(f"- {name}: no capacity reached 90% of the full-capacity gain among the valid units (a unit "
+                         "at 1.0 or more is needed).")
+        else:
+            lines.append(f"- {name}: 90% of the full-capacity TTFT gain at about "
+                         f"**{first.capacity_for_90pct_gain:.2f}** of the working set (interpolated between the "
+                         f"measured capacities; the recompute's TTFT p50 is {first.recompute_ttft_p50_s:.3g} s "
+                         f"over {first.recomputes_measured} recomputed "
+                         "follow-ups).")
+    return lines
+
+
 def markdown(table: pd.DataFrame) -> str:
     return ("# Pool capacity: what a pool smaller than the working set serves\n\n" + INTRODUCTION + "\n\n"
-            + for_reading(table).to_markdown(index=False) + "\n")
+            + for_reading(table).to_markdown(index=False) + "\n\n" + "\n".join(operators_numbers(table)) + "\n")
 
 
 def run_capacity_table(units: list[tuple[Cell, float]], *, csvs: list[str], metas: list[str], csv_out: str,
@@ -414,9 +469,15 @@ def run_capacity_table(units: list[tuple[Cell, float]], *, csvs: list[str], meta
 
     from kvpool.report import figures
 
-    rows = [unit_row(cell, fraction, read_records(csv), read_json(meta))
-            for (cell, fraction), csv, meta in zip(units, csvs, metas, strict=True)]
-    table = pd.DataFrame(rows, columns=COLUMNS).sort_values(["cell", "fraction"], kind="stable")
+    rows, recomputed = [], {}
+    for (cell, fraction), csv, meta in zip(units, csvs, metas, strict=True):
+        frame = read_records(csv)
+        rows.append(unit_row(cell, fraction, frame, read_json(meta)))
+        window = frame[(frame["part"] == "window") & (frame["source"] == "recomputed")]
+        recomputed[cell.name] = np.concatenate([recomputed.get(cell.name, np.array([])),
+                                                window["ttft_s"].astype(float).to_numpy()])
+    table = with_gain(pd.DataFrame(rows).sort_values(["cell", "fraction"], kind="stable"), recomputed)
+    table = table.reindex(columns=COLUMNS)
     table.to_csv(csv_out, index=False)
     drawn = figures.save(figures.capacity(table), Path(figures_dir), "capacity")
     Path(md_out).write_text(f"{markdown(table)}\n![capacity]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
