@@ -174,9 +174,10 @@ def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
 
 def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, evicted_at_populate: int) -> list[dict]:
     """Each follow-up's source, and its silent miss: a document not served from the pool although the
-    server evicted nothing since the document was last stored (populate stored every document before
+    server evicted nothing since its last store began (populate stored every document before
     ``evicted_at_populate`` evictions had happened, at the latest; a follow-up that recomputed its
-    document stored it again). Rows in the order they were sent."""
+    document stored it again, and the evictions during that store may have taken its own chunks, so
+    they count as since). Rows in the order they were sent."""
     stored_at: dict[int, int] = {}
     accounted = []
     for row in rows:
@@ -184,7 +185,7 @@ def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, evicted_
         since = row["evicted_before"] - stored_at.get(row["doc_id"], evicted_at_populate)
         silent = found in ("partial", "recomputed") and since == 0
         if found in ("partial", "recomputed"):  # the serving replica stored the recomputed chunks again
-            stored_at[row["doc_id"]] = row["evicted_after"]
+            stored_at[row["doc_id"]] = row["evicted_before"]
         accounted.append({**row, "source": found, "silent_miss": silent if found is not None else None})
     return accounted
 
