@@ -310,3 +310,17 @@ def test_the_load_table_gains_the_time_split_only_where_a_level_recorded_it():
     assert "queue / prefill mean" not in load_for_reading(pd.DataFrame([row])).columns
     shown = load_for_reading(pd.DataFrame([{**row, **level}]))
     assert shown.loc[0, "queue / prefill mean"] == "0.25 s / n/a"
+
+
+def test_the_client_drops_idle_connections_before_vllms_server_does():
+    """vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); a client keeping it
+    longer can send on a closing socket ("Server disconnected", seen on a /reset_prefix_cache after 5-15 s idle)."""
+    import vllm.envs
+
+    from kvpool.engine.client import new_session
+
+    async def keepalive():
+        async with new_session() as session:
+            return session.connector._keepalive_timeout
+
+    assert asyncio.run(keepalive()) < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE

@@ -16,9 +16,16 @@ from kvpool.engine.plan import SERVED_MODEL_NAME
 READ_BUFSIZE = 2**24
 
 
+# vLLM's API server (uvicorn) closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a client that
+# kept it longer (aiohttp keeps one 15 s) could send on a socket the server is closing and read "Server
+# disconnected" for a request the replica never saw. Idle connections are dropped well before the server's.
+KEEPALIVE_S = 2.0
+
+
 def new_session() -> aiohttp.ClientSession:
     """The client session every phase sends its requests through."""
-    return aiohttp.ClientSession(read_bufsize=READ_BUFSIZE)
+    return aiohttp.ClientSession(read_bufsize=READ_BUFSIZE,
+                                 connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
 
 
 @dataclass
