@@ -128,7 +128,7 @@ def test_the_capacity_table_from_unit_records(tmp_path):
     for fraction, sources, ttft in ((0.25, ["pool", "recomputed", "recomputed", "partial"], [0.05, 0.3, 0.32, 0.2]),
                                     (1.0, ["pool"] * 4, [0.05, 0.06, 0.04, 0.05])):
         frame = pd.DataFrame({"part": ["populate"] + ["window"] * 4, "source": [None, *sources],
-                              "ttft_s": [0.3, *ttft], "error": [""] * 5,
+                              "ttft_s": [0.3, *ttft], "error": [""] * 4 + ["" if fraction < 1 else "replica 1 died"],
                               "silent_miss": [None, False, False, False, False]})
         csvs.append(str(tmp_path / f"{fraction}.csv"))
         frame.to_csv(csvs[-1], index=False)
@@ -145,10 +145,12 @@ def test_the_capacity_table_from_unit_records(tmp_path):
     assert table.loc[0.25, "hit_rate"] == 0.25 and table.loc[0.25, "recomputed"] == 3
     assert table.loc[0.25, "hit_rate_low"] < 0.25 < table.loc[0.25, "hit_rate_high"]
     assert table.loc[1.0, "hit_rate"] == 1.0 and table.loc[1.0, "evicted_keys"] == 0
+    # a failed follow-up is counted as such, outside the hit rate
+    assert table.loc[1.0, "errors"] == 1 and table.loc[1.0, "requests"] == 3 and table.loc[0.25, "errors"] == 0
     assert table.loc[0.25, "held_kv_bytes"] == 225000 and table.loc[0.25, "capacity_bytes"] == 250000
     # the recompute's TTFT from the two recomputed follow-ups (not the partial one)
     assert table["recompute_ttft_p50_s"].eq(0.31).all() and table["recomputes_measured"].eq(2).all()
     assert 0.25 < table.loc[1.0, "capacity_for_90pct_gain"] <= 1.0
     page = (tmp_path / "capacity.md").read_text()
-    assert "25% [" in page and "90% of the full-capacity TTFT gain" in page
+    assert "25% [" in page and "90% of the full-capacity TTFT gain" in page and "1 of 4" in page
     assert (tmp_path / "capacity" / "capacity.png").stat().st_size > 0

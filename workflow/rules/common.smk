@@ -244,10 +244,10 @@ STUDYB_BLOCKS = [
     for block in (studyb.blocks(STUDYB) if STUDYB else [])
     if not MEASURED_ONLY or Path(f"{STUDYB_DIR}/block~{block}/block.json").exists()
 ]
-if not CELLS and not STUDYB_BLOCKS and not CONTEXT_UNITS and not ROUTER_UNITS:
+if not CELLS and not STUDYB_BLOCKS and not CONTEXT_UNITS and not ROUTER_UNITS and not CAPACITY_UNITS:
     raise ValueError(
         f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells, "
-        f"no length unit its chains or router unit its phases there, and no block of Study B under "
+        f"no length, router or capacity unit its requests there, and no block of Study B under "
         f"{Path.cwd()}/results/studyb"
     )
 # In all and the gate when enabled (and, with measured_only, when a block finished)

@@ -42,12 +42,13 @@ rule gate:
     It waits for the tables and the report, so a failing run still leaves the page that explains it.
     """
     input:
-        validity="results/validity.csv",
-        kv_bytes="results/kv_bytes.csv",
-        load="results/load.csv",
-        table1="results/table1.md",
-        tiers=TIER_COMPARE,
-        report="results/report.html",
+        # a run of capacity units alone has no cell: the gate judges its units
+        validity="results/validity.csv" if CELLS else [],
+        kv_bytes="results/kv_bytes.csv" if CELLS else [],
+        load="results/load.csv" if CELLS else [],
+        table1="results/table1.md" if CELLS else [],
+        tiers=TIER_COMPARE if CELLS else [],
+        report="results/report.html" if CELLS else [],
         studyb=STUDYB_TARGETS.get("validity", []),
         peer=PEER_TARGETS.get("csv", []),
         routers=ROUTER_TARGETS.get("csv", []),

@@ -34,12 +34,14 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
 VALIDITY_COLUMNS = ["cell", "valid", "checks_passed", "checks_failed", "reasons", "not_verified", "not_applicable"]
 
 
-def gate(validity_csv: str, kv_bytes_csv: str, out: str, load_csv: str | None = None,
+def gate(validity_csv: str | None, kv_bytes_csv: str | None, out: str, load_csv: str | None = None,
          studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
          contexts_csv: str | None = None, capacity_csv: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
-    must agree bit for bit, and why; the measured data stays where it is."""
-    table = pd.read_csv(validity_csv, keep_default_na=False)
+    must agree bit for bit, and why; the measured data stays where it is. A run of capacity units alone has
+    no cells (``validity_csv`` None)."""
+    table = (pd.read_csv(validity_csv, keep_default_na=False) if validity_csv is not None
+             else pd.DataFrame(columns=["cell", "valid", "reasons"]))
     lines, counted, invalid, damaged, study = judge(table, kv_bytes_csv, load_csv, studyb_json, peer_csv,
                                                     routers_csv, contexts_csv, capacity_csv)
     if lines:

@@ -61,10 +61,9 @@ from kvpool.measure.validity import with_served
 log = logging.getLogger(__name__)
 
 BACKENDS = (REDIS_BACKEND,)
-SOURCES = ("pool", "own cache", "partial", "recomputed")
-COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "hit_rate", "hit_rate_low",
-           "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes", "held_kv_bytes",
-           "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_p99_s", "mean_power_w",
+COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "errors", "hit_rate",
+           "hit_rate_low", "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes",
+           "held_kv_bytes", "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_p99_s", "mean_power_w",
            "energy_per_request_j", "recompute_ttft_p50_s", "recomputes_measured", "capacity_for_90pct_gain"]
 GAIN_SHARE = 0.9  # the operator's number: the capacity at which the pool gives this share of its full gain
 
@@ -354,11 +353,13 @@ class Asking:
 
 
 def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> dict:
-    """One unit's window: its hit rate (Wilson 95% interval), recomputes, silent misses, evictions, the
-    bytes it held against its capacity, TTFT p50 (bootstrap interval) and p99, power and energy."""
+    """One unit's window: its failed requests, the answered ones' hit rate (Wilson 95% interval), recomputes,
+    silent misses, evictions, the bytes it held against its capacity, TTFT p50 (bootstrap interval) and p99,
+    power and energy."""
     from kvpool.report.tables import reported_percentile
 
-    window = frame[(frame["part"] == "window") & (frame["error"].fillna("") == "")]
+    asked = frame[frame["part"] == "window"]
+    window = asked[asked["error"].fillna("") == ""]
     hits = int((window["source"] == "pool").sum())
     interval = stats.binomtest(hits, len(window)).proportion_ci(method="wilson") if len(window) else None
     ttft = window["ttft_s"].astype(float)
@@ -366,6 +367,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
     power = (meta.get("summary") or {}).get("power") or {}
     return {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "fraction": fraction,
             "policy": meta["policy"], "valid": bool(meta["valid"]), "requests": len(window),
+            "errors": len(asked) - len(window),
             "hit_rate": hits / len(window) if len(window) else np.nan,
             "hit_rate_low": interval.low if interval else np.nan,
             "hit_rate_high": interval.high if interval else np.nan,
@@ -422,7 +424,8 @@ def for_reading(table: pd.DataFrame) -> pd.DataFrame:
         "cell": f"{row.backend} / chunk {row.chunk} / {row.tier}", "capacity": f"{row.fraction:g}",
         "policy": row.policy, "gate": "valid" if row.valid else "INVALID",
         "from the pool": f"{row.hit_rate:.0%} [{row.hit_rate_low:.0%}, {row.hit_rate_high:.0%}] of {row.requests}",
-        "recomputed": row.recomputed, "silent misses": row.silent_misses, "keys evicted": row.evicted_keys,
+        "failed": f"{row.errors} of {row.requests + row.errors}", "recomputed or partial": row.recomputed,
+        "silent misses": row.silent_misses, "keys evicted": row.evicted_keys,
         "KV held / capacity": f"{row.held_kv_bytes / 1e6:.3g} / {row.capacity_bytes / 1e6:.3g} MB",
         "TTFT p50": f"{row.ttft_p50_s:.3g} s [{row.ttft_p50_ci_low_s:.3g}, {row.ttft_p50_ci_high_s:.3g}]",
         "TTFT p99": f"{row.ttft_p99_s:.3g} s", "energy / follow-up": energy(row.energy_per_request_j),
