@@ -159,8 +159,10 @@ def draws(documents: int, exponent: float, count: int, seed: int) -> list[int]:
 
 def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
     """Where a follow-up's document came from, by the serving replica's counters: the pool, its own cache,
-    partly the pool, or recomputed. None for a failed request."""
-    if row.get("error"):
+    partly the pool, or recomputed. None for a failed request (an error's text; a row read back from its CSV
+    has NaN where there was none)."""
+    error = row.get("error")
+    if isinstance(error, str) and error:
         return None
     needed = min_hit_fraction * doc_tokens
     external, local = row.get("external_hit_tokens") or 0, row.get("local_cache_hit_tokens") or 0
