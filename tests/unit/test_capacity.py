@@ -154,3 +154,17 @@ def test_the_capacity_table_from_unit_records(tmp_path):
     page = (tmp_path / "capacity.md").read_text()
     assert "25% [" in page and "90% of the full-capacity TTFT gain" in page and "1 of 4" in page
     assert (tmp_path / "capacity" / "capacity.png").stat().st_size > 0
+
+
+def test_a_run_of_capacity_units_alone_is_gated_on_them(tmp_path):
+    from kvpool.report import gate
+
+    units = pd.DataFrame({"cell": ["backend~lmcache-redis/arm~shared/chunk~256/tier~ram"] * 2,
+                          "fraction": [0.25, 1.5], "valid": [False, True]})
+    units.to_csv(tmp_path / "capacity.csv", index=False)
+    with pytest.raises(SystemExit, match=r"1 units \(the run has no cell\) failed the validity gate") as failed:
+        gate.gate(None, None, str(tmp_path / "gate.ok"), capacity_csv=str(tmp_path / "capacity.csv"))
+    assert "capacity~0.25: its unit.json names the failed checks" in str(failed.value)
+    units.assign(valid=True).to_csv(tmp_path / "capacity.csv", index=False)
+    gate.gate(None, None, str(tmp_path / "gate.ok"), capacity_csv=str(tmp_path / "capacity.csv"))
+    assert "2 capacity units valid" in (tmp_path / "gate.ok").read_text()

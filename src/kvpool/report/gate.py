@@ -45,10 +45,11 @@ def gate(validity_csv: str | None, kv_bytes_csv: str | None, out: str, load_csv:
     lines, counted, invalid, damaged, study = judge(table, kv_bytes_csv, load_csv, studyb_json, peer_csv,
                                                     routers_csv, contexts_csv, capacity_csv)
     if lines:
+        failed = (f"{len(invalid)} of {len(table)} cells (or their load levels)" if len(table)
+                  else f"{len(lines)} units (the run has no cell)")
         raise SystemExit(
-            f"{len(invalid)} of {len(table)} cells (or their load levels) failed the validity gate, "
-            f"{len(damaged)} KV byte comparisons found damage, and Study B's blocks are "
-            f"{'not run' if study is None else 'valid' if study['valid'] else 'INVALID'} "
+            f"{failed} failed the validity gate, {len(damaged)} KV byte comparisons found damage, and Study B's "
+            f"blocks are {'not run' if study is None else 'valid' if study['valid'] else 'INVALID'} "
             "(data kept; the tables, results/kv_bytes.md, results/studyb.md and results/report.html show them):\n"
             + "\n".join(lines))
     Path(out).write_text(f"{len(table)} cells valid ({_rests_on(table)}); no KV bytes differ where they must agree"
