@@ -34,7 +34,7 @@ def test_each_unit_is_judged_again_from_its_rows(run, fraction):
         asked.drop(columns=["source", "silent_miss"]).to_dict("records"), config["workload"]["doc_tokens"],
         config["min_hit_fraction"], meta["pool"]["populated"]["evicted_keys"])
     assert [r["source"] for r in recounted] == [None if pd.isna(s) else s for s in asked["source"]]
-    held = max(meta["pool"]["capped"]["kv_bytes"], meta["pool"]["end"]["kv_bytes"])
+    held = capacity.held_kv_bytes(meta["pool"])
     again = capacity.unit_checks(rows, held, meta["capacity_bytes"])
     assert {name: c["ok"] for name, c in again.items()} == {
         name: c["ok"] for name, c in meta["checks"].items() if name in again}

@@ -360,19 +360,17 @@ class RedisServer(ManagedProcess):
         Path(self.entry["workdir"]).mkdir(parents=True, exist_ok=True)
         super().start()
 
-    def _client(self):
-        return redis_pool.client(self.entry["host"], self.entry["port"])
-
     def connection(self):
-        """A client of this server (a context manager), for a unit that reads and sets it while it runs."""
-        return self._client()
+        """A client of this server (a context manager): kvpool's own counting, and a unit that sets the
+        server while it runs."""
+        return redis_pool.client(self.entry["host"], self.entry["port"])
 
     def healthy(self) -> bool:
         """Answers PING, and is the server this process started (another one could hold the port)."""
         import redis
 
         try:
-            with self._client() as conn:
+            with self.connection() as conn:
                 return bool(conn.ping()) and conn.info("server")["process_id"] == self.proc.pid
         except (redis.RedisError, OSError):
             return False
@@ -382,7 +380,7 @@ class RedisServer(ManagedProcess):
         import redis
 
         try:
-            with self._client() as conn:
+            with self.connection() as conn:
                 return redis_pool.pool_metrics(conn)
         except redis.RedisError as exc:  # the phase records a server it cannot read (an OSError) as failed
             raise OSError(f"{self.name} ({self.url}): {exc}") from exc
@@ -393,7 +391,7 @@ class RedisServer(ManagedProcess):
         import redis
 
         try:
-            with self._client() as conn:
+            with self.connection() as conn:
                 return redis_pool.digest_rows(conn, Path(self.entry["workdir"]).name)
         except redis.RedisError as exc:
             raise OSError(f"{self.name} ({self.url}): {exc}") from exc

@@ -401,14 +401,11 @@ def times_window(before: dict[int, dict], after: dict[int, dict]) -> dict[str, d
     (``metrics.TIMINGS``): per part, the requests counted between two scrapes and their mean seconds. With
     many requests in flight no request's own split can be read; the means over the window can, and say
     which part grows with load. A part no replica exports has no entry."""
-    changes = [metrics.delta(after[i], before[i]) for i in before]
     found = {}
     for part in metrics.TIMINGS:
-        if not any(f"{part}_count" in change for change in changes):
-            continue
-        count = sum(change.get(f"{part}_count", 0) for change in changes)
-        total = sum(change.get(f"{part}_sum", 0.0) for change in changes)
-        found[part] = {"requests": count, "mean_s": total / count if count else None}
+        if any(f"{part}_count" in after[i] for i in before):
+            count, total = (counter_window(before, after, f"{part}_{kind}") for kind in ("count", "sum"))
+            found[part] = {"requests": count, "mean_s": total / count if count else None}
     return found
 
 

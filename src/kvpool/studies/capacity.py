@@ -191,6 +191,12 @@ def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, evicted_
     return accounted
 
 
+def held_kv_bytes(pool: dict) -> int:
+    """The most KV the capped server held, of what was read: right after the cap and at the end (a unit's
+    ``pool`` record)."""
+    return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"])
+
+
 def unit_checks(frame: pd.DataFrame, held_kv_bytes: int, limit_bytes: int) -> dict:
     """A capacity unit's gate: no errors, every follow-up cross-replica, no silent miss, and the pool never
     held more KV than its capacity (after the cap and at the end)."""
@@ -232,8 +238,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
         plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction),
         manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
         name=f"capacity-{unit_label(fraction)}")
-    held = max(meta["pool"]["capped"]["kv_bytes"], meta["pool"]["end"]["kv_bytes"])
-    checks = unit_checks(frame, held, limit)
+    checks = unit_checks(frame, held_kv_bytes(meta["pool"]), limit)
     gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
                        cell.chunk)
     meta.update(fraction=fraction, capacity_bytes=limit, **gate)
@@ -376,7 +381,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
             "recomputed": int(window["source"].isin(["recomputed", "partial"]).sum()),
             "silent_misses": int(window["silent_miss"].fillna(False).astype(bool).sum()),
             "evicted_keys": meta["pool"]["end"]["evicted_keys"], "capacity_bytes": meta["capacity_bytes"],
-            "held_kv_bytes": max(meta["pool"]["capped"]["kv_bytes"], meta["pool"]["end"]["kv_bytes"]),
+            "held_kv_bytes": held_kv_bytes(meta["pool"]),
             "ttft_p50_s": p50["value"], "ttft_p50_ci_low_s": p50["ci_low"], "ttft_p50_ci_high_s": p50["ci_high"],
             "ttft_p99_s": p99["value"], "mean_power_w": power.get("mean_power_w"),
             "energy_per_request_j": power.get("energy_per_request_j")}
