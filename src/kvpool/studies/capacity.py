@@ -197,13 +197,17 @@ def held_kv_bytes(pool: dict) -> int:
     return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"])
 
 
+def silent_misses(rows: pd.DataFrame) -> int:
+    return int(rows["silent_miss"].fillna(False).astype(bool).sum())
+
+
 def unit_checks(frame: pd.DataFrame, held_kv_bytes: int, limit_bytes: int) -> dict:
     """A capacity unit's gate: no errors, every follow-up cross-replica, no silent miss, and the pool never
     held more KV than its capacity (after the cap and at the end)."""
     asked = frame[frame["part"] != "populate"]
     errors = int((frame["error"].fillna("") != "").sum())
     cross = asked["prefill_replica"] != asked["serve_replica"]
-    silent = int(asked["silent_miss"].fillna(False).astype(bool).sum())
+    silent = silent_misses(asked)
     return {"zero_errors": check(errors == 0, errors, 0),
             "cross_replica": check(bool(len(asked)) and bool(cross.all()),
                                    float(cross.mean()) if len(asked) else 0.0, 1.0),
@@ -234,7 +238,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     workload = prompts.read_workload(Path(prompts_path))
     frame, meta = run_unit(
         config, plan, root,
-        lambda disks: capacity_unit(plan, workload, config, fraction, limit, Path(log_dir), disks),
+        lambda disks: capacity_unit(plan, workload, config, limit, Path(log_dir), disks),
         plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction),
         manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
         name=f"capacity-{unit_label(fraction)}")
@@ -246,12 +250,11 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     log.info("%s capacity~%s: %d of %d follow-ups from the pool, %d recomputed, %d keys evicted, %d silent misses",
              cell.name, unit_label(fraction), int((asked["source"] == "pool").sum()), len(asked),
              int((asked["source"] == "recomputed").sum()), meta["pool"]["end"]["evicted_keys"],
-             int(asked["silent_miss"].fillna(False).astype(bool).sum()))
+             silent_misses(asked))
     write_unit(meta, len(asked), drive_csv, power_csv, plan, json_out, f"{cell.name} capacity~{unit_label(fraction)}")
 
 
-def capacity_unit(plan: dict, workload: list[dict], cfg: dict, fraction: float, limit: int, log_dir: Path,
-                  disks: list[str]):
+def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, log_dir: Path, disks: list[str]):
     """Populate with no limit, cap the server at ``limit`` KV bytes (``redis_maxmemory``),
     the warm-up, then the window of drawn follow-ups, one at a time, its drives and power sampled. Returns
     the rows, the meta data (the pool's state at each point, the cap as set) and the sampler."""
@@ -379,7 +382,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
             "hit_rate_low": interval.low if interval else np.nan,
             "hit_rate_high": interval.high if interval else np.nan,
             "recomputed": int(window["source"].isin(["recomputed", "partial"]).sum()),
-            "silent_misses": int(window["silent_miss"].fillna(False).astype(bool).sum()),
+            "silent_misses": silent_misses(window),
             "evicted_keys": meta["pool"]["end"]["evicted_keys"], "capacity_bytes": meta["capacity_bytes"],
             "held_kv_bytes": held_kv_bytes(meta["pool"]),
             "ttft_p50_s": p50["value"], "ttft_p50_ci_low_s": p50["ci_low"], "ttft_p50_ci_high_s": p50["ci_high"],
