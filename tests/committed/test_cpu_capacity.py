@@ -30,9 +30,11 @@ def test_each_unit_is_judged_again_from_its_rows(run, fraction):
     meta, rows = read_json(folder / "unit.json"), read_records(str(folder / "requests.csv"))
     config = read_json(folder / "manifest.json")["config"]
     asked = rows[rows["part"] != "populate"]
+    stored = capacity.store_marks(rows[rows["part"] == "populate"].to_dict("records"),
+                                  meta["pool"]["populated"]["evicted_keys"])
     recounted = capacity.account(
         asked.drop(columns=["source", "silent_miss"]).to_dict("records"), config["workload"]["doc_tokens"],
-        config["min_hit_fraction"], meta["pool"]["populated"]["evicted_keys"])
+        config["min_hit_fraction"], stored)
     assert [r["source"] for r in recounted] == [None if pd.isna(s) else s for s in asked["source"]]
     held = capacity.held_kv_bytes(meta["pool"])
     again = capacity.unit_checks(rows, held, meta["capacity_bytes"])

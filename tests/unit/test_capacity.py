@@ -52,7 +52,7 @@ def test_each_follow_up_names_its_source_and_a_recompute_with_nothing_evicted_is
             row(3, 1024, 0, 8, 8),       # partly from the pool after more evictions: explained
             row(0, 0, 2048, 8, 8),       # its own cache
             row(1, None, None, 8, 8, error="replica 1 died")]
-    found = capacity.account(rows, doc_tokens=2048, min_hit_fraction=0.95, evicted_at_populate=0)
+    found = capacity.account(rows, doc_tokens=2048, min_hit_fraction=0.95, stored=dict.fromkeys(range(4), 0))
     assert [r["source"] for r in found] == ["pool", "recomputed", "recomputed", "recomputed", "recomputed",
                                            "recomputed", "partial", "own cache", None]
     assert [r["silent_miss"] for r in found] == [False, True, True, False, False, True, False, False, None]
@@ -168,3 +168,99 @@ def test_a_run_of_capacity_units_alone_is_gated_on_them(tmp_path):
     units.assign(valid=True).to_csv(tmp_path / "capacity.csv", index=False)
     gate.gate(None, None, str(tmp_path / "gate.ok"), capacity_csv=str(tmp_path / "capacity.csv"))
     assert "2 capacity units valid" in (tmp_path / "gate.ok").read_text()
+
+
+def test_an_mp_pool_evicting_during_populate_counts_each_documents_store_from_its_own_start():
+    # the MP server's L1 is the capacity from its start: populate stored document 0 with nothing evicted, and
+    # 5 chunks were evicted before document 1's store began
+    populated = [{"doc_id": 0, "evicted_before": 0}, {"doc_id": 1, "evicted_before": 5}]
+    stored = capacity.store_marks(populated, default=0)
+    assert stored == {0: 0, 1: 5}
+    found = capacity.account([row(0, 0, 0, 5, 5), row(1, 0, 0, 5, 5)], doc_tokens=2048, min_hit_fraction=0.95,
+                             stored=stored)
+    # document 0 may have lost its chunks to those 5 evictions; document 1 was stored after them: silent
+    assert [r["silent_miss"] for r in found] == [False, True]
+    # a unit recorded before populate read its evictions (populate ran with no limit) takes the default
+    assert capacity.store_marks([{"doc_id": 3, "evicted_before": float("nan")}], default=7) == {3: 7}
+
+
+@pytest.mark.parametrize("limit", [1, 2**30, 3 * 2**30 + 12345, int(0.25 * 16 * 16384 * 65536)])
+def test_the_mp_servers_l1_is_the_capacity_rounded_down(limit):
+    gib = capacity.mp_l1_size_gib(limit)
+    l1_bytes = int(float(f"{gib:g}") * 2**30)  # what LMCache takes from --l1-size-gb (mp.server_argv's format)
+    assert l1_bytes <= limit and limit - l1_bytes <= 1e-4 * 2**30 + 1
+
+
+class StandInMPServer:
+    """An MP server's /metrics as a capacity unit reads them: a scripted sequence, the last repeated."""
+
+    def __init__(self, readings, l1_size_gib=1.0):
+        self.readings, self.calls, self.entry = list(readings), 0, {"kind": "lmcache", "l1_size_gib": l1_size_gib}
+
+    def metrics(self):
+        reading = self.readings[min(self.calls, len(self.readings) - 1)]
+        self.calls += 1
+        return reading
+
+
+def mp_reading(written, evicted, ticks, held=0):
+    return {capacity.MPPool.WRITTEN: written, capacity.MPPool.EVICTED: evicted, capacity.MPPool.TICKS: ticks,
+            capacity.MPPool.HELD: held}
+
+
+def test_an_mp_pool_settles_after_two_eviction_ticks_without_a_write_and_keeps_its_peak():
+    server = StandInMPServer([mp_reading(10, 0, 1, held=500), mp_reading(12, 0, 1, held=700),
+                              mp_reading(12, 3, 2, held=400),  # the loop evicted 3 chunks
+                              mp_reading(12, 3, 3, held=400), mp_reading(12, 3, 4, held=400),
+                              mp_reading(99, 9, 9)])  # never read: settled before it
+    pool = capacity.MPPool(server)
+    assert pool.settled(poll_s=0) == 3
+    assert server.calls == 5 and pool.peak_kv_bytes == 700
+    # nothing written or evicted since it settled: returned at once, one read
+    server.readings = [mp_reading(12, 3, 4, held=400)]
+    server.calls = 0
+    assert pool.settled(poll_s=0) == 3 and server.calls == 1
+    assert pool.limit({}, 2**30, "LRU") == {"l1_size_bytes": 2**30, "policy": "LRU"}
+    # the held check reads the peak too: a pool that passed its capacity between the state reads fails
+    record = {"capped": {"kv_bytes": 400}, "end": {"kv_bytes": 400}, "peak_kv_bytes": pool.peak_kv_bytes}
+    assert capacity.held_kv_bytes(record) == 700
+
+
+def test_an_mp_cell_on_a_memory_tier_takes_capacity_units_and_a_drive_tier_is_refused(config_with, monkeypatch):
+    from kvpool.cells import Cell
+    from kvpool.engine import mp
+
+    made = config_with(fractions=[0.25, 1.0])
+    made.update(backends=["lmcache-mp"], lmcache_mp={**made["lmcache_mp"], "memory_tiers": ["ram"]})
+    assert capacity.problems(made) == []
+    ((cell, _), _) = capacity.units(made)
+    assert cell.backend == "lmcache-mp" and capacity.eviction_policy(made, cell) == made["lmcache_mp"][
+        "eviction_policy"]
+    limit = capacity.capacity_bytes(made, cell.chunk, 0.25, 65536)
+    argv = mp.server_argv(capacity.limited_config(made, cell, limit), cell, "127.0.0.1", 5555, 8080, None)
+    assert argv[argv.index("--l1-size-gb") + 1] == f"{capacity.mp_l1_size_gib(limit):g}"
+    # the unit's step is handed the MP server's settings; a Redis unit's is not
+    wildcards = {"backend": "lmcache-mp", "arm": "shared", "chunk": str(cell.chunk), "tier": "ram"}
+    monkeypatch.setattr(Cell, "from_wildcards", classmethod(lambda cls, wc: Cell(wc["backend"], wc["arm"],
+                                                                                    int(wc["chunk"]), wc["tier"])))
+    assert "lmcache_mp" in capacity._unit_sections(made, wildcards)
+    assert "lmcache_mp" not in capacity._unit_sections(made, {**wildcards, "backend": "lmcache-redis"})
+    drive = {**made, "tiers": {"disk": "pools/disk"}}
+    (refused,) = capacity.problems(drive)
+    assert "memory tier" in refused and "L2 folder" in refused
+
+
+def test_an_mp_l1_the_hosts_memory_cannot_hold_is_refused_at_the_largest_capacity(config_with, monkeypatch):
+    made = config_with(fractions=[0.25, 1.0])
+    made.update(backends=["lmcache-mp"], lmcache_mp={**made["lmcache_mp"], "memory_tiers": ["ram"]})
+    whole = capacity.capacity_bytes(made, made["chunk_sizes"][0], 1.0,
+                                    capacity.engine_kv_bytes_per_token(made))
+
+    class Small:
+        total = int(whole * 1.5)  # half of it holds a quarter of the working set, not all of it
+
+    monkeypatch.setattr(capacity.psutil, "virtual_memory", lambda: Small)
+    (refused,) = capacity.problems(made)
+    assert "at capacity 1 is the MP server's L1" in refused
+    made["capacity"]["fractions"] = [0.25, 0.5]
+    assert capacity.problems(made) == []

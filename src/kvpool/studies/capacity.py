@@ -1,25 +1,30 @@
 """Pool capacity as a dimension: how big must the shared pool be, under a popularity-skewed workload.
 
-Per shared ``lmcache-redis`` cell and per fraction in ``capacity.fractions``, one unit
-``results/cells/<cell>/capacity~<fraction>/`` on a fleet and a Redis server of its own:
+Per shared ``lmcache-redis`` or ``lmcache-mp`` (memory tier) cell and per fraction in
+``capacity.fractions``, one unit ``results/cells/<cell>/capacity~<fraction>/`` on a fleet and a pool server
+of its own. The capacity is ``fraction`` of the working set's KV bytes (every document's follow-up prompt
+in whole chunks), set as the server's own limit:
 
-1. populate: every document prefilled once on its replica (round robin), with no limit: the pool whole, as
-   the server holds it;
-2. the cap: the server's own ``maxmemory`` set to its overhead while empty plus ``fraction`` of the working
-   set's KV bytes (every document's follow-up prompt in whole chunks), with ``capacity.policy`` as its
-   ``maxmemory-policy``. Redis evicts down to it at once;
-3. ``capacity.warmup_requests`` then ``capacity.requests`` follow-ups, their documents drawn with a seeded
-   Zipf popularity (``capacity.popularity_exponent``; 0: uniform) over a seeded ranking, each sent alone to
-   a replica that did not prefill its document, whose own prefix cache is emptied first
-   (``capacity.reset_own_cache``), so the pool or a recompute serves it.
+- Redis: populate with no limit (the pool whole, as the server holds it), then the server's ``maxmemory``
+  set to its overhead while empty plus the capacity, with ``capacity.policy`` as its ``maxmemory-policy``;
+  Redis evicts down to it at once;
+- LMCache's MP server: its L1 (``--l1-size-gb``) is the capacity from the start, so populate already
+  evicts. LMCache evicts on a 1 s timer once L1 is 80% full (its ``--eviction-trigger-watermark``), so
+  the pool holds less than its L1 between ticks, and a store that finds L1 full is dropped.
+
+Then ``capacity.warmup_requests`` and ``capacity.requests`` follow-ups, their documents drawn with a
+seeded Zipf popularity (``capacity.popularity_exponent``; 0: uniform) over a seeded ranking, each sent
+alone to a replica that did not prefill its document, whose own prefix cache is emptied first
+(``capacity.reset_own_cache``), so the pool or a recompute serves it.
 
 Each request's source is read from the serving replica's counters (pool, own cache, partial, recomputed),
-and the server's ``evicted_keys`` around it. A recompute where the server evicted nothing since the
-document was last stored is a silent miss: the unit's gate fails on it, as on any error, and on a pool
-that held more KV bytes than its capacity.
+and the server's evictions (Redis's ``evicted_keys``, the MP server's evicted L1 chunks) around it. A
+recompute where the server evicted nothing since the document was last stored is a silent miss: the
+unit's gate fails on it, as on any error, and on a pool that held more KV bytes than its capacity.
 
-Other backends are refused: a pool of files has no limit short of a filesystem quota, and the MP server's
-L1 limit (``--l1-size-gb``) is not built here yet.
+A pool of files is refused: it has no limit short of a filesystem quota, which kvpool does not set up
+(it needs root and a filesystem of its own). So is an MP server on a drive tier: its L2 folder has no
+limit here.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +41,10 @@ import pandas as pd
 import psutil
 from scipy import stats
 
-from kvpool.cells import REDIS_BACKEND, Cell, run_pools
+from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools
 from kvpool.cells import cells as matrix_cells
 from kvpool.config import PHASE_SETTINGS, reads
-from kvpool.engine import external, prompts
+from kvpool.engine import external, mp, prompts
 from kvpool.engine.client import new_session
 from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.model import engine_kv_bytes_per_token
@@ -60,7 +67,7 @@ from kvpool.measure.validity import with_served
 
 log = logging.getLogger(__name__)
 
-BACKENDS = (REDIS_BACKEND,)
+BACKENDS = (REDIS_BACKEND, MP_BACKEND)
 COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "errors", "hit_rate",
            "hit_rate_low", "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes",
            "held_kv_bytes", "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_p99_s", "mean_power_w",
@@ -77,7 +84,9 @@ def unit_label(fraction: float) -> str:
 
 
 def cells(config: dict) -> list[Cell]:
-    return [cell for cell in matrix_cells(config) if cell.arm == "shared" and cell.backend in BACKENDS]
+    """The shared cells whose pool has a size limit of its own: a server's memory (a Redis server, an MP
+    server's L1 on a memory tier)."""
+    return [cell for cell in matrix_cells(config) if cell.arm == "shared" and is_memory_pool(config, cell)]
 
 
 def units(config: dict) -> list[tuple[Cell, float]]:
@@ -102,11 +111,11 @@ def problems(config: dict) -> list[str]:
         return []
     found = []
     if not cells(config):
-        found.append(f"capacity.fractions needs a shared {REDIS_BACKEND} cell (arms: shared, backends: "
-                     f"{REDIS_BACKEND}): a pool of files has no capacity limit short of a filesystem quota, and the "
-                     "lmcache-mp server's L1 limit is not built for capacity units yet")
+        found.append(f"capacity.fractions needs a shared {REDIS_BACKEND} cell, or a shared {MP_BACKEND} cell on a "
+                     "memory tier (lmcache_mp.memory_tiers): a pool of files has no capacity limit short of a "
+                     "filesystem quota, and an MP server's L2 folder on a drive tier has none here")
     if external.is_external(config):
-        found.append("capacity.fractions needs kvpool's own fleet and Redis server (it caps the server and empties "
+        found.append("capacity.fractions needs kvpool's own fleet and pool server (it limits the server and empties "
                      "the replicas' caches): an external fleet's pool is not kvpool's to limit")
     if config["replicas"] < 2:
         found.append("capacity.fractions needs two replicas or more (every follow-up goes to a replica that did not "
@@ -125,13 +134,19 @@ def problems(config: dict) -> list[str]:
             found.append(f"capacity.fractions {small} give a pool smaller than one document's KV at chunk {chunk} "
                          f"({min(small) * total:,.0f} bytes of the working set's {total:,} bytes; one document's "
                          f"follow-up prompt holds {document:,}): no document could be served from it")
-    # the server's memory holds the whole working set once (populate runs with no limit), in host RAM
-    total = max(capacity_bytes(config, chunk, 1.0, per_token) for chunk in config["chunk_sizes"])
-    ram = psutil.virtual_memory().total
-    if total > ram / 2:
-        found.append(f"capacity.fractions: the working set's KV ({total:,} bytes) is populated whole into the Redis "
-                     f"server's memory before the cap, and this host has {ram:,} bytes of RAM (at most half may go "
-                     "to the pool): fewer or shorter documents (workload)")
+    # the pool lives in this host's RAM: a Redis server's holds the whole working set once (populate runs
+    # with no limit), an MP server's L1 is the capacity from its start
+    for cell in cells(config):
+        whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
+        held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
+                      if cell.backend == REDIS_BACKEND else
+                      (max(asked) * whole, f"at capacity {max(asked):g} is the MP server's L1 (host RAM)"))
+        ram = psutil.virtual_memory().total
+        if held > ram / 2:
+            found.append(f"capacity.fractions: the working set's KV ({held:,.0f} bytes) {when}, and this host has "
+                         f"{ram:,} bytes of RAM (at most half may go to the pool): fewer or shorter documents "
+                         "(workload), or smaller capacities")
+            break
     return found
 
 
@@ -173,17 +188,17 @@ def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
     return "partial" if external > 0 else "recomputed"
 
 
-def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, evicted_at_populate: int) -> list[dict]:
+def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, stored: dict[int, int]) -> list[dict]:
     """Each follow-up's source, and its silent miss: a document not served from the pool although the
-    server evicted nothing since its last store began (populate stored every document before
-    ``evicted_at_populate`` evictions had happened, at the latest; a follow-up that recomputed its
-    document stored it again, and the evictions during that store may have taken its own chunks, so
-    they count as since). Rows in the order they were sent."""
-    stored_at: dict[int, int] = {}
+    server evicted nothing since its last store began (``stored``: each document's eviction count as
+    populate began storing it, ``store_marks``; a follow-up that recomputed its document stored it again,
+    and the evictions during that store may have taken its own chunks, so they count as since). Rows in
+    the order they were sent."""
+    stored_at = dict(stored)
     accounted = []
     for row in rows:
         found = source(row, doc_tokens, min_hit_fraction)
-        since = row["evicted_before"] - stored_at.get(row["doc_id"], evicted_at_populate)
+        since = row["evicted_before"] - stored_at[row["doc_id"]]
         silent = found in ("partial", "recomputed") and since == 0
         if found in ("partial", "recomputed"):  # the serving replica stored the recomputed chunks again
             stored_at[row["doc_id"]] = row["evicted_before"]
@@ -192,9 +207,10 @@ def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, evicted_
 
 
 def held_kv_bytes(pool: dict) -> int:
-    """The most KV the capped server held, of what was read: right after the cap and at the end (a unit's
-    ``pool`` record)."""
-    return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"])
+    """The most KV the limited server held, of what was read (a unit's ``pool`` record): right after the
+    cap, at the end, and the most any read saw while the limit held (``peak_kv_bytes``: an MP server's
+    every read, from populate on; units recorded before it have none)."""
+    return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"], pool.get("peak_kv_bytes", 0))
 
 
 def silent_misses(rows: pd.DataFrame) -> int:
@@ -217,8 +233,25 @@ def unit_checks(frame: pd.DataFrame, held_kv_bytes: int, limit_bytes: int) -> di
 
 def _unit_sections(config: dict, wildcards=None) -> dict:
     """A unit reads its own fraction from its path, not capacity.fractions: a new fraction leaves the measured
-    units as they are."""
-    return {"capacity": {key: value for key, value in config["capacity"].items() if key != "fractions"}}
+    units as they are. An MP unit reads its server's settings too."""
+    found = {"capacity": {key: value for key, value in config["capacity"].items() if key != "fractions"}}
+    if wildcards is not None and Cell.from_wildcards(wildcards).backend == MP_BACKEND:
+        found["lmcache_mp"] = config["lmcache_mp"]
+    return found
+
+
+def limited_config(config: dict, cell: Cell, limit: int) -> dict:
+    """The config a unit's plan is made from: an MP server's L1 sized to the capacity (``limit`` bytes,
+    ``mp_l1_size_gib``); a Redis server is capped after populate, so its config is as it was."""
+    if cell.backend != MP_BACKEND:
+        return config
+    return {**config, "lmcache_mp": {**config["lmcache_mp"], "l1_size_gib": mp_l1_size_gib(limit)}}
+
+
+def eviction_policy(config: dict, cell: Cell) -> str:
+    """The server's eviction policy: Redis's ``maxmemory-policy`` (``capacity.policy``) or the MP server's
+    ``--eviction-policy`` (``lmcache_mp.eviction_policy``)."""
+    return config["lmcache_mp"]["eviction_policy"] if cell.backend == MP_BACKEND else config["capacity"]["policy"]
 
 
 @reads(*PHASE_SETTINGS, "min_hit_fraction", "hash_keys", "lmcache", "lmcache_redis", "random_model",
@@ -232,13 +265,15 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     limit = capacity_bytes(config, cell.chunk, fraction, per_token)
     root = run_pools(config, cell.tier) / "capacity" / cell.name / f"capacity~{unit_label(fraction)}"
     settings = config["capacity"]
-    plan = checked_ports(new_plan(config, cell, model, Path(csv_out).parent, pool_root=root,
+    plan = checked_ports(new_plan(limited_config(config, cell, limit), cell, model, Path(csv_out).parent,
+                                  pool_root=root,
                                   dev_mode=settings["reset_own_cache"],
                                   load_failure_policy=settings["kv_load_failure_policy"]))
     workload = prompts.read_workload(Path(prompts_path))
     frame, meta = run_unit(
         config, plan, root,
-        lambda disks: capacity_unit(plan, workload, config, limit, Path(log_dir), disks),
+        lambda disks: capacity_unit(plan, workload, config, limit, eviction_policy(config, cell), Path(log_dir),
+                                    disks),
         plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction),
         manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
         name=f"capacity-{unit_label(fraction)}")
@@ -254,35 +289,45 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     write_unit(meta, len(asked), drive_csv, power_csv, plan, json_out, f"{cell.name} capacity~{unit_label(fraction)}")
 
 
-def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, log_dir: Path, disks: list[str]):
-    """Populate with no limit, cap the server at ``limit`` KV bytes (``redis_maxmemory``),
-    the warm-up, then the window of drawn follow-ups, one at a time, its drives and power sampled. Returns
-    the rows, the meta data (the pool's state at each point, the cap as set) and the sampler."""
+def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, policy: str, log_dir: Path,
+                  disks: list[str]):
+    """Populate, the server's limit at ``limit`` KV bytes (set now on Redis, at its start on an MP server)
+    with its eviction ``policy``, the warm-up, then the window of drawn follow-ups, one at a time, its
+    drives and power sampled. Returns the rows, the meta data (the pool's state at each point, the limit
+    as set) and the sampler."""
     settings = cfg["capacity"]
     sequence = draws(len(workload), settings["popularity_exponent"],
                      settings["warmup_requests"] + settings["requests"], settings["seed"])
     with timed_fleet(plan, cfg, log_dir) as fleet:
         (server,) = fleet.servers  # the shared arm's one server
-        with server.connection() as conn:
-            ask = Asking(fleet.replicas, workload, cfg, conn)
-            empty = _pool_state(conn)
+        with pool_of(server) as pool:
+            ask = Asking(fleet.replicas, workload, cfg, pool)
+            empty = pool.state()
             populated = asyncio.run(ask.populate())
-            maxmemory = redis_maxmemory(empty["overhead_memory"], limit)
-            conn.config_set("maxmemory-policy", settings["policy"])
-            conn.config_set("maxmemory", maxmemory)  # Redis evicts down to it at once
-            capped = _pool_state(conn)
+            limits = pool.limit(empty, limit, policy)
+            capped = pool.state()
             warmup = settings["warmup_requests"]
             asked = asyncio.run(ask.followups(sequence[:warmup], "warmup", 0, settings["reset_own_cache"]))
             with fleet.window("capacity", disks):
                 asked += asyncio.run(ask.followups(sequence[warmup:], "window", warmup, settings["reset_own_cache"]))
-            end = _pool_state(conn)
-    rows = ask.populated + account(asked, cfg["workload"]["doc_tokens"], cfg["min_hit_fraction"],
-                                   populated["evicted_keys"])
-    pool = {"empty": empty, "populated": populated, "maxmemory": maxmemory, "capped": capped, "end": end}
-    meta = fleet.meta(pool=pool, policy=settings["policy"], popularity_exponent=settings["popularity_exponent"],
+            end = pool.state()
+    stored = store_marks(ask.populated, populated["evicted_keys"])
+    rows = ask.populated + account(asked, cfg["workload"]["doc_tokens"], cfg["min_hit_fraction"], stored)
+    pool_record = {"empty": empty, "populated": populated, **limits, "capped": capped, "end": end,
+                   "peak_kv_bytes": pool.peak_kv_bytes}
+    meta = fleet.meta(pool=pool_record, policy=limits["policy"],
+                      popularity_exponent=settings["popularity_exponent"],
                       kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
                       warmup_requests=warmup, window_requests=len(sequence) - warmup)
     return records.frame(CapacityRecord, rows), meta, fleet.sampler
+
+
+def store_marks(populated: list[dict], default: int) -> dict[int, int]:
+    """Each document's eviction count as populate began storing it (its populate row's ``evicted_before``),
+    or ``default`` where the row has none (units recorded before populate read it: populate ran with no
+    limit, so nothing was evicted before its end)."""
+    return {row["doc_id"]: default if pd.isna(row.get("evicted_before", np.nan)) else int(row["evicted_before"])
+            for row in populated}
 
 
 def redis_maxmemory(empty_overhead: int, limit: int) -> int:
@@ -294,57 +339,157 @@ def redis_maxmemory(empty_overhead: int, limit: int) -> int:
     return empty_overhead + limit
 
 
-def _pool_state(conn) -> dict:
-    from kvpool.engine import redis_pool
-
-    held, memory = redis_pool.pool_metrics(conn), conn.info("memory")
-    return {"kv_bytes": int(held[redis_pool.POOL_BYTES]), "chunks": int(held[redis_pool.POOL_CHUNKS]),
-            "keys": int(conn.dbsize()), "used_memory": int(held[redis_pool.USED_MEMORY]),
-            "dataset_memory": int(memory["used_memory_dataset"]),
-            "overhead_memory": int(memory["used_memory_overhead"]),
-            "evicted_keys": int(conn.info("stats")["evicted_keys"])}
+def mp_l1_size_gib(limit: int) -> float:
+    """The MP server's ``--l1-size-gb`` (GiB; LMCache takes ``int(value * 2**30)`` bytes) for ``limit``
+    KV bytes: four decimals, rounded down, so its L1 never exceeds the capacity."""
+    return math.floor(limit / 2**30 * 1e4) / 1e4
 
 
-def settled(conn, poll_s: float = 0.1, timeout_s: float = 10.0) -> int:
-    """The server's evicted keys once its keys and evictions stop changing (LMCache may store a request's
-    chunks after its answer): two reads ``poll_s`` apart that agree, or the last one at ``timeout_s``."""
-    import time
+def pool_of(server):
+    """The capacity unit's view of its one pool server: ``RedisPool`` or ``MPPool``."""
+    return MPPool(server) if server.entry["kind"] == "lmcache" else RedisPool(server)
 
-    def now():
-        return int(conn.dbsize()), int(conn.info("stats")["evicted_keys"])
 
-    last, deadline = now(), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(poll_s)
-        current = now()
-        if current == last:
-            break
-        last = current
-    return last[1]
+class RedisPool:
+    """A Redis server as a capacity unit reads and limits it: its KV held and keys evicted, capped after
+    populate by ``maxmemory``."""
+
+    def __init__(self, server):
+        self.server, self.conn, self.peak_kv_bytes = server, None, 0  # the most KV a read saw
+
+    def __enter__(self):
+        self._connection = self.server.connection()
+        self.conn = self._connection.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._connection.__exit__(*exc)
+
+    def state(self) -> dict:
+        from kvpool.engine import redis_pool
+
+        held, memory = redis_pool.pool_metrics(self.conn), self.conn.info("memory")
+        found = {"kv_bytes": int(held[redis_pool.POOL_BYTES]), "chunks": int(held[redis_pool.POOL_CHUNKS]),
+                 "keys": int(self.conn.dbsize()), "used_memory": int(held[redis_pool.USED_MEMORY]),
+                 "dataset_memory": int(memory["used_memory_dataset"]),
+                 "overhead_memory": int(memory["used_memory_overhead"]),
+                 "evicted_keys": self.evicted()}
+        self.peak_kv_bytes = max(self.peak_kv_bytes, found["kv_bytes"])
+        return found
+
+    def evicted(self) -> int:
+        return int(self.conn.info("stats")["evicted_keys"])
+
+    def limit(self, empty: dict, limit: int, policy: str) -> dict:
+        """Cap the populated server: Redis evicts down to ``maxmemory`` at once."""
+        maxmemory = redis_maxmemory(empty["overhead_memory"], limit)
+        self.conn.config_set("maxmemory-policy", policy)
+        self.conn.config_set("maxmemory", maxmemory)
+        self.peak_kv_bytes = 0  # populate's whole pool was before the limit
+        return {"maxmemory": maxmemory, "policy": policy}
+
+    def settled(self, poll_s: float = 0.1, timeout_s: float = 10.0) -> int:
+        """The server's evicted keys once its keys and evictions stop changing (LMCache may store a
+        request's chunks after its answer): two reads ``poll_s`` apart that agree, or the last one at
+        ``timeout_s``."""
+        def now():
+            return int(self.conn.dbsize()), self.evicted()
+
+        last, deadline = now(), time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            current = now()
+            if current == last:
+                break
+            last = current
+        return last[1]
+
+
+class MPPool:
+    """An LMCache MP server's L1 as a capacity unit reads it, from the server's Prometheus counters: the
+    KV held (L1 bytes in use) and the chunks evicted. Its limit is its L1 size, set at its start."""
+
+    HELD, EVICTED, WRITTEN = mp.L1_BYTES, "lmcache_mp_l1_evicted_chunks_total", "lmcache_mp_l1_write_chunks_total"
+    TICKS = "lmcache_mp_l1_eviction_loop_ticks_total"
+
+    def __init__(self, server):
+        self.server, self.peak_kv_bytes, self._settled = server, 0, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def _read(self) -> dict[str, float]:
+        metrics = self.server.metrics()
+        self.peak_kv_bytes = max(self.peak_kv_bytes, int(metrics.get(self.HELD, 0)))
+        return metrics
+
+    def state(self) -> dict:
+        metrics = self._read()
+        return {"kv_bytes": int(metrics.get(self.HELD, 0)), "evicted_keys": int(metrics.get(self.EVICTED, 0)),
+                "written_chunks": int(metrics.get(self.WRITTEN, 0)),
+                "usage_ratio": metrics.get("lmcache_mp_l1_usage_ratio")}
+
+    def evicted(self) -> int:
+        return int(self._read().get(self.EVICTED, 0))
+
+    def limit(self, empty: dict, limit: int, policy: str) -> dict:
+        """Nothing to set: the L1 was the limit from the server's start (its plan's ``l1_size_gib``)."""
+        return {"l1_size_bytes": int(self.server.entry["l1_size_gib"] * 2**30), "policy": policy}
+
+    def settled(self, poll_s: float = 0.2, timeout_s: float = 15.0) -> int:
+        """The chunks the server evicted once its writes and evictions stop: unchanged over two ticks of its
+        eviction loop (1 s each; the loop decides from L1's usage, which no write has changed since), or
+        at ``timeout_s``. Unchanged since the last settled read, it is returned at once."""
+        def now(metrics):
+            return int(metrics.get(self.WRITTEN, 0)), int(metrics.get(self.EVICTED, 0))
+
+        def ticks(metrics):  # a server without the loop's counter: two seconds stand for its two ticks
+            return metrics.get(self.TICKS, time.monotonic() - started)
+
+        started = time.monotonic()
+        metrics = self._read()
+        last, since = now(metrics), ticks(metrics)
+        if last == self._settled:
+            return last[1]
+        deadline = started + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            metrics = self._read()
+            if now(metrics) != last:
+                last, since = now(metrics), ticks(metrics)
+            elif ticks(metrics) >= since + 2:
+                break
+        self._settled = last
+        return last[1]
 
 
 class Asking:
     """A capacity unit's requests on its fleet, one at a time: populate, and drawn follow-ups with the
-    server's evicted keys read, settled, around each."""
+    server's evictions read, settled, around each."""
 
-    def __init__(self, replicas, workload: list[dict], cfg: dict, conn):
+    def __init__(self, replicas, workload: list[dict], cfg: dict, pool):
         self.by_index, self.by_doc = {r.index: r for r in replicas}, {item["doc_id"]: item for item in workload}
         self.prefill = populate_route(list(self.by_doc), len(replicas))
         self.route = followup_route(self.prefill, len(replicas))
         self.output_tokens, self.timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-        self.conn, self.populated = conn, []
+        self.pool, self.populated = pool, []
 
     async def populate(self) -> dict:
-        """Every document once on its replica; the pool's state once its stores have landed."""
+        """Every document once on its replica, each with the server's evictions as its store began; the
+        pool's state once its stores have landed."""
         async with new_session() as session:
             for doc_id, item in self.by_doc.items():
                 replica = self.by_index[self.prefill[doc_id]]
+                before = self.pool.evicted()
                 result, counts = await measured_request(session, replica, item["document"], self.output_tokens,
                                                         self.timeout_s)
                 self.populated.append({**request_row(doc_id, replica.index, replica.index, result, counts),
-                                       "part": "populate"})
-        settled(self.conn)
-        return _pool_state(self.conn)
+                                       "part": "populate", "evicted_before": before})
+        self.pool.settled()
+        return self.pool.state()
 
     async def followups(self, sequence: list[int], part: str, first: int, reset_own_cache: bool) -> list[dict]:
         rows = []
@@ -352,13 +497,13 @@ class Asking:
             for number, doc_id in enumerate(sequence, start=first):
                 serve = self.by_index[self.route[doc_id]]
                 reset = await reset_prefix_cache(session, serve) if reset_own_cache else ""
-                before = settled(self.conn)
+                before = self.pool.settled()
                 result, counts = await measured_request(session, serve, self.by_doc[doc_id]["followup"],
                                                         self.output_tokens, self.timeout_s)
                 if reset and not result.error:
                     result.error = f"the prefix cache reset before this follow-up failed: {reset}"
                 rows.append({**request_row(doc_id, self.prefill[doc_id], serve.index, result, counts), "part": part,
-                             "sequence": number, "evicted_before": before, "evicted_after": settled(self.conn)})
+                             "sequence": number, "evicted_before": before, "evicted_after": self.pool.settled()})
         return rows
 
 
