@@ -302,7 +302,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             found.append(str(exc))
     from kvpool.studies import capacity, contexts
 
-    return (found + contexts.problems(config) + capacity.problems(config) + _input_problems(config)
+    return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)
+            + _input_problems(config)
             + mp.problems(config) + redis_pool.problems(config) + external.problems(config))
 
 

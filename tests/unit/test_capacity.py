@@ -104,10 +104,12 @@ def test_a_working_set_the_hosts_memory_cannot_hold_is_refused(config_with, monk
     monkeypatch.setattr(capacity.psutil, "virtual_memory", lambda: Small)
     (refused,) = capacity.problems(config_with(fractions=[0.5]))
     assert "10,000,000 bytes of RAM" in refused and "working set's KV" in refused
+    # the host's RAM is the running machine's question: a plan (or a committed GPU run re-read) parses here
+    assert capacity.problems(config_with(fractions=[0.5]), check_host=False) == []
 
 
-def test_the_operators_number_is_where_ttft_has_come_90_percent_of_the_way_from_the_recompute():
-    points = pd.DataFrame({"fraction": [0.25, 0.5, 1.0], "ttft_p50_s": [0.30, 0.10, 0.05]})
+def test_the_operators_number_is_where_mean_ttft_has_come_90_percent_of_the_way_from_the_recompute():
+    points = pd.DataFrame({"fraction": [0.25, 0.5, 1.0], "ttft_mean_s": [0.30, 0.10, 0.05]})
     # recompute 0.30 s, full 0.05 s: the target is 0.30 - 0.9 * 0.25 = 0.075 s, between 0.5 and 1.0
     assert capacity.capacity_for_gain(points, 0.30) == pytest.approx(0.5 + (0.10 - 0.075) / 0.05 * 0.5)
     # recompute 0.12 s: the target is 0.057 s
@@ -115,7 +117,7 @@ def test_the_operators_number_is_where_ttft_has_come_90_percent_of_the_way_from_
     assert np.isnan(capacity.capacity_for_gain(points.iloc[:2], 0.30))  # no unit at full capacity
     assert np.isnan(capacity.capacity_for_gain(points, np.nan))  # nothing recomputed: no gain to measure
     assert np.isnan(capacity.capacity_for_gain(points, 0.04))  # the pool is slower than the recompute
-    assert capacity.capacity_for_gain(points.assign(ttft_p50_s=[0.05, 0.05, 0.05]), 0.30) == 0.25
+    assert capacity.capacity_for_gain(points.assign(ttft_mean_s=[0.05, 0.05, 0.05]), 0.30) == 0.25
 
 
 def test_the_capacity_table_from_unit_records(tmp_path):
@@ -150,9 +152,13 @@ def test_the_capacity_table_from_unit_records(tmp_path):
     assert table.loc[0.25, "held_kv_bytes"] == 225000 and table.loc[0.25, "capacity_bytes"] == 250000
     # the recompute's TTFT from the two recomputed follow-ups (not the partial one)
     assert table["recompute_ttft_p50_s"].eq(0.31).all() and table["recomputes_measured"].eq(2).all()
+    assert table["recompute_ttft_mean_s"].eq(0.31).all()
+    assert table.loc[0.25, "ttft_mean_s"] == pytest.approx((0.05 + 0.3 + 0.32 + 0.2) / 4)
+    low, high = table.loc[0.25, "ttft_mean_ci_low_s"], table.loc[0.25, "ttft_mean_ci_high_s"]
+    assert low < table.loc[0.25, "ttft_mean_s"] < high
     assert 0.25 < table.loc[1.0, "capacity_for_90pct_gain"] <= 1.0
     page = (tmp_path / "capacity.md").read_text()
-    assert "25% [" in page and "90% of the full-capacity TTFT gain" in page and "1 of 4" in page
+    assert "25% [" in page and "90% of the gain in mean TTFT at capacity 1" in page and "1 of 4" in page
     assert (tmp_path / "capacity" / "capacity.png").stat().st_size > 0
 
 
@@ -264,3 +270,56 @@ def test_an_mp_l1_the_hosts_memory_cannot_hold_is_refused_at_the_largest_capacit
     assert "at capacity 1 is the MP server's L1" in refused
     made["capacity"]["fractions"] = [0.25, 0.5]
     assert capacity.problems(made) == []
+
+
+def test_the_operators_number_reads_the_mean_because_a_two_mode_median_flips_at_half_hits():
+    hits, recomputes = [0.05] * 6, [0.5] * 4  # 60% from the pool
+    half = pd.Series(hits + recomputes)
+    assert half.median() == 0.05  # the median already shows the whole gain
+    points = pd.DataFrame({"fraction": [0.5, 1.0], "ttft_mean_s": [half.mean(), 0.05]})
+    # the mean has come 60% of the way at 0.5: 90% lies between 0.5 and 1.0
+    assert 0.5 < capacity.capacity_for_gain(points, 0.5) < 1.0
+
+
+def test_energy_per_follow_up_is_each_requests_own_and_a_window_figure_is_marked_as_such():
+    window = pd.DataFrame({"gpu_energy_j": [40.0, 44.0, 60.0, 36.0]})
+    own = capacity.follow_up_energy(window, {"energy_per_request_j": 130.0})
+    assert own["energy_per_request_j"] == 45.0 and own["energy_basis"] == "request"
+    assert own["energy_per_request_ci_low_j"] < 45.0 < own["energy_per_request_ci_high_j"]
+    # a unit recorded before requests read their own energy: the window's, waits included, without interval
+    older = capacity.follow_up_energy(pd.DataFrame({"ttft_s": [0.1]}), {"energy_per_request_j": 130.0})
+    assert older["energy_per_request_j"] == 130.0 and older["energy_basis"] == "window"
+    assert np.isnan(older["energy_per_request_ci_low_j"])
+    cpu = capacity.follow_up_energy(pd.DataFrame({"gpu_energy_j": [None, None]}), {})
+    assert cpu["energy_basis"] == "none" and cpu["energy_per_request_j"] is None
+
+
+def test_a_follow_ups_energy_is_read_around_the_request_alone(monkeypatch):
+    import asyncio
+
+    from kvpool.studies.capacity import Asking
+
+    counter = iter([100.0, 142.5])  # the GPUs' energy counter before and after the request
+
+    class Pool:
+        def settled(self):
+            return 0
+
+    async def answered(session, replica, prompt, output_tokens, timeout_s):
+        from kvpool.engine.client import RequestResult
+
+        return RequestResult(ttft_s=0.1, e2e_s=0.2), {"external_hit_tokens": 2048}
+
+    monkeypatch.setattr(capacity, "measured_request", answered)
+    monkeypatch.setattr(capacity, "request_row", lambda doc, prefill, serve, result, counts: {
+        "doc_id": doc, "prefill_replica": prefill, "serve_replica": serve, **counts})
+
+    class Replica:
+        def __init__(self, index):
+            self.index = index
+
+    workload = [{"doc_id": 0, "document": [1], "followup": [1, 2]}, {"doc_id": 1, "document": [3], "followup": [3]}]
+    cfg = {"workload": {"output_tokens": 1}, "engine": {"request_timeout_s": 5}}
+    ask = Asking([Replica(0), Replica(1)], workload, cfg, Pool(), energy=lambda: next(counter))
+    (row,) = asyncio.run(ask.followups([0], "window", 0, reset_own_cache=False))
+    assert row["gpu_energy_j"] == 42.5 and row["serve_replica"] == 1 and row["prefill_replica"] == 0

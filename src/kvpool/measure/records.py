@@ -62,8 +62,9 @@ class LevelRecord(RequestRecord):
 @dataclasses.dataclass
 class CapacityRecord(RequestRecord):
     """One request of a capacity unit: its part (populate, warmup, window), its place in the drawn sequence,
-    the pool server's evicted keys around it, where its document came from (``source``), and whether a
-    recompute happened where the pool had evicted nothing since the document was stored (``silent_miss``)."""
+    the pool server's evicted keys around it, where its document came from (``source``), whether a
+    recompute happened where the pool had evicted nothing since the document was stored (``silent_miss``),
+    and the fleet's GPUs' energy over the request alone (``gpu_energy_j``, NVML's counter; none on CPU)."""
 
     part: str | None = None
     sequence: int | None = None
@@ -71,6 +72,7 @@ class CapacityRecord(RequestRecord):
     evicted_after: int | None = None
     source: str | None = None
     silent_miss: bool | None = None
+    gpu_energy_j: float | None = None
 
 
 @dataclasses.dataclass

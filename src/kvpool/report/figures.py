@@ -354,8 +354,9 @@ def contexts(table, fits):
 
 
 def capacity(table):
-    """Pool capacity (kvpool.studies.capacity): the window's pool hit rate (Wilson 95% interval) and TTFT p50
-    (bootstrap 95% interval) against the pool's size as a fraction of the working set, per shared cell;
+    """Pool capacity (kvpool.studies.capacity): the window's pool hit rate (Wilson 95% interval), TTFT mean
+    (the operator's number reads it) and p50 (bootstrap 95% intervals) against the pool's size as a
+    fraction of the working set, per shared cell;
     hollow where the unit is invalid."""
     from plotnine import scale_shape_manual
 
@@ -364,8 +365,12 @@ def capacity(table):
     panels = pd.concat([
         data.assign(measure="follow-ups served from the pool", value=data["hit_rate"], low=data["hit_rate_low"],
                     high=data["hit_rate_high"]),
+        data.assign(measure="TTFT mean (s)", value=data["ttft_mean_s"], low=data["ttft_mean_ci_low_s"],
+                    high=data["ttft_mean_ci_high_s"]),
         data.assign(measure="TTFT p50 (s)", value=data["ttft_p50_s"], low=data["ttft_p50_ci_low_s"],
                     high=data["ttft_p50_ci_high_s"])])
+    panels["measure"] = pd.Categorical(panels["measure"], ["follow-ups served from the pool", "TTFT mean (s)",
+                                                           "TTFT p50 (s)"])
     return (ggplot(panels, aes("fraction", "value", colour="setting"))
             + geom_line() + geom_point(aes(shape="validity"), size=2.5)
             + geom_errorbar(aes(ymin="low", ymax="high"), width=0.02)
@@ -373,7 +378,7 @@ def capacity(table):
             + facet_wrap("~measure", scales="free_y")
             + labs(title="A pool smaller than the working set: hit rate and TTFT against its capacity",
                    x="pool capacity (fraction of the working set's KV bytes)", y="", colour="", shape="")
-            + theme_bw() + theme(figure_size=(8, 3.6), plot_title=element_text(size=11)))
+            + theme_bw() + theme(figure_size=(10, 3.6), plot_title=element_text(size=11)))
 
 
 ROUTER_PHASES = ["follow-up", "hot", "after-loss"]

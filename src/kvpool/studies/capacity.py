@@ -30,6 +30,7 @@ limit here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -48,10 +49,12 @@ from kvpool.engine import external, mp, prompts
 from kvpool.engine.client import new_session
 from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.plan import plan_gpus
 from kvpool.measure import provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import CapacityRecord, read_records
+from kvpool.measure.telemetry import Nvml
 from kvpool.measure.timed import (
     REPO,
     checked_ports,
@@ -70,8 +73,10 @@ log = logging.getLogger(__name__)
 BACKENDS = (REDIS_BACKEND, MP_BACKEND)
 COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "errors", "hit_rate",
            "hit_rate_low", "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes",
-           "held_kv_bytes", "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_p99_s", "mean_power_w",
-           "energy_per_request_j", "recompute_ttft_p50_s", "recomputes_measured", "capacity_for_90pct_gain"]
+           "held_kv_bytes", "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_mean_s",
+           "ttft_mean_ci_low_s", "ttft_mean_ci_high_s", "ttft_p99_s", "mean_power_w", "energy_per_request_j",
+           "energy_per_request_ci_low_j", "energy_per_request_ci_high_j", "energy_basis",
+           "recompute_ttft_p50_s", "recompute_ttft_mean_s", "recomputes_measured", "capacity_for_90pct_gain"]
 GAIN_SHARE = 0.9  # the operator's number: the capacity at which the pool gives this share of its full gain
 
 
@@ -104,8 +109,10 @@ def capacity_bytes(config: dict, chunk: int, fraction: float, per_token: int) ->
     return int(fraction * working_set_tokens(config, chunk) * per_token)
 
 
-def problems(config: dict) -> list[str]:
-    """What keeps the configured capacities from running, each naming the setting and the numbers."""
+def problems(config: dict, check_host: bool = True) -> list[str]:
+    """What keeps the configured capacities from running, each naming the setting and the numbers.
+    ``check_host=False`` skips what only the machine that runs the units can answer (its RAM), so a GPU
+    server's config parses, and its committed run is re-read, on a smaller machine."""
     asked = fractions(config)
     if not asked:
         return []
@@ -136,7 +143,7 @@ def problems(config: dict) -> list[str]:
                          f"follow-up prompt holds {document:,}): no document could be served from it")
     # the pool lives in this host's RAM: a Redis server's holds the whole working set once (populate runs
     # with no limit), an MP server's L1 is the capacity from its start
-    for cell in cells(config):
+    for cell in cells(config) if check_host else []:
         whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
         held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
                       if cell.backend == REDIS_BACKEND else
@@ -298,10 +305,10 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, polic
     settings = cfg["capacity"]
     sequence = draws(len(workload), settings["popularity_exponent"],
                      settings["warmup_requests"] + settings["requests"], settings["seed"])
-    with timed_fleet(plan, cfg, log_dir) as fleet:
+    with timed_fleet(plan, cfg, log_dir) as fleet, request_energy(plan_gpus(plan)) as energy:
         (server,) = fleet.servers  # the shared arm's one server
         with pool_of(server) as pool:
-            ask = Asking(fleet.replicas, workload, cfg, pool)
+            ask = Asking(fleet.replicas, workload, cfg, pool, energy)
             empty = pool.state()
             populated = asyncio.run(ask.populate())
             limits = pool.limit(empty, limit, policy)
@@ -320,6 +327,18 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, polic
                       kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
                       warmup_requests=warmup, window_requests=len(sequence) - warmup)
     return records.frame(CapacityRecord, rows), meta, fleet.sampler
+
+
+@contextlib.contextmanager
+def request_energy(gpus: list[int]):
+    """A reader of the GPUs' summed energy counter (J, NVML's), or of None without one (CPU replicas): a
+    follow-up's own energy, apart from the window's waits between requests (the evictions read settled)."""
+    nvml = Nvml(gpus) if gpus else None
+    try:
+        yield (lambda: sum(nvml.energy_j())) if nvml is not None and nvml.available else (lambda: None)
+    finally:
+        if nvml is not None and nvml.available:
+            nvml.close()
 
 
 def store_marks(populated: list[dict], default: int) -> dict[int, int]:
@@ -470,12 +489,12 @@ class Asking:
     """A capacity unit's requests on its fleet, one at a time: populate, and drawn follow-ups with the
     server's evictions read, settled, around each."""
 
-    def __init__(self, replicas, workload: list[dict], cfg: dict, pool):
+    def __init__(self, replicas, workload: list[dict], cfg: dict, pool, energy=lambda: None):
         self.by_index, self.by_doc = {r.index: r for r in replicas}, {item["doc_id"]: item for item in workload}
         self.prefill = populate_route(list(self.by_doc), len(replicas))
         self.route = followup_route(self.prefill, len(replicas))
         self.output_tokens, self.timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-        self.pool, self.populated = pool, []
+        self.pool, self.energy, self.populated = pool, energy, []
 
     async def populate(self) -> dict:
         """Every document once on its replica, each with the server's evictions as its store began; the
@@ -497,21 +516,23 @@ class Asking:
             for number, doc_id in enumerate(sequence, start=first):
                 serve = self.by_index[self.route[doc_id]]
                 reset = await reset_prefix_cache(session, serve) if reset_own_cache else ""
-                before = self.pool.settled()
+                before, joules = self.pool.settled(), self.energy()
                 result, counts = await measured_request(session, serve, self.by_doc[doc_id]["followup"],
                                                         self.output_tokens, self.timeout_s)
+                used = None if joules is None else self.energy() - joules
                 if reset and not result.error:
                     result.error = f"the prefix cache reset before this follow-up failed: {reset}"
                 rows.append({**request_row(doc_id, self.prefill[doc_id], serve.index, result, counts), "part": part,
-                             "sequence": number, "evicted_before": before, "evicted_after": self.pool.settled()})
+                             "sequence": number, "evicted_before": before, "evicted_after": self.pool.settled(),
+                             "gpu_energy_j": used})
         return rows
 
 
 def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> dict:
     """One unit's window: its failed requests, the answered ones' hit rate (Wilson 95% interval), recomputes,
-    silent misses, evictions, the bytes it held against its capacity, TTFT p50 (bootstrap interval) and p99,
-    power and energy."""
-    from kvpool.report.tables import reported_percentile
+    silent misses, evictions, the bytes it held against its capacity, TTFT p50 and mean (bootstrap
+    intervals) and p99, power and energy."""
+    from kvpool.report.tables import mean_ci, reported_percentile
 
     asked = frame[frame["part"] == "window"]
     window = asked[asked["error"].fillna("") == ""]
@@ -519,6 +540,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
     interval = stats.binomtest(hits, len(window)).proportion_ci(method="wilson") if len(window) else None
     ttft = window["ttft_s"].astype(float)
     p50, p99 = reported_percentile(ttft, 50), reported_percentile(ttft, 99)
+    mean_low, mean_high = mean_ci(ttft)
     power = (meta.get("summary") or {}).get("power") or {}
     return {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "fraction": fraction,
             "policy": meta["policy"], "valid": bool(meta["valid"]), "requests": len(window),
@@ -531,23 +553,47 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
             "evicted_keys": meta["pool"]["end"]["evicted_keys"], "capacity_bytes": meta["capacity_bytes"],
             "held_kv_bytes": held_kv_bytes(meta["pool"]),
             "ttft_p50_s": p50["value"], "ttft_p50_ci_low_s": p50["ci_low"], "ttft_p50_ci_high_s": p50["ci_high"],
-            "ttft_p99_s": p99["value"], "mean_power_w": power.get("mean_power_w"),
-            "energy_per_request_j": power.get("energy_per_request_j")}
+            "ttft_mean_s": float(ttft.mean()) if len(ttft) else np.nan, "ttft_mean_ci_low_s": mean_low,
+            "ttft_mean_ci_high_s": mean_high, "ttft_p99_s": p99["value"], "mean_power_w": power.get("mean_power_w"),
+            **follow_up_energy(window, power)}
+
+
+ENERGY_BASES = {"request": "each follow-up's own GPU energy (NVML's counter around it)",
+                "window": "the window's GPU energy over its follow-ups, the waits between them included"}
+
+
+def follow_up_energy(window: pd.DataFrame, power: dict) -> dict:
+    """Energy per follow-up: the mean of each answered follow-up's own GPU energy (bootstrap interval),
+    where the unit read it; else the window's energy over its follow-ups, which includes the waits for the
+    server's evictions between requests (units recorded before requests read their own), with no
+    interval; none without a GPU counter."""
+    from kvpool.report.tables import mean_ci
+
+    own = window["gpu_energy_j"].astype(float).dropna() if "gpu_energy_j" in window else pd.Series(dtype=float)
+    if len(own):
+        low, high = mean_ci(own)
+        return {"energy_per_request_j": float(own.mean()), "energy_per_request_ci_low_j": low,
+                "energy_per_request_ci_high_j": high, "energy_basis": "request"}
+    whole = power.get("energy_per_request_j")
+    return {"energy_per_request_j": whole, "energy_per_request_ci_low_j": np.nan,
+            "energy_per_request_ci_high_j": np.nan, "energy_basis": "window" if whole is not None else "none"}
 
 
 def capacity_for_gain(points: pd.DataFrame, recompute_s: float, share: float = GAIN_SHARE) -> float:
-    """The smallest capacity (fraction) at which TTFT p50 has come down by ``share`` of the way from the
-    recompute (``recompute_s``) to its value at full capacity, linearly interpolated between the measured
-    capacities (``points``: fraction, ttft_p50_s of the valid units). NaN without a unit at full capacity
-    (1.0 or more), without a measured recompute, or where the pool gains nothing at full capacity."""
+    """The smallest capacity (fraction) at which mean TTFT has come down by ``share`` of the way from the
+    recompute (``recompute_s``, its mean) to its value at the largest capacity, linearly interpolated
+    between the measured capacities (``points``: fraction, ttft_mean_s of the valid units). The mean, not
+    the median: a window of hits and recomputes is two modes, and its median jumps from one to the other
+    once half are hits, however many still recompute. NaN without a unit at 1.0 or more, without a
+    measured recompute, or where the pool gains nothing at the largest capacity."""
     points = points.sort_values("fraction")
     if points.empty or points["fraction"].iloc[-1] < 1.0 or not np.isfinite(recompute_s):
         return np.nan
-    full = points["ttft_p50_s"].iloc[-1]
+    full = points["ttft_mean_s"].iloc[-1]
     if full >= recompute_s:
         return np.nan
     target = recompute_s - share * (recompute_s - full)
-    fractions, ttft = points["fraction"].to_numpy(), points["ttft_p50_s"].to_numpy()
+    fractions, ttft = points["fraction"].to_numpy(), points["ttft_mean_s"].to_numpy()
     if ttft[0] <= target:
         return float(fractions[0])
     for (f0, t0), (f1, t1) in itertools.pairwise(zip(fractions, ttft, strict=True)):
@@ -557,23 +603,29 @@ def capacity_for_gain(points: pd.DataFrame, recompute_s: float, share: float = G
 
 
 def with_gain(table: pd.DataFrame, recomputed: dict[str, np.ndarray]) -> pd.DataFrame:
-    """Per cell, the recompute's TTFT p50 (every recomputed follow-up of its units' windows: ``recomputed``)
-    and the capacity at which its pool gives 90% of its full-capacity gain (``capacity_for_gain``)."""
+    """Per cell, the recompute's TTFT p50 and mean (every recomputed follow-up of its units' windows:
+    ``recomputed``) and the capacity at which its pool gives 90% of its full-capacity gain in mean TTFT
+    (``capacity_for_gain``)."""
     parts = []
     for name, cell in table.groupby("cell", sort=False):
         own = recomputed.get(name, np.array([]))
-        recompute_s = float(np.median(own)) if len(own) else np.nan
-        at = capacity_for_gain(cell[cell["valid"]], recompute_s)
-        parts.append(cell.assign(recompute_ttft_p50_s=recompute_s, recomputes_measured=len(own),
-                                 capacity_for_90pct_gain=at))
+        median, mean = (float(np.median(own)), float(np.mean(own))) if len(own) else (np.nan, np.nan)
+        at = capacity_for_gain(cell[cell["valid"]], mean)
+        parts.append(cell.assign(recompute_ttft_p50_s=median, recompute_ttft_mean_s=mean,
+                                 recomputes_measured=len(own), capacity_for_90pct_gain=at))
     return pd.concat(parts, ignore_index=True) if parts else table
 
 
 def for_reading(table: pd.DataFrame) -> pd.DataFrame:
     """results/capacity.csv as a person reads it: per cell and capacity, each figure with its unit and
     interval."""
-    def energy(value) -> str:
-        return "n/a" if pd.isna(value) else f"{value:.3g} J"
+    def energy(row) -> str:
+        if pd.isna(row.energy_per_request_j):
+            return "n/a"
+        if row.energy_basis == "request":
+            return (f"{row.energy_per_request_j:.3g} J [{row.energy_per_request_ci_low_j:.3g}, "
+                    f"{row.energy_per_request_ci_high_j:.3g}]")
+        return f"{row.energy_per_request_j:.3g} J (window)"
 
     return pd.DataFrame([{
         "cell": f"{row.backend} / chunk {row.chunk} / {row.tier}", "capacity": f"{row.fraction:g}",
@@ -583,35 +635,38 @@ def for_reading(table: pd.DataFrame) -> pd.DataFrame:
         "silent misses": row.silent_misses, "keys evicted": row.evicted_keys,
         "KV held / capacity": f"{row.held_kv_bytes / 1e6:.3g} / {row.capacity_bytes / 1e6:.3g} MB",
         "TTFT p50": f"{row.ttft_p50_s:.3g} s [{row.ttft_p50_ci_low_s:.3g}, {row.ttft_p50_ci_high_s:.3g}]",
-        "TTFT p99": f"{row.ttft_p99_s:.3g} s", "energy / follow-up": energy(row.energy_per_request_j),
+        "TTFT mean": f"{row.ttft_mean_s:.3g} s [{row.ttft_mean_ci_low_s:.3g}, {row.ttft_mean_ci_high_s:.3g}]",
+        "TTFT p99": f"{row.ttft_p99_s:.3g} s", "energy / follow-up": energy(row),
     } for row in table.itertuples()])
 
 
 INTRODUCTION = ("Per shared cell and capacity (a fraction of the working set's KV bytes, set as the server's own "
                 "limit), the window's follow-ups, their documents drawn by popularity, each to a replica that did not "
-                "prefill it with its own cache emptied. Hit rate with its Wilson 95% interval, TTFT p50 with its "
-                "bootstrap 95% interval.")
+                "prefill it with its own cache emptied. Hit rate with its Wilson 95% interval, TTFT p50 and mean with "
+                "their bootstrap 95% intervals. Energy per follow-up: each follow-up's own GPU energy (mean, bootstrap "
+                "95% interval), or, marked (window), the window's energy over its follow-ups, which counts the "
+                "waits for the server's evictions between them.")
 
 
 def operators_numbers(table: pd.DataFrame) -> list[str]:
-    """Per cell, a line with the capacity at which its pool gives 90% of its full-capacity TTFT gain, or why
-    there is none."""
+    """Per cell, a line with the capacity at which its pool gives 90% of its largest capacity's gain in mean
+    TTFT, or why there is none."""
     lines = []
     for _, cell in table.groupby("cell", sort=False):
-        first = cell.iloc[0]
+        first, largest = cell.iloc[0], cell.sort_values("fraction").iloc[-1]
         name = f"{first.backend} / chunk {first.chunk} / {first.tier}"
-        if pd.isna(first.recompute_ttft_p50_s):
+        if pd.isna(first.recompute_ttft_mean_s):
             lines.append(f"- {name}: no follow-up was recomputed, so there is no recompute TTFT to measure a gain "
                          "from.")
         elif pd.isna(first.capacity_for_90pct_gain):
             lines.append(f"- {name}: no capacity reached 90% of the full-capacity gain among the valid units (a unit "
                          "at 1.0 or more is needed).")
         else:
-            lines.append(f"- {name}: 90% of the full-capacity TTFT gain at about "
+            lines.append(f"- {name}: 90% of the gain in mean TTFT at capacity {largest.fraction:g} (where "
+                         f"{largest.hit_rate:.0%} came from the pool) at about "
                          f"**{first.capacity_for_90pct_gain:.2f}** of the working set (interpolated between the "
-                         f"measured capacities; the recompute's TTFT p50 is {first.recompute_ttft_p50_s:.3g} s "
-                         f"over {first.recomputes_measured} recomputed "
-                         "follow-ups).")
+                         f"measured capacities; the recompute's mean TTFT is {first.recompute_ttft_mean_s:.3g} s "
+                         f"over {first.recomputes_measured} recomputed follow-ups).")
     return lines
 
 
