@@ -1,6 +1,6 @@
-# Pool capacity (kvpool.studies.capacity): per shared lmcache-redis cell and fraction in capacity.fractions,
-# one unit on a fleet and a Redis server of its own, capped at the fraction of the working set's KV bytes,
-# then popularity-drawn follow-ups. A new fraction builds only its unit; --forcerun on a unit's unit.json
+# Pool capacity (kvpool.studies.capacity): per shared lmcache-redis or memory-tier lmcache-mp cell and fraction
+# in capacity.fractions, one unit on a fleet and a pool server of its own, limited to the fraction of the
+# working set's KV bytes, then popularity-drawn follow-ups. A new fraction builds only its unit; --forcerun on a unit's unit.json
 # re-measures it.
 
 

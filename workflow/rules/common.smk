@@ -190,8 +190,8 @@ CONTEXT_UNITS = [
 CONTEXT_TARGETS = {"csv": "results/contexts.csv", "md": "results/contexts.md"} if CONTEXT_UNITS else {}
 
 
-# Pool capacity (kvpool.studies.capacity): per shared lmcache-redis cell and fraction in capacity.fractions, one
-# unit on a fleet and a Redis server of its own, so a new fraction builds only its unit.
+# Pool capacity (kvpool.studies.capacity): per shared cell whose pool is a server's memory and fraction in
+# capacity.fractions, one unit on a fleet and a pool server of its own, so a new fraction builds only its unit.
 CAPACITY_UNITS = [
     (cell, fraction)
     for cell, fraction in capacity.units(config)
