@@ -1,8 +1,10 @@
 """The experiment matrix: one cell per (backend, arm, chunk size, tier), and where each keeps its pool.
 
-An lmcache-mp cell has one more dimension, the server's GPU worker threads (``lmcache_mp.gpu_workers``).
-It is written into the backend's folder name (``backend~lmcache-mp+gpu_workers=2``) only when set, so the
-cells of LMCache's own default keep their folder, and adding a value builds only the cells that have it.
+An lmcache-mp cell has two more dimensions: the server's GPU worker threads (``lmcache_mp.gpu_workers``),
+and, for a shared pool on a drive tier, one server for the fleet or one per replica over the one shared L2
+folder (``lmcache_mp.servers``). Each is written into the backend's folder name only when it is not
+LMCache's default (``backend~lmcache-mp+gpu_workers=2``, ``backend~lmcache-mp+servers=per-replica``), so
+the cells of the defaults keep their folder, and adding a value builds only the cells that have it.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ CELL_PATTERN = "backend~{backend}/arm~{arm}/chunk~{chunk}/tier~{tier}"
 MP_BACKEND = "lmcache-mp"
 REDIS_BACKEND = "lmcache-redis"
 BACKENDS = ("lmcache-fs", "lmcache-local-disk", MP_BACKEND, REDIS_BACKEND)
-# An lmcache-mp cell's backend folder with its server setting: lmcache-mp, or lmcache-mp+gpu_workers=N.
+# An lmcache-mp cell's backend folder with its server settings: lmcache-mp, lmcache-mp+gpu_workers=N,
+# lmcache-mp+servers=per-replica, or both in that order.
 GPU_WORKERS = "+gpu_workers="
-# The backend wildcard: any backend, lmcache-mp with or without its setting.
+SERVERS = "+servers="
+ONE_SERVER, SERVER_PER_REPLICA = "one", "per-replica"
+# The backend wildcard: any backend, lmcache-mp with or without its settings.
 BACKEND_LABEL = "|".join([*(re.escape(backend) for backend in BACKENDS if backend != MP_BACKEND),
-                          rf"{re.escape(MP_BACKEND)}(?:{re.escape(GPU_WORKERS)}[1-9][0-9]*)?"])
+                          rf"{re.escape(MP_BACKEND)}(?:{re.escape(GPU_WORKERS)}[1-9][0-9]*)?"
+                          rf"(?:{re.escape(SERVERS + SERVER_PER_REPLICA)})?"])
 
 
 def backend_of(label: str) -> str:
-    """The backend of a backend folder's name, without its server setting."""
-    return label.partition(GPU_WORKERS)[0]
+    """The backend of a backend folder's name, without its server settings."""
+    return label.partition("+")[0]
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,21 @@ class Cell:
     # lmcache-mp only: the server's GPU worker threads (`lmcache server --max-gpu-workers`), which run
     # its stores and retrieves, each connected engine's on one thread; None leaves LMCache's default.
     gpu_workers: int | None = None
+    # lmcache-mp only: one server for the shared pool, or one per replica over its one L2 folder (a drive
+    # tier's; a RAM L1 is one server's and cannot be shared by several).
+    servers: str = ONE_SERVER
 
     @property
     def label(self) -> str:
-        """The backend with its server setting, as the cell's folder and the tables' backend column name it."""
-        return self.backend if self.gpu_workers is None else f"{self.backend}{GPU_WORKERS}{self.gpu_workers}"
+        """The backend with its server settings, as the cell's folder and the tables' backend column name it."""
+        label = self.backend if self.gpu_workers is None else f"{self.backend}{GPU_WORKERS}{self.gpu_workers}"
+        return label if self.servers == ONE_SERVER else f"{label}{SERVERS}{self.servers}"
+
+    @property
+    def server_per_replica(self) -> bool:
+        """Whether each replica has a pool server of its own: the isolated arm's, or a shared pool's with
+        ``servers: per-replica``."""
+        return self.arm == "isolated" or self.servers == SERVER_PER_REPLICA
 
     @property
     def name(self) -> str:
@@ -53,9 +69,11 @@ class Cell:
         """The cell whose backend folder is ``label`` (``lmcache-mp+gpu_workers=2``, say)."""
         if not re.fullmatch(BACKEND_LABEL, label):
             raise ValueError(f"{label!r} is not a backend kvpool knows ({', '.join(BACKENDS)}; lmcache-mp may "
-                             f"carry {GPU_WORKERS}N)")
-        workers = label.partition(GPU_WORKERS)[2]
-        return cls(backend_of(label), arm, int(chunk), tier, int(workers) if workers else None)
+                             f"carry {GPU_WORKERS}N and {SERVERS}{SERVER_PER_REPLICA})")
+        rest, _, servers = label.partition(SERVERS)
+        workers = rest.partition(GPU_WORKERS)[2]
+        return cls(backend_of(label), arm, int(chunk), tier, int(workers) if workers else None,
+                   servers or ONE_SERVER)
 
     @classmethod
     def from_wildcards(cls, wildcards) -> Cell:
@@ -71,15 +89,26 @@ class Cell:
 def cells(config: dict) -> list[Cell]:
     """Every cell of the configured matrix, in a stable order. An lmcache-redis pool is its server's
     memory wherever the tier points, so that backend forms cells only on ``lmcache_redis.tiers``; an
-    lmcache-mp cell is formed once per value of ``lmcache_mp.gpu_workers``."""
+    lmcache-mp cell is formed once per value of ``lmcache_mp.gpu_workers``, and a shared one on a drive
+    tier once per value of ``lmcache_mp.servers`` (an isolated arm has a server per replica already, and
+    a memory tier's L1 is one server's)."""
     return [
-        Cell(backend, arm, chunk, tier, workers)
+        Cell(backend, arm, chunk, tier, workers, servers)
         for backend, chunk, tier, arm in itertools.product(
             config["backends"], config["chunk_sizes"], config["tiers"], config["arms"]
         )
         if backend != REDIS_BACKEND or tier in config["lmcache_redis"]["tiers"]
         for workers in (config["lmcache_mp"]["gpu_workers"] if backend == MP_BACKEND else [None])
+        for servers in _server_counts(config, backend, arm, tier)
     ]
+
+
+def _server_counts(config: dict, backend: str, arm: str, tier: str) -> list[str]:
+    """The ``lmcache_mp.servers`` values a cell is formed for: all of them for a shared MP pool on a drive
+    tier, the one server otherwise."""
+    if backend != MP_BACKEND or arm != "shared" or tier in config["lmcache_mp"]["memory_tiers"]:
+        return [ONE_SERVER]
+    return list(config["lmcache_mp"]["servers"])
 
 
 def measured(config: dict, workdir: Path) -> list[Cell]:

@@ -66,7 +66,7 @@ def reads(*sections: str, picked=None):
 # Settings that are dimensions of the matrix: each cell's (kvpool.cells) or unit's (a replay's order,
 # kvpool.studies.load.Level) value is in its name, so no step is handed the list, and adding a value
 # re-runs nothing measured before.
-DIMENSIONS = {"lmcache_mp": ("gpu_workers",), "peer": ("orders",)}
+DIMENSIONS = {"lmcache_mp": ("gpu_workers", "servers"), "peer": ("orders",)}
 
 
 def step_settings(step, config: dict, wildcards=None) -> dict:

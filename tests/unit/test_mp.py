@@ -20,7 +20,7 @@ from kvpool.cells import Cell, cells
 from kvpool.engine import mp
 from kvpool.engine.fleet import FleetError, free_ports, resolve_server_ports, running_servers
 from kvpool.engine.model import vocabulary
-from kvpool.engine.plan import fleet_plan, with_server_ports
+from kvpool.engine.plan import fleet_plan, server_port_count, with_server_ports
 from kvpool.measure import kvbytes, timed
 from kvpool.studies import load, study_a
 
@@ -35,7 +35,7 @@ def gpu_config(config):
     config["tiers"] = {"ram": "/dev/shm/kvpool", "disk": "pools/disk"}
     config["lmcache_mp"] = {"memory_tiers": ["ram"], "l1_size_gib": None, "l1_fill": 0.7, "eviction_policy": "LRU",
                             "l2_use_odirect": False, "extra_args": [], "env": {}, "startup_timeout_s": 60,
-                            "drain_timeout_s": 30, "gpu_workers": [None]}
+                            "drain_timeout_s": 30, "gpu_workers": [None], "servers": ["one"]}
     return config
 
 
@@ -122,6 +122,55 @@ def test_adding_a_gpu_workers_value_re_runs_no_measured_cell(gpu_config):
     for step, settings in before.items():
         assert kvpool_config.step_settings(step, gpu_config, job) == settings
         assert "gpu_workers" not in settings.get("lmcache_mp", {})
+
+
+def test_a_server_per_replica_is_a_dimension_of_the_shared_drive_tier_cells_alone(gpu_config):
+    gpu_config["lmcache_mp"]["servers"] = ["one", "per-replica"]
+    found = [cell for cell in cells(gpu_config)]
+    several = [cell for cell in found if cell.servers == "per-replica"]
+    # a RAM L1 is one server's, and the isolated arm has a server per replica already
+    assert [(c.arm, c.tier) for c in several] == [("shared", "disk")]
+    assert len(found) == 2 * 2 + 1  # (shared, isolated) x (ram, disk), and the shared disk pool once more
+    (cell,) = several
+    assert cell.name == "backend~lmcache-mp+servers=per-replica/arm~shared/chunk~256/tier~disk"
+    assert Cell.from_name(cell.name) == cell and cell.server_per_replica
+    both = Cell("lmcache-mp", "shared", 256, "disk", 2, "per-replica")
+    assert both.label == "lmcache-mp+gpu_workers=2+servers=per-replica" and Cell.from_name(both.name) == both
+    assert Cell.from_name(Cell("lmcache-mp", "shared", 256, "disk").name).servers == "one"
+    with pytest.raises(ValueError, match="not a backend"):
+        Cell.from_name("backend~lmcache-mp+servers=two/arm~shared/chunk~256/tier~disk")
+
+
+def test_servers_per_replica_share_one_l2_folder_each_replica_on_its_own(gpu_config):
+    cell = Cell("lmcache-mp", "shared", 256, "disk", servers="per-replica")
+    assert server_port_count(cell, 2) == 4 and server_port_count(Cell("lmcache-mp", "shared", 256, "disk"), 2) == 2
+    plan = fleet_plan(gpu_config, cell, "/models/m", Path("/tmp/cell"), [18100, 18101], "config",
+                      server_ports=[20001, 20002, 20003, 20004])
+    servers = plan["servers"]
+    assert [s["port"] for s in servers] == [20001, 20003] and [s["http_port"] for s in servers] == [20002, 20004]
+    # one L2 folder, the shared pool's, on both servers' command lines
+    folders = {json.loads(flag(s["argv"], "--l2-adapter"))["base_path"] for s in servers}
+    assert folders == {servers[0]["l2_dir"]} and servers[0]["l2_dir"].endswith("/shared")
+    # each replica on its own server
+    ports = [r["kv_transfer"]["kv_connector_extra_config"]["lmcache.mp.port"] for r in plan["replicas"]]
+    assert ports == [20001, 20003] and [r["server"] for r in plan["replicas"]] == [0, 1]
+
+
+def test_servers_per_replica_without_a_shared_drive_tier_is_refused(gpu_config):
+    gpu_config["lmcache_mp"]["servers"] = ["per-replica"]
+    assert not any("lmcache_mp.servers" in p for p in kvpool_config.problems(gpu_config, REPO, check_paths=False))
+    gpu_config["tiers"] = {"ram": "/dev/shm/kvpool"}
+    (refused,) = [p for p in kvpool_config.problems(gpu_config, REPO, check_paths=False) if "lmcache_mp.servers" in p]
+    assert "drive tier" in refused and "RAM L1 is one server's" in refused
+
+
+def test_adding_servers_per_replica_re_runs_no_measured_cell(gpu_config):
+    job = SimpleNamespace(backend="lmcache-mp", level="c32")
+    before = {step: kvpool_config.step_settings(step, gpu_config, job)
+              for step in (study_a.make_plan, study_a.run_memory_pool_cell, load.run_load_level)}
+    gpu_config["lmcache_mp"]["servers"] = ["one", "per-replica"]
+    for step, settings in before.items():
+        assert kvpool_config.step_settings(step, gpu_config, job) == settings
 
 
 def test_l1_is_sized_for_the_whole_pool(gpu_config):

@@ -96,3 +96,21 @@ def test_table1_gives_each_value_its_count_basis_and_the_ratio_its_interval():
     assert reload["isolated"] == 0 and reload["shared"] == 1 and reload["shared_basis"] == "proportion"
     assert reload["shared_ci_low"] == pytest.approx(proportion_ci(24, 24)[0])
     assert table.loc["mean_power_w", "shared_basis"] == "one window"
+
+
+def test_a_shared_pool_of_a_server_per_replica_is_compared_with_its_backends_isolated_arm():
+    config = {"warm_s": 3.0, "slo_s": 5.0, "workload": {"doc_tokens": 1000}}
+    power = {"mean_power_w": 300.0, "gpu_energy_j": 1200.0, "replicas": {}}
+    rows, samples = [], {}
+    for cell, ttft in ((Cell("lmcache-mp", "isolated", 256, "disk"), 4.0),
+                       (Cell("lmcache-mp", "shared", 256, "disk"), 2.0),
+                       (Cell("lmcache-mp", "shared", 256, "disk", servers="per-replica"), 1.0)):
+        values = np.full(8, ttft)
+        records = pd.DataFrame({"ttft_s": values, "error": [""] * 8, "external_hit_tokens": [900] * 8})
+        rows.append(cell_row(cell, records, 10.0, power, {"valid": True, "checks": {}}, config))
+        samples[cell.name] = values
+    table = table1(pd.DataFrame(rows), samples)
+    p50 = table[table["metric"] == "ttft_p50_s"].set_index("backend")
+    assert p50.loc["lmcache-mp", "ratio"] == 2.0
+    assert p50.loc["lmcache-mp+servers=per-replica", "isolated"] == 4.0
+    assert p50.loc["lmcache-mp+servers=per-replica", "ratio"] == 4.0

