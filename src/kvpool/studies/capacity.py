@@ -364,25 +364,23 @@ def mp_l1_size_gib(limit: int) -> float:
     return math.floor(limit / 2**30 * 1e4) / 1e4
 
 
+@contextlib.contextmanager
 def pool_of(server):
-    """The capacity unit's view of its one pool server: ``RedisPool`` or ``MPPool``."""
-    return MPPool(server) if server.entry["kind"] == "lmcache" else RedisPool(server)
+    """The capacity unit's view of its one pool server: ``MPPool``, or ``RedisPool`` on a connection of
+    its own."""
+    if server.entry["kind"] == "lmcache":
+        yield MPPool(server)
+        return
+    with server.connection() as conn:
+        yield RedisPool(conn)
 
 
 class RedisPool:
     """A Redis server as a capacity unit reads and limits it: its KV held and keys evicted, capped after
     populate by ``maxmemory``."""
 
-    def __init__(self, server):
-        self.server, self.conn, self.peak_kv_bytes = server, None, 0  # the most KV a read saw
-
-    def __enter__(self):
-        self._connection = self.server.connection()
-        self.conn = self._connection.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._connection.__exit__(*exc)
+    def __init__(self, conn):
+        self.conn, self.peak_kv_bytes = conn, 0  # the most KV a read saw
 
     def state(self) -> dict:
         from kvpool.engine import redis_pool
@@ -433,12 +431,6 @@ class MPPool:
 
     def __init__(self, server):
         self.server, self.peak_kv_bytes, self._settled = server, 0, None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
     def _read(self) -> dict[str, float]:
         metrics = self.server.metrics()
