@@ -99,11 +99,11 @@ def cells(config: dict) -> list[Cell]:
         )
         if backend != REDIS_BACKEND or tier in config["lmcache_redis"]["tiers"]
         for workers in (config["lmcache_mp"]["gpu_workers"] if backend == MP_BACKEND else [None])
-        for servers in _server_counts(config, backend, arm, tier)
+        for servers in _server_settings(config, backend, arm, tier)
     ]
 
 
-def _server_counts(config: dict, backend: str, arm: str, tier: str) -> list[str]:
+def _server_settings(config: dict, backend: str, arm: str, tier: str) -> list[str]:
     """The ``lmcache_mp.servers`` values a cell is formed for: all of them for a shared MP pool on a drive
     tier, the one server otherwise."""
     if backend != MP_BACKEND or arm != "shared" or tier in config["lmcache_mp"]["memory_tiers"]:

@@ -164,12 +164,12 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     for index, (place, pool_dir, port) in enumerate(zip(places, dirs, ports, strict=True)):
         entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
                  "sequential_start": place["sequential_start"], "pool_dir": None if off else str(pool_dir)}
+        server = (servers[index] if cell.server_per_replica else servers[0]) if servers else None
         if off:
             transfer = None
             entry.update(lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         elif cell.backend == mp.BACKEND:
-            server = servers[index] if cell.server_per_replica else servers[0]
             transfer = mp.kv_transfer_config(server["host"], server["port"])
             entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
@@ -177,8 +177,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
             lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
             transfer = kv_transfer_config(engine["kind"], load_failure_policy)
             server_url = None
-            if servers:  # lmcache-redis: the in-process connector, pointed at the replica's server
-                server = servers[index] if cell.server_per_replica else servers[0]
+            if server is not None:  # lmcache-redis: the in-process connector, pointed at the replica's server
                 server_url = redis_pool.url(server["host"], server["port"])
                 entry["server"] = server["index"]
             entry.update(lmcache_config_file=str(lmcache_file),

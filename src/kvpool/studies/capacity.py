@@ -116,8 +116,8 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
     asked = fractions(config)
     if not asked:
         return []
-    found = []
-    if not cells(config):
+    found, limited = [], cells(config)
+    if not limited:
         found.append(f"capacity.fractions needs a shared {REDIS_BACKEND} cell, or a shared {MP_BACKEND} cell on a "
                      "memory tier (lmcache_mp.memory_tiers): a pool of files has no capacity limit short of a "
                      "filesystem quota, and an MP server's L2 folder on a drive tier has none here")
@@ -133,7 +133,7 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
                      "no config.json here to read them from")
         return found
     workload = config["workload"]
-    for chunk in sorted({cell.chunk for cell in cells(config)}):
+    for chunk in sorted({cell.chunk for cell in limited}):
         document = (workload["doc_tokens"] + workload["followup_tokens"]) // chunk * chunk * per_token
         total = capacity_bytes(config, chunk, 1.0, per_token)
         small = [f for f in asked if f * total < document]
@@ -143,12 +143,12 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
                          f"follow-up prompt holds {document:,}): no document could be served from it")
     # the pool lives in this host's RAM: a Redis server's holds the whole working set once (populate runs
     # with no limit), an MP server's L1 is the capacity from its start
-    for cell in cells(config) if check_host else []:
+    ram = psutil.virtual_memory().total if check_host else None
+    for cell in limited if check_host else []:
         whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
         held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
                       if cell.backend == REDIS_BACKEND else
                       (max(asked) * whole, f"at capacity {max(asked):g} is the MP server's L1 (host RAM)"))
-        ram = psutil.virtual_memory().total
         if held > ram / 2:
             found.append(f"capacity.fractions: the working set's KV ({held:,.0f} bytes) {when}, and this host has "
                          f"{ram:,} bytes of RAM (at most half may go to the pool): fewer or shorter documents "
