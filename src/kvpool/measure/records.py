@@ -64,7 +64,9 @@ class CapacityRecord(RequestRecord):
     """One request of a capacity unit: its part (populate, warmup, window), its place in the drawn sequence,
     the pool server's evicted keys around it, where its document came from (``source``), whether a
     recompute happened where the pool had evicted nothing since the document was stored (``silent_miss``),
-    and the fleet's GPUs' energy over the request alone (``gpu_energy_j``, NVML's counter; none on CPU)."""
+    the fleet's GPUs' energy over the request alone (``gpu_energy_j``, NVML's counter; none on CPU), and,
+    for a pool of files, whether every chunk file of the document was in it as the request was sent
+    (``held_before``; none for a server's pool)."""
 
     part: str | None = None
     sequence: int | None = None
@@ -73,6 +75,7 @@ class CapacityRecord(RequestRecord):
     source: str | None = None
     silent_miss: bool | None = None
     gpu_energy_j: float | None = None
+    held_before: bool | None = None
 
 
 @dataclasses.dataclass

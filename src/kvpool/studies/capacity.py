@@ -1,16 +1,19 @@
 """Pool capacity as a dimension: how big must the shared pool be, under a popularity-skewed workload.
 
-Per shared ``lmcache-redis`` or ``lmcache-mp`` (memory tier) cell and per fraction in
-``capacity.fractions``, one unit ``results/cells/<cell>/capacity~<fraction>/`` on a fleet and a pool server
-of its own. The capacity is ``fraction`` of the working set's KV bytes (every document's follow-up prompt
-in whole chunks), set as the server's own limit:
+Per shared ``lmcache-redis``, ``lmcache-mp`` (memory tier) or ``lmcache-fs`` cell and per fraction in
+``capacity.fractions``, one unit ``results/cells/<cell>/capacity~<fraction>/`` on a fleet and a pool of its
+own. The capacity is ``fraction`` of the working set's KV bytes (every document's follow-up prompt in whole
+chunks), set as the pool's own limit:
 
 - Redis: populate with no limit (the pool whole, as the server holds it), then the server's ``maxmemory``
   set to its overhead while empty plus the capacity, with ``capacity.policy`` as its ``maxmemory-policy``;
   Redis evicts down to it at once;
 - LMCache's MP server: its L1 (``--l1-size-gb``) is the capacity from the start, so populate already
   evicts. LMCache evicts on a 1 s timer once L1 is 80% full (its ``--eviction-trigger-watermark``), so
-  the pool holds less than its L1 between ticks, and a store that finds L1 full is dropped.
+  the pool holds less than its L1 between ticks, and a store that finds L1 full is dropped;
+- a pool of files (``lmcache-fs``): a filesystem of the capacity's size mounted over the pool folder
+  (``kvpool.engine.sized_pool``: a tmpfs on a memory tier, an ext4 image through a loop device on a drive
+  tier; root only). Nothing is evicted: once it is full a store fails, and the pool holds what landed.
 
 Then ``capacity.warmup_requests`` and ``capacity.requests`` follow-ups, their documents drawn with a
 seeded Zipf popularity (``capacity.popularity_exponent``; 0: uniform) over a seeded ranking, each sent
@@ -19,12 +22,12 @@ alone to a replica that did not prefill its document, whose own prefix cache is 
 
 Each request's source is read from the serving replica's counters (pool, own cache, partial, recomputed),
 and the server's evictions (Redis's ``evicted_keys``, the MP server's evicted L1 chunks) around it. A
-recompute where the server evicted nothing since the document was last stored is a silent miss: the
-unit's gate fails on it, as on any error, and on a pool that held more KV bytes than its capacity.
+recompute where the server evicted nothing since the document was last stored is a silent miss. A pool
+of files is read directly: the chunk files each document's populate left are its own, and a recompute
+while every one of them is in the pool is a silent miss. The unit's gate fails on a silent miss, as on
+any error, and on a pool that held more KV bytes than its capacity.
 
-A pool of files is refused: it has no limit short of a filesystem quota, which kvpool does not set up
-(it needs root and a filesystem of its own). So is an MP server on a drive tier: its L2 folder has no
-limit here.
+An MP server on a drive tier is refused: its L2 folder has no limit here.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import contextlib
 import itertools
 import logging
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -42,17 +47,18 @@ import pandas as pd
 import psutil
 from scipy import stats
 
-from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools
+from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools, tier_root
 from kvpool.cells import cells as matrix_cells
 from kvpool.config import PHASE_SETTINGS, reads
-from kvpool.engine import external, mp, prompts
+from kvpool.engine import external, mp, prompts, sized_pool
 from kvpool.engine.client import new_session
 from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.model import engine_kv_bytes_per_token
-from kvpool.engine.plan import plan_gpus
+from kvpool.engine.plan import plan_gpus, plan_pool_dirs
 from kvpool.measure import provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
+from kvpool.measure.pool import is_memory_backed
 from kvpool.measure.records import CapacityRecord, read_records
 from kvpool.measure.telemetry import Nvml
 from kvpool.measure.timed import (
@@ -70,7 +76,9 @@ from kvpool.measure.validity import with_served
 
 log = logging.getLogger(__name__)
 
-BACKENDS = (REDIS_BACKEND, MP_BACKEND)
+FILE_BACKEND = "lmcache-fs"
+BACKENDS = (REDIS_BACKEND, MP_BACKEND, FILE_BACKEND)
+FILE_POLICY = "none: a full filesystem fails new stores"
 COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "errors", "hit_rate",
            "hit_rate_low", "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes",
            "held_kv_bytes", "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_mean_s",
@@ -89,9 +97,10 @@ def unit_label(fraction: float) -> str:
 
 
 def cells(config: dict) -> list[Cell]:
-    """The shared cells whose pool has a size limit of its own: a server's memory (a Redis server, an MP
-    server's L1 on a memory tier)."""
-    return [cell for cell in matrix_cells(config) if cell.arm == "shared" and is_memory_pool(config, cell)]
+    """The shared cells whose pool can be given a size limit: a server's memory (a Redis server, an MP
+    server's L1 on a memory tier), or a folder of files on a filesystem of the capacity's size."""
+    return [cell for cell in matrix_cells(config)
+            if cell.arm == "shared" and (is_memory_pool(config, cell) or cell.backend == FILE_BACKEND)]
 
 
 def units(config: dict) -> list[tuple[Cell, float]]:
@@ -118,9 +127,9 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
         return []
     found, limited = [], cells(config)
     if not limited:
-        found.append(f"capacity.fractions needs a shared {REDIS_BACKEND} cell, or a shared {MP_BACKEND} cell on a "
-                     "memory tier (lmcache_mp.memory_tiers): a pool of files has no capacity limit short of a "
-                     "filesystem quota, and an MP server's L2 folder on a drive tier has none here")
+        found.append(f"capacity.fractions needs a shared {REDIS_BACKEND} or {FILE_BACKEND} cell, or a shared "
+                     f"{MP_BACKEND} cell on a memory tier (lmcache_mp.memory_tiers): an MP server's L2 folder on a "
+                     "drive tier has no limit here")
     if external.is_external(config):
         found.append("capacity.fractions needs kvpool's own fleet and pool server (it limits the server and empties "
                      "the replicas' caches): an external fleet's pool is not kvpool's to limit")
@@ -141,20 +150,45 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
             found.append(f"capacity.fractions {small} give a pool smaller than one document's KV at chunk {chunk} "
                          f"({min(small) * total:,.0f} bytes of the working set's {total:,} bytes; one document's "
                          f"follow-up prompt holds {document:,}): no document could be served from it")
-    # the pool lives in this host's RAM: a Redis server's holds the whole working set once (populate runs
-    # with no limit), an MP server's L1 is the capacity from its start
-    ram = psutil.virtual_memory().total if check_host else None
-    for cell in limited if check_host else []:
+    return found + (host_problems(config, limited, asked, per_token) if check_host else [])
+
+
+def host_problems(config: dict, limited: list[Cell], asked: list[float], per_token: int) -> list[str]:
+    """What this host lacks for the units: the RAM a server's pool or a tmpfs pool takes, the free space a
+    drive tier's sized pool needs, root and the tools to mount a pool of files."""
+    found = []
+    files = {cell.tier: tier_root(config, cell.tier) for cell in limited if cell.backend == FILE_BACKEND}
+    if files:
+        found += sized_pool.problems(files)
+    # a Redis server holds the whole working set once (populate runs with no limit), an MP server's L1 and a
+    # pool of files are the capacity from the start
+    ram = psutil.virtual_memory().total
+    for cell in limited:
         whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
+        largest = max(asked) * whole
+        if cell.backend == FILE_BACKEND and not is_memory_backed(files[cell.tier]):
+            free = shutil.disk_usage(existing(files[cell.tier])).free
+            if largest > free:
+                found.append(f"capacity.fractions: at capacity {max(asked):g} the pool of files on tier {cell.tier} "
+                             f"({files[cell.tier]}) holds up to {largest:,.0f} bytes, and the tier has {free:,} "
+                             "free")
+            continue
         held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
                       if cell.backend == REDIS_BACKEND else
-                      (max(asked) * whole, f"at capacity {max(asked):g} is the MP server's L1 (host RAM)"))
+                      (largest, f"at capacity {max(asked):g} is the MP server's L1 (host RAM)")
+                      if cell.backend == MP_BACKEND else
+                      (largest, f"at capacity {max(asked):g} is a tmpfs on tier {cell.tier} (host RAM)"))
         if held > ram / 2:
             found.append(f"capacity.fractions: the working set's KV ({held:,.0f} bytes) {when}, and this host has "
                          f"{ram:,} bytes of RAM (at most half may go to the pool): fewer or shorter documents "
                          "(workload), or smaller capacities")
             break
     return found
+
+
+def existing(path: Path) -> Path:
+    """``path``, or its nearest folder that exists (a tier's folder is made when its first pool is)."""
+    return next(p for p in (path, *path.parents) if p.exists())
 
 
 def popularity_ranks(documents: int, exponent: float, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -196,17 +230,20 @@ def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
 
 
 def account(rows: list[dict], doc_tokens: int, min_hit_fraction: float, stored: dict[int, int]) -> list[dict]:
-    """Each follow-up's source, and its silent miss: a document not served from the pool although the
-    server evicted nothing since its last store began (``stored``: each document's eviction count as
-    populate began storing it, ``store_marks``; a follow-up that recomputed its document stored it again,
-    and the evictions during that store may have taken its own chunks, so they count as since). Rows in
-    the order they were sent."""
+    """Each follow-up's source, and its silent miss: a document not served from the pool although the pool
+    held it. A pool of files says so itself (``held_before``: every chunk file the document's populate left
+    was there as the follow-up was sent). A server's pool is judged by its evictions: nothing evicted since
+    the document's last store began (``stored``: each document's eviction count as populate began storing
+    it, ``store_marks``; a follow-up that recomputed its document stored it again, and the evictions during
+    that store may have taken its own chunks, so they count as since). Rows in the order they were sent."""
     stored_at = dict(stored)
     accounted = []
     for row in rows:
         found = source(row, doc_tokens, min_hit_fraction)
-        since = row["evicted_before"] - stored_at[row["doc_id"]]
-        silent = found in ("partial", "recomputed") and since == 0
+        held = row.get("held_before")
+        if held is None or pd.isna(held):
+            held = row["evicted_before"] - stored_at[row["doc_id"]] == 0
+        silent = found in ("partial", "recomputed") and bool(held)
         if found in ("partial", "recomputed"):  # the serving replica stored the recomputed chunks again
             stored_at[row["doc_id"]] = row["evicted_before"]
         accounted.append({**row, "source": found, "silent_miss": silent if found is not None else None})
@@ -256,8 +293,10 @@ def limited_config(config: dict, cell: Cell, limit: int) -> dict:
 
 
 def eviction_policy(config: dict, cell: Cell) -> str:
-    """The server's eviction policy: Redis's ``maxmemory-policy`` (``capacity.policy``) or the MP server's
-    ``--eviction-policy`` (``lmcache_mp.eviction_policy``)."""
+    """The pool's eviction policy: Redis's ``maxmemory-policy`` (``capacity.policy``), the MP server's
+    ``--eviction-policy`` (``lmcache_mp.eviction_policy``), or none for a pool of files."""
+    if cell.backend == FILE_BACKEND:
+        return FILE_POLICY
     return config["lmcache_mp"]["eviction_policy"] if cell.backend == MP_BACKEND else config["capacity"]["policy"]
 
 
@@ -280,7 +319,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     frame, meta = run_unit(
         config, plan, root,
         lambda disks: capacity_unit(plan, workload, config, limit, eviction_policy(config, cell), Path(log_dir),
-                                    disks),
+                                    disks, doc_chunks=config["workload"]["doc_tokens"] // cell.chunk),
         plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction),
         manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
         name=f"capacity-{unit_label(fraction)}")
@@ -297,20 +336,22 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
 
 
 def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, policy: str, log_dir: Path,
-                  disks: list[str]):
-    """Populate, the server's limit at ``limit`` KV bytes (set now on Redis, at its start on an MP server)
-    with its eviction ``policy``, the warm-up, then the window of drawn follow-ups, one at a time, its
-    drives and power sampled. Returns the rows, the meta data (the pool's state at each point, the limit
-    as set) and the sampler."""
+                  disks: list[str], doc_chunks: int = 0):
+    """Populate, the pool's limit at ``limit`` KV bytes (set now on Redis; at its start on an MP server, and
+    on a pool of files, whose folder is a filesystem of that size) with its eviction ``policy``, the
+    warm-up, then the window of drawn follow-ups, one at a time, its drives and power sampled. Returns the
+    rows, the meta data (the pool's state at each point, the limit as set, and for a pool of files the
+    documents it held whole after populate) and the sampler. ``doc_chunks``: a document's whole chunks."""
     settings = cfg["capacity"]
     sequence = draws(len(workload), settings["popularity_exponent"],
                      settings["warmup_requests"] + settings["requests"], settings["seed"])
-    with timed_fleet(plan, cfg, log_dir) as fleet, request_energy(plan_gpus(plan)) as energy:
-        (server,) = fleet.servers  # the shared arm's one server
-        with pool_of(server) as pool:
+    with (sized_pool_folder(plan, limit) as mounted, timed_fleet(plan, cfg, log_dir) as fleet,
+          request_energy(plan_gpus(plan)) as energy):
+        with pool_of(fleet.servers, mounted, plan_pool_dirs(plan)[0], doc_chunks) as pool:
             ask = Asking(fleet.replicas, workload, cfg, pool, energy)
             empty = pool.state()
             populated = asyncio.run(ask.populate())
+            whole = [doc_id for doc_id in ask.by_doc if pool.holds(doc_id)]
             limits = pool.limit(empty, limit, policy)
             capped = pool.state()
             warmup = settings["warmup_requests"]
@@ -322,6 +363,8 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, polic
     rows = ask.populated + account(asked, cfg["workload"]["doc_tokens"], cfg["min_hit_fraction"], stored)
     pool_record = {"empty": empty, "populated": populated, **limits, "capped": capped, "end": end,
                    "peak_kv_bytes": pool.peak_kv_bytes}
+    if isinstance(pool, FilePool):
+        pool_record["documents_whole"] = sorted(whole)
     meta = fleet.meta(pool=pool_record, policy=limits["policy"],
                       popularity_exponent=settings["popularity_exponent"],
                       kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
@@ -365,9 +408,25 @@ def mp_l1_size_gib(limit: int) -> float:
 
 
 @contextlib.contextmanager
-def pool_of(server):
-    """The capacity unit's view of its one pool server: ``MPPool``, or ``RedisPool`` on a connection of
-    its own."""
+def sized_pool_folder(plan: dict, limit: int):
+    """A pool of files' shared folder sized to ``limit`` bytes for the unit (``sized_pool``); a server's
+    pool has its limit of its own, and this yields None."""
+    if plan.get("servers"):
+        yield None
+        return
+    (folder,) = set(plan_pool_dirs(plan))  # the shared arm's one folder
+    with sized_pool.sized_folder(folder, limit) as mounted:
+        yield mounted
+
+
+@contextlib.contextmanager
+def pool_of(servers, mounted: dict | None = None, folder: Path | None = None, doc_chunks: int = 0):
+    """The capacity unit's view of its pool: ``MPPool``, ``RedisPool`` on a connection of its own, or,
+    with no server, ``FilePool`` on the sized ``folder``."""
+    if not servers:
+        yield FilePool(folder, mounted, doc_chunks)
+        return
+    (server,) = servers  # the shared arm's one server
     if server.entry["kind"] == "lmcache":
         yield MPPool(server)
         return
@@ -375,7 +434,18 @@ def pool_of(server):
         yield RedisPool(conn)
 
 
-class RedisPool:
+class ServerPool:
+    """A pool server's view keeps no record per document: a follow-up's silent miss is judged by its
+    evictions (``account``)."""
+
+    def stored(self, doc_id: int) -> None:
+        return None
+
+    def holds(self, doc_id: int) -> None:
+        return None
+
+
+class RedisPool(ServerPool):
     """A Redis server as a capacity unit reads and limits it: its KV held and keys evicted, capped after
     populate by ``maxmemory``."""
 
@@ -422,7 +492,7 @@ class RedisPool:
         return last[1]
 
 
-class MPPool:
+class MPPool(ServerPool):
     """An LMCache MP server's L1 as a capacity unit reads it, from the server's Prometheus counters: the
     KV held (L1 bytes in use) and the chunks evicted. Its limit is its L1 size, set at its start."""
 
@@ -477,6 +547,69 @@ class MPPool:
         return last[1]
 
 
+class FilePool:
+    """A pool of files on a filesystem of the capacity's size (``sized_pool``), read from its folder: the KV
+    held (the chunk files' bytes; LMCache writes a temp file and renames it once whole), and which chunk
+    files each document's populate left. Nothing is evicted: a store that finds it full fails."""
+
+    SUFFIX, TEMP = ".data", ".tmp"
+
+    def __init__(self, folder: Path, mounted: dict, doc_chunks: int):
+        self.folder, self.mounted, self.doc_chunks = Path(folder), mounted, doc_chunks
+        self.peak_kv_bytes, self.files_of, self._seen = 0, {}, set()
+
+    def _files(self) -> dict[str, int]:
+        found = {}
+        for entry in os.scandir(self.folder):
+            with contextlib.suppress(FileNotFoundError):  # a temp file renamed or removed as it is read
+                found[entry.name] = entry.stat().st_size
+        return found
+
+    def _chunks(self) -> dict[str, int]:
+        chunks = {name: size for name, size in self._files().items() if name.endswith(self.SUFFIX)}
+        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(chunks.values()))
+        return chunks
+
+    def state(self) -> dict:
+        files = self._files()
+        chunks = self._chunks()
+        return {"kv_bytes": sum(chunks.values()), "chunks": len(chunks), "evicted_keys": 0,
+                "temp_files": sum(name.endswith(self.TEMP) for name in files),
+                "free_bytes": sized_pool.free_bytes(self.folder)}
+
+    def evicted(self) -> int:
+        return 0
+
+    def limit(self, empty: dict, limit: int, policy: str) -> dict:
+        """Nothing to set: the filesystem was the limit from the unit's start."""
+        return {"filesystem": self.mounted, "policy": policy}
+
+    def settled(self, poll_s: float = 0.2, timeout_s: float = 15.0) -> int:
+        """Once the folder stops changing (LMCache stores a request's chunks after its answer): two listings
+        ``poll_s`` apart that agree with no temp file in them, or the last at ``timeout_s``. Returns the
+        evictions, none."""
+        last, deadline = self._files(), time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            current = self._files()
+            if current == last and not any(name.endswith(self.TEMP) for name in current):
+                break
+            last = current
+        return 0
+
+    def stored(self, doc_id: int) -> None:
+        """Record the chunk files ``doc_id``'s populate request left, once its stores have landed."""
+        self.settled()
+        new = set(self._chunks()) - self._seen
+        self.files_of[doc_id], self._seen = new, self._seen | new
+
+    def holds(self, doc_id: int) -> bool:
+        """Whether the pool holds the document whole: its populate left a chunk file for every whole chunk of
+        it, and each is still there."""
+        mine = self.files_of.get(doc_id, set())
+        return len(mine) >= self.doc_chunks and mine <= set(self._chunks())
+
+
 class Asking:
     """A capacity unit's requests on its fleet, one at a time: populate, and drawn follow-ups with the
     server's evictions read, settled, around each."""
@@ -497,6 +630,7 @@ class Asking:
                 before = self.pool.evicted()
                 result, counts = await measured_request(session, replica, item["document"], self.output_tokens,
                                                         self.timeout_s)
+                self.pool.stored(doc_id)
                 self.populated.append({**request_row(doc_id, replica.index, replica.index, result, counts),
                                        "part": "populate", "evicted_before": before})
         self.pool.settled()
@@ -508,7 +642,8 @@ class Asking:
             for number, doc_id in enumerate(sequence, start=first):
                 serve = self.by_index[self.route[doc_id]]
                 reset = await reset_prefix_cache(session, serve) if reset_own_cache else ""
-                before, joules = self.pool.settled(), self.energy()
+                before = self.pool.settled()
+                held, joules = self.pool.holds(doc_id), self.energy()
                 result, counts = await measured_request(session, serve, self.by_doc[doc_id]["followup"],
                                                         self.output_tokens, self.timeout_s)
                 used = None if joules is None else self.energy() - joules
@@ -516,7 +651,7 @@ class Asking:
                     result.error = f"the prefix cache reset before this follow-up failed: {reset}"
                 rows.append({**request_row(doc_id, self.prefill[doc_id], serve.index, result, counts), "part": part,
                              "sequence": number, "evicted_before": before, "evicted_after": self.pool.settled(),
-                             "gpu_energy_j": used})
+                             "held_before": held, "gpu_energy_j": used})
         return rows
 
 

