@@ -45,3 +45,15 @@ def test_every_follow_up_loaded_its_document_from_the_other_servers_files_read_f
     drive = pd.read_csv(FOLDER / "telemetry" / "reuse-drive.csv").query("device == 'vda'")
     read = drive["rd_sectors"].iloc[-1] - drive["rd_sectors"].iloc[0]
     assert read * 512 >= 4 * 64 * 2**24
+
+
+def test_the_gate_re_read_without_a_reference_leaves_the_answers_not_verified():
+    """The run never made the recompute reference: measured_only still judges the cell on what it has, every
+    other check passed, and names the answers not verified rather than passed."""
+    assert not (RUN / "results" / "reference").exists()
+    gate = read_json(FOLDER / "validity.json")
+    outputs = gate["checks"].pop("output_matches_recompute")
+    assert outputs["status"] == "not_verified" and "no recompute reference" in outputs["reason"]
+    assert gate["valid"] and all(check["status"] == "passed" for check in gate["checks"].values())
+    table = pd.read_csv(RUN / "results" / "validity.csv")
+    assert table["not_verified"].tolist() == ["output_matches_recompute"] and table["valid"].all()

@@ -145,3 +145,9 @@ def test_agreement_with_the_information_paths_is_counted(path):
     rows = ROWS.assign(path=[COLD, "after_document", REPEAT])
     found = reference.agreement(measured([768], ["cold" if path == "cold" else "pool"]), rows)
     assert found[path] == {"equal": 1, "of": 1}
+
+
+def test_with_no_reference_at_all_the_answers_are_not_verified_and_say_why():
+    check = reference.output_check(measured([768], ["pool"]), None)
+    assert check["status"] == "not_verified" and check["ok"] is None
+    assert "no recompute reference" in check["reason"] and "results/reference/outputs.csv" in check["reason"]

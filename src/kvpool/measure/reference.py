@@ -186,7 +186,11 @@ def comparisons(measured: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame
 def output_check(measured: pd.DataFrame, reference: pd.DataFrame | None, what: str = "follow-up") -> dict:
     """The gate's output check: every measured answer equal to a pool-less recompute of the same prompt in
     the same split (``exact``) or the nearest split vLLM's whole blocks can give (``nearest``). It fails
-    on any unequal answer, and is not verified when no request could be compared."""
+    on any unequal answer, and is not verified when no request could be compared, or with no reference
+    at all (a run re-read with ``measured_only`` that never made one)."""
+    if reference is None:
+        return not_verified(f"no {what} could be compared: this working directory has no recompute reference "
+                            "(results/reference/outputs.csv)", {"compared": 0})
     table = comparisons(measured, reference)
     compared = table[table["match"].isin(["exact", "nearest"])]
     counts = {"compared": len(compared), "equal": int(compared["equal"].sum()),
