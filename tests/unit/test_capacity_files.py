@@ -149,3 +149,16 @@ def test_a_sized_folder_holds_at_most_its_capacity_and_is_gone_afterwards(tmp_pa
     finally:
         if tier == "memory":
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(can_mount() is not None, reason=f"cannot mount here: {can_mount()}")
+def test_a_sized_folder_an_earlier_unit_left_mounted_is_released_before_the_pool_is_emptied(tmp_path):
+    folder = tmp_path / "unit" / "shared"
+    folder.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1048576", "kvpool-capacity", str(folder)], check=True)
+    try:
+        assert sized_pool.release_stale(tmp_path / "unit") == [str(folder)]
+    finally:
+        if os.path.ismount(folder):
+            subprocess.run(["umount", str(folder)], check=False)
+    assert not os.path.ismount(folder) and sized_pool.release_stale(tmp_path / "unit") == []

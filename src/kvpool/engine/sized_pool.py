@@ -22,6 +22,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import psutil
+
 from kvpool.measure.pool import is_memory_backed
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,19 @@ def sized_folder(folder: Path, limit: int):
     finally:
         _unmount(folder)
         image.unlink(missing_ok=True)
+
+
+def release_stale(root: Path) -> list[str]:
+    """Unmount what an earlier unit killed before its end (SIGKILL) left mounted under ``root``, so its pool
+    folder can be emptied; returns the mount points released."""
+    root = Path(root).resolve()
+    stale = [part.mountpoint for part in psutil.disk_partitions(all=True)
+             if Path(part.mountpoint).is_relative_to(root) and Path(part.mountpoint) != root]
+    for mountpoint in sorted(stale, reverse=True):
+        log.warning("a sized pool folder was left mounted at %s (an earlier unit ended before unmounting it): "
+                    "unmounting it", mountpoint)
+        _unmount(Path(mountpoint))
+    return stale
 
 
 def _unmount(folder: Path) -> None:

@@ -316,6 +316,8 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
                                   dev_mode=settings["reset_own_cache"],
                                   load_failure_policy=settings["kv_load_failure_policy"]))
     workload = prompts.read_workload(Path(prompts_path))
+    if cell.backend == FILE_BACKEND:
+        sized_pool.release_stale(root)
     frame, meta = run_unit(
         config, plan, root,
         lambda disks: capacity_unit(plan, workload, config, limit, eviction_policy(config, cell), Path(log_dir),
