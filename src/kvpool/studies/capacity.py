@@ -769,9 +769,10 @@ def for_reading(table: pd.DataFrame) -> pd.DataFrame:
     } for row in table.itertuples()])
 
 
-INTRODUCTION = ("Per shared cell and capacity (a fraction of the working set's KV bytes, set as the server's own "
-                "limit), the window's follow-ups, their documents drawn by popularity, each to a replica that did not "
-                "prefill it with its own cache emptied. Hit rate with its Wilson 95% interval, TTFT p50 and mean with "
+INTRODUCTION = ("Per shared cell and capacity (a fraction of the working set's KV bytes, set as the pool's own "
+                "limit: a server's memory, or the size of the filesystem under a pool of files), the window's "
+                "follow-ups, their documents drawn by popularity, each to a replica that did not prefill it with "
+                "its own cache emptied. Hit rate with its Wilson 95% interval, TTFT p50 and mean with "
                 "their bootstrap 95% intervals. Energy per follow-up: each follow-up's own GPU energy (mean, bootstrap "
                 "95% interval), or, marked (window), the window's energy over its follow-ups, which counts the "
                 "waits for the server's evictions between them.")
