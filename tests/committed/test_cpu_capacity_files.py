@@ -6,7 +6,6 @@ for byte, and the findings docs/results/cpu-capacity-files/README.md states."""
 
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from kvpool.cells import Cell

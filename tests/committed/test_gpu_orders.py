@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from support.committed import assert_peer_table_rebuilt
 
 from kvpool.cells import Cell
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
-from kvpool.studies import peer
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 RUN = RESULTS / "h200-mp-orders"
@@ -57,19 +57,7 @@ def test_the_cell_and_the_ascending_replay_are_valid_and_loaded_what_reuse_loade
 
 
 def test_the_table_rebuilds_from_the_records(tmp_path):
-    peer.run_peer_table(
-        [(CELL, "peer")],
-        reuse={CELL: {"csv": str(FOLDER / "reuse.csv"), "validity": str(FOLDER / "validity.json")}},
-        replays={(CELL, "peer"): {"csv": str(FOLDER / "load~peer" / "requests.csv"),
-                                  "meta": str(FOLDER / "load~peer" / "level.json")}},
-        csv_out=str(tmp_path / "peer.csv"),
-        md_out=str(tmp_path / "peer.md"),
-    )
-    again, committed = (
-        pd.read_csv(p, dtype={"replica": str}) for p in (tmp_path / "peer.csv", RUN / "results" / "peer.csv")
-    )
-    pd.testing.assert_frame_equal(again, committed, rtol=1e-9)
-    assert (tmp_path / "peer.md").read_text() == (RUN / "results" / "peer.md").read_text()
+    assert_peer_table_rebuilt(RUN, CELL, tmp_path)
 
 
 def test_served_in_the_slow_runs_order_neither_replica_was_slow():

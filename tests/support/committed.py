@@ -1,17 +1,19 @@
 """What the tests that re-read a committed run (docs/results/<run>) do alike: a router unit's gate again
-from its records, the routers table rebuilt from the units, and the pipeline's measured_only rebuild
-of a page in a copy of the run."""
+from its records, the routers and peer tables rebuilt from the units, and the pipeline's measured_only
+rebuild of a page in a copy of the run."""
 
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from kvpool.cells import Cell
 from kvpool.measure.checks import NOT_APPLICABLE, status
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
-from kvpool.studies import routers
+from kvpool.studies import peer, routers
 from support import REPO
 
 
@@ -76,3 +78,22 @@ def measured_only_rebuild(run: Path, config: str, target: str, page: str, tmp_pa
                           "measured_only=True"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return work
+
+
+def assert_peer_table_rebuilt(run: Path, cell: Cell, out: Path) -> None:
+    """The run's ``results/peer.csv`` and ``.md`` made again in ``out`` from its cell's reuse phase and its
+    ascending replay (``load~peer``), equal to the committed ones."""
+    folder = run / "results" / "cells" / cell.name
+    peer.run_peer_table(
+        [(cell, "peer")],
+        reuse={cell: {"csv": str(folder / "reuse.csv"), "validity": str(folder / "validity.json")}},
+        replays={(cell, "peer"): {"csv": str(folder / "load~peer" / "requests.csv"),
+                                  "meta": str(folder / "load~peer" / "level.json")}},
+        csv_out=str(out / "peer.csv"),
+        md_out=str(out / "peer.md"),
+    )
+    again, committed = (
+        pd.read_csv(p, dtype={"replica": str}) for p in (out / "peer.csv", run / "results" / "peer.csv")
+    )
+    pd.testing.assert_frame_equal(again, committed, rtol=1e-9)
+    assert (out / "peer.md").read_text() == (run / "results" / "peer.md").read_text()
