@@ -23,8 +23,10 @@ rule report:
         contexts=CONTEXT_TARGETS.get("csv", []),
         # pool capacity as a dimension, when the run has capacity units (the figure beside the table)
         capacity=CAPACITY_TARGETS.get("csv", []),
-        # where each follow-up's TTFT goes (its figure beside it)
+        # where each follow-up's TTFT goes, and its figure (read from beside the table: an input, so a tree
+        # that lacks the figure has it drawn again)
         breakdown="results/breakdown.csv" if CELLS else [],
+        breakdown_figure="results/figures/breakdown.png" if CELLS else [],
         # Study B's section, when the run has one
         studyb=list(STUDYB_REPORT.values()),
     output:

@@ -188,9 +188,6 @@ def output_check(measured: pd.DataFrame, reference: pd.DataFrame | None, what: s
     the same split (``exact``) or the nearest split vLLM's whole blocks can give (``nearest``). It fails
     on any unequal answer, and is not verified when no request could be compared, or with no reference
     at all (a run re-read with ``measured_only`` that never made one)."""
-    if reference is None:
-        return not_verified(f"no {what} could be compared: this working directory has no recompute reference "
-                            "(results/reference/outputs.csv)", {"compared": 0})
     table = comparisons(measured, reference)
     compared = table[table["match"].isin(["exact", "nearest"])]
     counts = {"compared": len(compared), "equal": int(compared["equal"].sum()),
@@ -204,7 +201,9 @@ def output_check(measured: pd.DataFrame, reference: pd.DataFrame | None, what: s
     unmatched = sorted({int(s) for s in table.loc[table["match"] == "unmatched", "measured_split"].dropna()})[:5]
     extra = {"examples": examples, "splits_without_reference": unmatched}
     if not len(compared):
-        reason = (f"no {what} could be compared: no reference row has its prompt in its split "
+        reason = (f"no {what} could be compared: this working directory has no recompute reference "
+                  "(results/reference/outputs.csv)" if reference is None else
+                  f"no {what} could be compared: no reference row has its prompt in its split "
                   f"(splits {unmatched})" if len(table) else f"no {what} was answered")
         return {**not_verified(reason, counts), **extra}
     return {**check(counts["equal"] == counts["compared"], counts, threshold), **extra}
