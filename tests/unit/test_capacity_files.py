@@ -162,3 +162,30 @@ def test_a_sized_folder_an_earlier_unit_left_mounted_is_released_before_the_pool
         if os.path.ismount(folder):
             subprocess.run(["umount", str(folder)], check=False)
     assert not os.path.ismount(folder) and sized_pool.release_stale(tmp_path / "unit") == []
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_store_the_sized_pool_refuses_is_its_capacity_not_an_error(sized, monkeypatch, tmp_path, caplog):
+    """A phase's failed pool writes are recorded either way; a full tier is an error, a capacity unit's
+    sized folder refusing a store is its limit at work."""
+    import logging
+
+    import pandas as pd
+
+    from kvpool.measure import timed
+
+    class Sampler:
+        meta = {}
+
+        def frames(self):
+            return pd.DataFrame(), pd.DataFrame()
+
+    monkeypatch.setattr(timed, "tier_disks", lambda plan: ([], []))
+    monkeypatch.setattr(timed.logs, "new_lines_matching", lambda folder, start: ["[Errno 28] No space left on device"])
+    meta = {"pool": {"filesystem": {"kind": "tmpfs"}}} if sized else {}
+    with caplog.at_level(logging.INFO, logger=timed.log.name):
+        _, found = timed.run_sampled_phase({}, lambda disks: (pd.DataFrame(), meta, Sampler()),
+                                           str(tmp_path / "drive.csv"), str(tmp_path / "power.csv"), str(tmp_path))
+    assert found["pool_write_errors"] == ["[Errno 28] No space left on device"]
+    levels = {record.levelname for record in caplog.records if "No space left" in record.getMessage()}
+    assert levels == ({"INFO"} if sized else {"ERROR"})
