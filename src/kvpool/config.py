@@ -225,7 +225,8 @@ def _in_hub_cache(model: str) -> bool:
     return isinstance(try_to_load_from_cache(model, "config.json"), str)
 
 
-def _nearest_existing(path: Path) -> Path:
+def nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest parent that exists (a tier's folder is made when its first pool is)."""
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
@@ -259,7 +260,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
     # an external fleet's pool is where its replicas keep it, not under a tier kvpool creates
     for tier in config["tiers"] if check_paths and not external.is_external(config) else []:
         root = tier_root(config, tier, workdir)
-        existing = _nearest_existing(root)
+        existing = nearest_existing(root)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             found.append(f"tiers.{tier}: {root} cannot be created ({existing} is not a writable directory)")
             continue

@@ -49,7 +49,7 @@ from scipy import stats
 
 from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools, tier_root
 from kvpool.cells import cells as matrix_cells
-from kvpool.config import PHASE_SETTINGS, reads
+from kvpool.config import PHASE_SETTINGS, nearest_existing, reads
 from kvpool.engine import external, mp, prompts, sized_pool
 from kvpool.engine.client import new_session
 from kvpool.engine.cross_router import followup_route, populate_route
@@ -167,7 +167,7 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
         whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
         largest = max(asked) * whole
         if cell.backend == FILE_BACKEND and not is_memory_backed(files[cell.tier]):
-            free = shutil.disk_usage(existing(files[cell.tier])).free
+            free = shutil.disk_usage(nearest_existing(files[cell.tier])).free
             if largest > free:
                 found.append(f"capacity.fractions: at capacity {max(asked):g} the pool of files on tier {cell.tier} "
                              f"({files[cell.tier]}) holds up to {largest:,.0f} bytes, and the tier has {free:,} "
@@ -184,11 +184,6 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
                          "(workload), or smaller capacities")
             break
     return found
-
-
-def existing(path: Path) -> Path:
-    """``path``, or its nearest folder that exists (a tier's folder is made when its first pool is)."""
-    return next(p for p in (path, *path.parents) if p.exists())
 
 
 def popularity_ranks(documents: int, exponent: float, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -567,14 +562,16 @@ class FilePool:
                 found[entry.name] = entry.stat().st_size
         return found
 
-    def _chunks(self) -> dict[str, int]:
-        chunks = {name: size for name, size in self._files().items() if name.endswith(self.SUFFIX)}
+    def _chunks(self, files: dict[str, int] | None = None) -> dict[str, int]:
+        """The whole chunk files of one listing of the folder (``files``, else a new one), and the peak."""
+        listed = self._files() if files is None else files
+        chunks = {name: size for name, size in listed.items() if name.endswith(self.SUFFIX)}
         self.peak_kv_bytes = max(self.peak_kv_bytes, sum(chunks.values()))
         return chunks
 
     def state(self) -> dict:
         files = self._files()
-        chunks = self._chunks()
+        chunks = self._chunks(files)
         return {"kv_bytes": sum(chunks.values()), "chunks": len(chunks), "evicted_keys": 0,
                 "temp_files": sum(name.endswith(self.TEMP) for name in files),
                 "free_bytes": sized_pool.free_bytes(self.folder)}
