@@ -1,5 +1,6 @@
-"""A stand-in replica or LMCache MP server for fleet tests: serves health (and a server's /metrics),
-spawns a child like vLLM's engine core, or dies."""
+"""A stand-in replica or LMCache MP server for fleet tests: serves health (and a server's /metrics and
+/status), spawns a child like vLLM's engine core, or dies. A server in "holding" keeps a stopped engine's
+KV cache registered, one in "releasing" lets go of it on its third /status."""
 
 import http.server
 import subprocess
@@ -40,6 +41,9 @@ elif mode == "slowstop":  # an API server that takes seconds to shut down on SIG
 else:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(f"fake replica child {child.pid}", flush=True)
+HELD = {"holding": None, "releasing": 2}.get(mode, 0)  # /status answers that still list the engine (None: all)
+STATUS_READS = [0]
+mode = "serve" if mode in ("holding", "releasing") else mode
 METRICS = b"""# TYPE lmcache_mp_l1_write_total counter
 lmcache_mp_l1_write_total{cache_salt=""} 12.0
 # TYPE lmcache_mp_l1_memory_usage_bytes gauge
@@ -60,6 +64,13 @@ class Health(http.server.BaseHTTPRequestHandler):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def do_GET(self):
+        if self.path == "/status":
+            STATUS_READS[0] += 1
+            held = HELD is None or STATUS_READS[0] <= HELD
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"is_healthy": true, "registered_gpu_ids": [%s]}' % (b"4298904369579032185" * held))
+            return
         body = {"/health": b"", "/v1/models": b'{"data": [{"id": "kvpool-model", "max_model_len": 4096}]}',
                 "/healthcheck": b'{"status": "healthy"}', "/metrics": METRICS}.get(self.path)
         self.send_response(404 if body is None else 200)

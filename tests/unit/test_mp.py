@@ -35,7 +35,7 @@ def gpu_config(config):
     config["tiers"] = {"ram": "/dev/shm/kvpool", "disk": "pools/disk"}
     config["lmcache_mp"] = {"memory_tiers": ["ram"], "l1_size_gib": None, "l1_fill": 0.7, "eviction_policy": "LRU",
                             "l2_use_odirect": False, "extra_args": [], "env": {}, "startup_timeout_s": 60,
-                            "drain_timeout_s": 30, "gpu_workers": [None], "servers": ["one"]}
+                            "drain_timeout_s": 30, "release_timeout_s": 5, "gpu_workers": [None], "servers": ["one"]}
     return config
 
 
@@ -265,6 +265,40 @@ def test_servers_start_answer_and_leave_nothing_behind(tmp_path):
         assert servers[0].metrics() == {"lmcache_mp_l1_write_total": 12.0, "lmcache_mp_l1_memory_usage_bytes": 4096.0}
         assert servers[0].drain(5) == {"pending_l2_stores": 0.0, "waited_s": pytest.approx(0, abs=1)}
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_mp_replicas_let_their_engine_unregister_before_it_exits(gpu_config):
+    """vLLM kills its engine core at once by default, which can beat the connector's unregister and leave
+    the server holding the replica's GPU memory: every MP replica gets a shutdown timeout, no other does."""
+    for arm in ("shared", "isolated"):
+        for replica in mp_plan(gpu_config, arm, "ram")["replicas"]:
+            assert flag(replica["argv"], "--shutdown-timeout") == str(mp.REPLICA_SHUTDOWN_TIMEOUT_S)
+    gpu_config["backends"] = ["lmcache-fs"]
+    plan = fleet_plan(gpu_config, Cell("lmcache-fs", "shared", 256, "disk"), "/models/m", Path("/tmp/cell"),
+                      [18100, 18101], "config")
+    assert all("--shutdown-timeout" not in replica["argv"] for replica in plan["replicas"])
+
+
+def test_a_server_outliving_its_fleet_is_waited_for_until_it_lets_go_of_the_gpu_memory(gpu_config, tmp_path):
+    """A memory pool's server keeps running after populate's fleet stops; the next fleet needs the GPU memory
+    the server mapped from the stopped replicas. The wait is recorded; a server that keeps holding it stops
+    the unit, naming the cause, before a fleet starts into an out-of-memory error (seen on the H200)."""
+    with running_servers(fake_server_plan("releasing"), tmp_path, timeout_s=30) as (plan, servers):
+        assert servers[0].registered() == [4298904369579032185]
+        with timed.pool_servers(plan, tmp_path, gpu_config, servers) as (_, _, record):
+            pass
+        assert 1 <= record["0"]["released"]["waited_s"] < 5
+        assert servers[0].registered() == []
+    with running_servers(fake_server_plan("holding"), tmp_path, timeout_s=30) as (plan, servers):
+        with pytest.raises(FleetError, match=r"lmcache server 0 still holds the GPU KV cache of 1 stopped "
+                                             r"replica\(s\) after 2 s .*next fleet would run out"):
+            with timed.pool_servers(plan, tmp_path, {**gpu_config, "lmcache_mp": {
+                    **gpu_config["lmcache_mp"], "release_timeout_s": 2}}, servers):
+                pass
+    # servers the phase started itself stop with it: nothing to wait for
+    with timed.pool_servers(fake_server_plan("holding"), tmp_path, gpu_config) as (_, _, record):
+        pass
+    assert "released" not in record["0"]
 
 
 def test_a_crashed_server_is_an_error_with_its_log_tail(tmp_path):

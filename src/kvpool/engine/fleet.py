@@ -332,6 +332,30 @@ class MPServer(ManagedProcess):
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
             return mp.server_metrics(response.read().decode())
 
+    def registered(self) -> list:
+        """The engine instances whose GPU KV caches the server holds mapped now."""
+        with urllib.request.urlopen(f"{self.url}/status", timeout=30) as response:
+            return mp.registered_engines(json.loads(response.read()))
+
+    def await_released(self, timeout_s: float, poll_s: float = 1.0) -> dict:
+        """Once a fleet has stopped, wait until the server has let go of every replica's GPU KV cache; how long
+        that took. Raises FleetError while it still holds one after ``timeout_s``: the next fleet on that GPU
+        would run out of memory (LMCache #4014, #4980; see ``mp.REPLICA_SHUTDOWN_TIMEOUT_S``)."""
+        started = time.monotonic()
+        while (held := self.registered()) and time.monotonic() - started < timeout_s:
+            time.sleep(poll_s)
+        waited_s = round(time.monotonic() - started, 3)
+        if held:
+            raise FleetError(
+                f"{self.name} still holds the GPU KV cache of {len(held)} stopped replica(s) after {timeout_s:.0f} s "
+                f"(its /status lists {held}): it keeps that GPU memory mapped, so the next fleet would run out of "
+                "it. A replica's engine was killed before it unregistered (LMCache #4014, #4980), and the "
+                "server's reaper (--worker-reap-timeout-seconds, 120 s by default) has not freed it within "
+                "lmcache_mp.release_timeout_s")
+        if waited_s >= poll_s:
+            log.warning("%s let go of the stopped replicas' GPU KV caches after %.0f s", self.name, waited_s)
+        return {"waited_s": waited_s}
+
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Wait until every L2 store the server accepted is written; the stores still pending at the end."""
         deadline = time.monotonic() + timeout_s
@@ -399,6 +423,10 @@ class RedisServer(ManagedProcess):
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Nothing to wait for: a SET has been applied once LMCache's put returns."""
         return {"pending_l2_stores": 0, "waited_s": 0.0}
+
+    def await_released(self, timeout_s: float, poll_s: float = 1.0) -> dict:
+        """Nothing to wait for: Redis maps no replica's GPU memory."""
+        return {"waited_s": 0.0}
 
 
 # A pool server of either kind: what phases hand around when a memory pool's servers run already

@@ -32,6 +32,13 @@ L1_BYTES = "lmcache_mp_l1_memory_usage_bytes"
 # OpenTelemetry's exporter appends the unit: lmcache_mp.l2_store_submitted_objects (chunks) is exported as
 # lmcache_mp_l2_store_submitted_objects_chunks_total (LMCache 0.5.3, seen on the H200).
 L2_STORES = ("lmcache_mp_l2_store_submitted_objects", "lmcache_mp_l2_store_completed_objects")
+# vLLM's API server force-kills its engine core as soon as it shuts down (--shutdown-timeout 0, its default),
+# and the engine's connector unregisters its KV cache from the server only in its own teardown. On the H200
+# (2026-12-04) the kill won that race in one of about a dozen stops: the server kept the stopped replica's
+# 44 GiB mapped, and the next fleet's replica ran out of GPU memory (LMCache #4014, #4980; the server's
+# worker reaper frees it after about two minutes). A timeout above 0 lets the engine core finish (vLLM's
+# "drain" mode; a stopped fleet has no request in flight). Below the 30 s a replica's stop waits for it.
+REPLICA_SHUTDOWN_TIMEOUT_S = 20
 
 
 def used(config: dict) -> bool:
@@ -138,6 +145,11 @@ def kv_transfer_config(host: str, port: int) -> dict:
     """The replica's connector to the server at ``host:port``."""
     return {"kv_connector": CONNECTOR, "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port}}
+
+
+def registered_engines(status: dict) -> list:
+    """The engine instances whose GPU KV caches the server holds mapped, from its ``/status``."""
+    return list(status.get("registered_gpu_ids", []))
 
 
 def server_metrics(metrics_text: str) -> dict[str, float]:

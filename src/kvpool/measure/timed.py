@@ -300,7 +300,7 @@ def server_settings(cfg: dict, plan: dict) -> dict:
     (its startup and drain timeouts)."""
     redis = any(server.get("kind") == "redis" for server in plan.get("servers", []))
     if redis:
-        return {"drain_timeout_s": 0, **cfg["lmcache_redis"]}
+        return {"drain_timeout_s": 0, "release_timeout_s": 0, **cfg["lmcache_redis"]}
     return cfg["lmcache_mp"]
 
 
@@ -310,8 +310,11 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
 
     Servers handed in (a memory pool, which lives only as long as its server) keep running; otherwise
     the phase starts its own and stops them. Before the record is taken, every L2 store a server
-    accepted has reached the drive, so a server stopped afterwards loses nothing.
+    accepted has reached the drive, so a server stopped afterwards loses nothing. A server that outlives
+    the phase has also let go of its stopped replicas' GPU memory (``released``), which the next phase's
+    fleet needs; one that does not within ``release_timeout_s`` stops the unit with the reason.
     """
+    handed_in = servers is not None
     record: dict = {}
     if not plan.get("servers"):
         yield plan, [], record
@@ -340,6 +343,8 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
                 continue
             record[str(server.index)] = {"drain": drain, "metrics": mp.metrics_delta(after, before[server.index]),
                                          "l1_bytes": after.get(server.pool_bytes_metric)}
+            if handed_in:
+                record[str(server.index)]["released"] = server.await_released(settings["release_timeout_s"])
 
 
 async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica) -> str:
