@@ -81,14 +81,16 @@ def measured_only_rebuild(run: Path, config: str, target: str, page: str, tmp_pa
 
 
 def assert_peer_table_rebuilt(run: Path, cell: Cell, out: Path) -> None:
-    """The run's ``results/peer.csv`` and ``.md`` made again in ``out`` from its cell's reuse phase and its
-    ascending replay (``load~peer``), equal to the committed ones."""
+    """The run's ``results/peer.csv`` and ``.md`` made again in ``out`` from its cell's reuse phase and every
+    replay it finished (``load~peer``, and ``load~peer-descending`` where it has one), equal to the
+    committed ones."""
     folder = run / "results" / "cells" / cell.name
+    levels = [level for level in ("peer", "peer-descending") if (folder / f"load~{level}" / "level.json").exists()]
     peer.run_peer_table(
-        [(cell, "peer")],
+        [(cell, level) for level in levels],
         reuse={cell: {"csv": str(folder / "reuse.csv"), "validity": str(folder / "validity.json")}},
-        replays={(cell, "peer"): {"csv": str(folder / "load~peer" / "requests.csv"),
-                                  "meta": str(folder / "load~peer" / "level.json")}},
+        replays={(cell, level): {"csv": str(folder / f"load~{level}" / "requests.csv"),
+                                 "meta": str(folder / f"load~{level}" / "level.json")} for level in levels},
         csv_out=str(out / "peer.csv"),
         md_out=str(out / "peer.md"),
     )
