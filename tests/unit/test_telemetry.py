@@ -46,7 +46,8 @@ def test_absent_sources_are_unavailable_not_zero(tmp_path):
     with Sampler("c", "p", [], hz=10, pids=lambda: {0: os.getpid()}) as sampler:
         time.sleep(0.3)
     _, power = sampler.frames()
-    assert (power["source"] == "replica0").all() and (power["rss_bytes"] > 0).all()
+    assert set(power["source"]) == {"replica0", "host"}
+    assert (power.loc[power["source"] == "replica0", "rss_bytes"] > 0).all()
     if not sampler.nvml.available:
         assert sampler.meta["gpu_energy_j"] is None and sampler.meta["gpu_unavailable"]
 
@@ -176,7 +177,7 @@ def test_only_the_fleets_gpus_are_sampled(monkeypatch):
     with Sampler("c", "reuse", [], hz=20, gpus=[1]) as sampler:
         time.sleep(0.2)
     _, power = sampler.frames()
-    assert set(power["source"]) == {"gpu1"} and sampler.meta["gpus"] == [1]
+    assert set(power["source"]) == {"gpu1", "host"} and sampler.meta["gpus"] == [1]
     summary = summarize_power(power, sampler.meta, requests=2)
     assert summary["sampled_mean_power_w"] == pytest.approx(118.99)
     assert summary["mean_power_w"] == pytest.approx(260.0 / sampler.meta["duration_s"])
@@ -217,3 +218,38 @@ def test_records_of_a_sampler_that_read_every_gpu_count_only_the_fleets():
     # a record that names its GPUs is the fleet's already
     named = {**meta, "gpus": [0, 1, 2, 3]}
     assert fleet_gpus_only(named, power, [1]) == (named, power)
+
+
+def test_the_hosts_cpu_is_sampled_and_a_busy_or_stolen_host_shows_in_the_window():
+    """A replica whose engine steps are host-bound served slower on the H200 at the same GPU clocks and its own
+    CPU share: the host's busy and stolen time say whether the machine around it was the cause."""
+    import threading
+
+    import pandas as pd
+
+    from kvpool.measure.telemetry import host_state, summarize_power
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    with Sampler("c", "p", [], hz=20) as sampler:
+        spinner.start()
+        time.sleep(0.6)
+        stop.set()
+        spinner.join()
+    _, power = sampler.frames()
+    host = power[power["source"] == "host"]
+    assert len(host) >= 5 and host["host_busy_s"].is_monotonic_increasing and (host["host_steal_s"] >= 0).all()
+    state = summarize_power(power, sampler.meta, requests=1)["host_cpu"]
+    assert 0 < state["busy_share"] <= 1 and 0 <= state["steal_share"] < 1
+    assert state["busy_cpus"] >= 0.5  # the spinning thread kept about one CPU busy
+    # the arithmetic on known counters: 2 s over 4 CPUs, 3 CPU-seconds busy, 1 stolen, 4 idle
+    rows = pd.DataFrame({"t_s": [0.0, 2.0], "host_busy_s": [10.0, 13.0], "host_idle_s": [50.0, 54.0],
+                         "host_steal_s": [1.0, 2.0], "host_cpu_mhz": [2400.0, 1800.0]})
+    assert host_state(rows) == {"busy_share": 3 / 8, "steal_share": 1 / 8, "busy_cpus": 1.5,
+                                "cpu_mhz": {"min": 1800.0, "p50": 2100.0, "max": 2400.0}}
+    assert host_state(rows.iloc[:1]) is None  # one sample spans no time

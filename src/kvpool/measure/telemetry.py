@@ -179,6 +179,7 @@ class Sampler:
         if self.nvml.available:
             for gpu, watts, state in zip(self.nvml.indices, self.nvml.power_w(), self.nvml.state(), strict=True):
                 self.power_rows.append({**stamp, "source": f"gpu{gpu}", "power_w": watts, **state})
+        self.power_rows.append({**stamp, "source": "host", **host_cpu()})
         for replica, pid in self.pids().items():
             cpu_s, rss = 0.0, 0
             for proc in self._family(pid, now):
@@ -286,6 +287,40 @@ def clock_event_names(mask: int) -> list[str]:
     return named + ([f"0x{rest:x}"] if rest else [])
 
 
+def host_cpu() -> dict:
+    """The whole host's CPU now, beside the replicas' own time: cumulative busy, idle and steal seconds over
+    every CPU (steal: time a virtual machine's CPUs waited for the hypervisor) and the mean current clock
+    (MHz; absent where the kernel does not report it, as in many virtual machines). A replica whose engine
+    steps are host-bound serves slower on a busy or stolen host at the same GPU clocks."""
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    steal = getattr(times, "steal", 0.0)
+    guests = getattr(times, "guest", 0.0) + getattr(times, "guest_nice", 0.0)  # already counted in user time
+    found = {"host_busy_s": sum(times) - idle - steal - guests, "host_idle_s": idle, "host_steal_s": steal}
+    freq = psutil.cpu_freq()
+    if freq is not None and freq.current:
+        found["host_cpu_mhz"] = float(freq.current)
+    return found
+
+
+def host_state(host: pd.DataFrame) -> dict | None:
+    """The host's CPU over a window (its ``host`` samples): the shares of its CPU time that were busy and
+    stolen, the CPUs' busy count, and the clock (min, p50, max) where reported."""
+    if host.empty or "host_busy_s" not in host or len(host) < 2:
+        return None
+    first, last = host.iloc[0], host.iloc[-1]
+    spent = {key: float(last[key] - first[key]) for key in ("host_busy_s", "host_idle_s", "host_steal_s")}
+    total = sum(spent.values())
+    if total <= 0:
+        return None
+    state = {"busy_share": spent["host_busy_s"] / total, "steal_share": spent["host_steal_s"] / total,
+             "busy_cpus": spent["host_busy_s"] / float(last["t_s"] - first["t_s"])}
+    if "host_cpu_mhz" in host and host["host_cpu_mhz"].notna().any():
+        mhz = host["host_cpu_mhz"].dropna()
+        state["cpu_mhz"] = {"min": float(mhz.min()), "p50": float(mhz.median()), "max": float(mhz.max())}
+    return state
+
+
 def gpu_state(gpus: pd.DataFrame) -> dict:
     """Per GPU over a window (its board samples with :meth:`Nvml.state`'s columns): SM and memory clocks
     (min, p50, max), PCIe receive and send rates (mean, p95 and max of the samples), and each clock-event
@@ -316,10 +351,11 @@ def gpu_state(gpus: pd.DataFrame) -> dict:
 
 
 def summarize_power(power: pd.DataFrame, meta: dict, requests: int) -> dict:
-    """Mean GPU power over the window, energy per request, host energy, and each replica's CPU time and
-    peak RSS. Mean power is the NVML energy counter's delta over the window's length, which integrates
-    every moment; the board-power samples (a few per second, which miss short peaks) give the per-GPU
-    means and ``sampled_mean_power_w`` beside it, and the mean only where no counter was read."""
+    """Mean GPU power over the window, energy per request, host energy, the host's CPU (``host_cpu``), and
+    each replica's CPU time and peak RSS. Mean power is the NVML energy counter's delta over the window's
+    length, which integrates every moment; the board-power samples (a few per second, which miss short
+    peaks) give the per-GPU means and ``sampled_mean_power_w`` beside it, and the mean only where no
+    counter was read."""
     summary: dict = {"requests": requests}
     gpus = power[power["source"].str.startswith("gpu")] if not power.empty else power
     energy = sum(meta["gpu_energy_j"]) if meta.get("gpu_energy_j") else None
@@ -342,6 +378,8 @@ def summarize_power(power: pd.DataFrame, meta: dict, requests: int) -> dict:
     summary["host_energy_j"] = meta.get("host_energy_j")
     if summary["host_energy_j"] is None:
         summary["host_energy_unavailable"] = meta.get("host_energy_unavailable")
+    if not power.empty and (host := host_state(power[power["source"] == "host"])) is not None:
+        summary["host_cpu"] = host
     replicas = power[power["source"].str.startswith("replica")] if not power.empty else power
     summary["replicas"] = {
         source: {"cpu_s": float(g["cpu_s"].iloc[-1] - g["cpu_s"].iloc[0]), "peak_rss_bytes": int(g["rss_bytes"].max())}
