@@ -38,6 +38,7 @@ def test_a_full_pool_of_files_holds_what_fit_and_recomputes_the_rest_without_a_s
     pool = meta["pool"]
     assert pool["filesystem"]["kind"] == "ext4 on a loop device" and pool["policy"] == capacity.FILE_POLICY
     assert pool["filesystem"]["free_bytes"] <= meta["capacity_bytes"]
+    assert meta["stores_refused_by"] == capacity.FILE_REFUSALS  # its refused stores logged as its limit
     # some documents fit whole, not all; the files never passed the capacity; nothing was evicted
     whole = pool["documents_whole"]
     assert 0 < len(whole) < DOCUMENTS

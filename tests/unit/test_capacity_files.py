@@ -182,7 +182,7 @@ def test_a_store_the_sized_pool_refuses_is_its_capacity_not_an_error(sized, monk
 
     monkeypatch.setattr(timed, "tier_disks", lambda plan: ([], []))
     monkeypatch.setattr(timed.logs, "new_lines_matching", lambda folder, start: ["[Errno 28] No space left on device"])
-    meta = {"pool": {"filesystem": {"kind": "tmpfs"}}} if sized else {}
+    meta = {"stores_refused_by": capacity.FILE_REFUSALS} if sized else {}
     with caplog.at_level(logging.INFO, logger=timed.log.name):
         _, found = timed.run_sampled_phase({}, lambda disks: (pd.DataFrame(), meta, Sampler()),
                                            str(tmp_path / "drive.csv"), str(tmp_path / "power.csv"), str(tmp_path))

@@ -154,11 +154,11 @@ def run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: 
     frame, meta, sampler = run(disks)
     frame = with_retrievals(frame, Path(log_dir))
     meta["pool_write_errors"] = logs.new_lines_matching(Path(log_dir), log_start)
-    # a capacity unit's pool of files is a filesystem of the capacity's size: a store it refuses is its limit
-    sized = "filesystem" in meta.get("pool", {})
+    # a phase whose pool refuses stores by design (a capacity unit's sized filesystem) names what refuses them
+    limit = meta.get("stores_refused_by")
     for line in meta["pool_write_errors"]:
-        if sized:
-            log.info("the sized pool folder refused a store (its capacity): %s", line)
+        if limit:
+            log.info("%s refused a store (its limit): %s", limit, line)
         else:
             log.error("a pool write failed (is the tier full?): %s", line)
     drive, power = sampler.frames()

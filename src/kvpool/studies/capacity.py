@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 FILE_BACKEND = "lmcache-fs"
 BACKENDS = (REDIS_BACKEND, MP_BACKEND, FILE_BACKEND)
 FILE_POLICY = "none: a full filesystem fails new stores"
+FILE_REFUSALS = "the pool's filesystem, sized to the capacity"  # what refuses a pool of files' stores by design
 COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "errors", "hit_rate",
            "hit_rate_low", "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes",
            "held_kv_bytes", "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_mean_s",
@@ -342,9 +343,9 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, polic
     settings = cfg["capacity"]
     sequence = draws(len(workload), settings["popularity_exponent"],
                      settings["warmup_requests"] + settings["requests"], settings["seed"])
-    with (sized_pool_folder(plan, limit) as mounted, timed_fleet(plan, cfg, log_dir) as fleet,
+    with (sized_pool_folder(plan, limit) as sized, timed_fleet(plan, cfg, log_dir) as fleet,
           request_energy(plan_gpus(plan)) as energy):
-        with pool_of(fleet.servers, mounted, plan_pool_dirs(plan)[0], doc_chunks) as pool:
+        with pool_of(fleet.servers, sized, doc_chunks) as pool:
             ask = Asking(fleet.replicas, workload, cfg, pool, energy)
             empty = pool.state()
             populated = asyncio.run(ask.populate())
@@ -360,9 +361,11 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, polic
     rows = ask.populated + account(asked, cfg["workload"]["doc_tokens"], cfg["min_hit_fraction"], stored)
     pool_record = {"empty": empty, "populated": populated, **limits, "capped": capped, "end": end,
                    "peak_kv_bytes": pool.peak_kv_bytes}
+    refused = {}
     if isinstance(pool, FilePool):
         pool_record["documents_whole"] = sorted(whole)
-    meta = fleet.meta(pool=pool_record, policy=limits["policy"],
+        refused = {"stores_refused_by": FILE_REFUSALS}  # its limit at work, not a fault
+    meta = fleet.meta(pool=pool_record, policy=limits["policy"], **refused,
                       popularity_exponent=settings["popularity_exponent"],
                       kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
                       warmup_requests=warmup, window_requests=len(sequence) - warmup)
@@ -406,22 +409,23 @@ def mp_l1_size_gib(limit: int) -> float:
 
 @contextlib.contextmanager
 def sized_pool_folder(plan: dict, limit: int):
-    """A pool of files' shared folder sized to ``limit`` bytes for the unit (``sized_pool``); a server's
-    pool has its limit of its own, and this yields None."""
+    """A pool of files' shared folder sized to ``limit`` bytes for the unit (``sized_pool``), as the folder
+    and its mount; a server's pool has its limit of its own, and this yields None. The one place a unit
+    decides between the two: ``pool_of`` follows it."""
     if plan.get("servers"):
         yield None
         return
     (folder,) = set(plan_pool_dirs(plan))  # the shared arm's one folder
     with sized_pool.sized_folder(folder, limit) as mounted:
-        yield mounted
+        yield Path(folder), mounted
 
 
 @contextlib.contextmanager
-def pool_of(servers, mounted: dict | None = None, folder: Path | None = None, doc_chunks: int = 0):
-    """The capacity unit's view of its pool: ``MPPool``, ``RedisPool`` on a connection of its own, or,
-    with no server, ``FilePool`` on the sized ``folder``."""
-    if not servers:
-        yield FilePool(folder, mounted, doc_chunks)
+def pool_of(servers, sized: tuple[Path, dict] | None = None, doc_chunks: int = 0):
+    """The capacity unit's view of its pool: ``FilePool`` on a ``sized`` folder (``sized_pool_folder``'s),
+    else ``MPPool`` or ``RedisPool`` (on a connection of its own) on its server."""
+    if sized is not None:
+        yield FilePool(*sized, doc_chunks)
         return
     (server,) = servers  # the shared arm's one server
     if server.entry["kind"] == "lmcache":
