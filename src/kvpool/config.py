@@ -225,7 +225,7 @@ def _in_hub_cache(model: str) -> bool:
     return isinstance(try_to_load_from_cache(model, "config.json"), str)
 
 
-def nearest_existing(path: Path) -> Path:
+def _nearest_existing(path: Path) -> Path:
     """``path``, or its nearest parent that exists (a tier's folder is made when its first pool is)."""
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -260,7 +260,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
     # an external fleet's pool is where its replicas keep it, not under a tier kvpool creates
     for tier in config["tiers"] if check_paths and not external.is_external(config) else []:
         root = tier_root(config, tier, workdir)
-        existing = nearest_existing(root)
+        existing = _nearest_existing(root)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             found.append(f"tiers.{tier}: {root} cannot be created ({existing} is not a writable directory)")
             continue
@@ -334,13 +334,15 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     # on a replica that never held it without a shared pool, again: at most twice an isolated cell's.
     routers = [2 * size for size in sizes for _ in config["routers"]["names"]]
     # A length unit's pool (kvpool.studies.contexts) holds its chains' documents and questions once, one per
-    # shared cell of the tier and length.
-    from kvpool.studies import contexts
+    # shared cell of the tier and length; a capacity unit's pool of files (kvpool.studies.capacity) is an
+    # image of its capacity on the tier.
+    from kvpool.studies import capacity, contexts
 
     per_token = engine_kv_bytes_per_token(config)
     lengths = [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token
                for tokens in config["contexts"]["doc_tokens"] for cell in contexts.cells(config) if cell in on_tier]
-    units = routers + lengths
+    images = capacity.drive_tier_images(config, tier)
+    units = routers + lengths + images
     # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest, and at
     # most one unit's (a router's or a length's) beside it
     pools = sum(sizes + units) if config["keep_pools"] else max(sizes) + max(units, default=0)
@@ -351,7 +353,8 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
         return []
     held = (f"{len(sizes) + len(units)} pools" if config["keep_pools"]
             else "the largest pool"
-            + (" and a router unit's" if routers else " and a length unit's" if lengths else ""))
+            + (" and a router unit's" if routers else " and a length unit's" if lengths
+               else " and a capacity unit's image" if images else ""))
     return [f"tiers.{tier}: {root} has {available / 1e9:.2f} GB available but needs {needed / 1e9:.2f} GB "
             f"({held}, {pools / 1e9:.2f} GB, plus the {config['drive_ceiling_bytes'] / 1e9:.2f} GB "
             f"ceiling file); free space, lower workload.documents"

@@ -52,12 +52,27 @@ def test_mounting_needs_root_and_the_tools_and_says_which_is_missing(files_confi
     assert capacity.problems(made, check_host=False) == []
 
 
-def test_a_drive_tier_without_room_for_the_largest_capacity_is_refused_with_the_numbers(files_config, monkeypatch):
-    made = files_config([0.25, 1.0])
+def test_a_drive_tier_without_room_for_the_largest_capacitys_image_is_refused_with_the_numbers(
+        files_config, free_disk, tmp_path, monkeypatch):
+    """The unit's ext4 image takes the tier's space beside the cell's own pool: config's one tier check counts
+    it, at the largest capacity, and names it."""
+    from kvpool.config import pool_bytes_per_cell, problems
+    from kvpool.engine.model import engine_kv_bytes_per_token
+
+    made = {**files_config([0.25, 1.0]), "keep_pools": False, "drive_ceiling_bytes": 1 << 20}
     monkeypatch.setattr(sized_pool.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(capacity.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
-    (refused,) = capacity.problems(made)
-    assert "at capacity 1 the pool of files on tier disk" in refused and "1,000 free" in refused
+    (cell,) = capacity.cells(made)
+    image = sized_pool.image_bytes(capacity.capacity_bytes(made, cell.chunk, 1.0, engine_kv_bytes_per_token(made)))
+    assert capacity.drive_tier_images(made, "disk") == [image]
+    needed = pool_bytes_per_cell(made, "shared") + image + (1 << 20)
+    free_disk(needed + 10**6)
+    assert problems(made, tmp_path) == []
+    free_disk(needed - 10**6)
+    (refused,) = problems(made, tmp_path)
+    assert refused.startswith("tiers.disk:") and f"needs {needed / 1e9:.2f} GB" in refused
+    assert "the largest pool and a capacity unit's image" in refused
+    # a memory tier's pool of files is a tmpfs of host RAM: nothing on the tier
+    assert capacity.drive_tier_images(files_config([1.0], {"ram": "/dev/shm/kvpool-test"}), "ram") == []
 
 
 def test_the_drive_tiers_filler_leaves_at_most_the_capacity_free_in_whole_blocks():

@@ -38,7 +38,6 @@ import itertools
 import logging
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from scipy import stats
 
 from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools, tier_root
 from kvpool.cells import cells as matrix_cells
-from kvpool.config import PHASE_SETTINGS, nearest_existing, reads
+from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import external, mp, prompts, sized_pool
 from kvpool.engine.client import new_session
 from kvpool.engine.cross_router import followup_route, populate_route
@@ -162,17 +161,13 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
     if files:
         found += sized_pool.problems(files)
     # a Redis server holds the whole working set once (populate runs with no limit), an MP server's L1 and a
-    # pool of files are the capacity from the start
+    # pool of files are the capacity from the start; a pool of files on a drive tier takes the tier's space,
+    # which config's tier check counts with the tier's other pools (drive_tier_images)
     ram = psutil.virtual_memory().total
     for cell in limited:
         whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
         largest = max(asked) * whole
         if cell.backend == FILE_BACKEND and not is_memory_backed(files[cell.tier]):
-            free = shutil.disk_usage(nearest_existing(files[cell.tier])).free
-            if largest > free:
-                found.append(f"capacity.fractions: at capacity {max(asked):g} the pool of files on tier {cell.tier} "
-                             f"({files[cell.tier]}) holds up to {largest:,.0f} bytes, and the tier has {free:,} "
-                             "free")
             continue
         held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
                       if cell.backend == REDIS_BACKEND else
@@ -185,6 +180,18 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
                          "(workload), or smaller capacities")
             break
     return found
+
+
+def drive_tier_images(config: dict, tier: str) -> list[int]:
+    """The bytes a capacity unit's pool of files takes on drive tier ``tier`` at the largest capacity: its
+    ext4 image (the capacity, ext4's metadata and the filler), one per shared file cell there; the image
+    goes with its unit, so the tier holds one at a time. A memory tier's pool is a tmpfs of host RAM."""
+    asked, per_token = fractions(config), engine_kv_bytes_per_token(config)
+    root = tier_root(config, tier)
+    if not asked or per_token is None or is_memory_backed(root):
+        return []
+    return [sized_pool.image_bytes(capacity_bytes(config, cell.chunk, max(asked), per_token))
+            for cell in cells(config) if cell.backend == FILE_BACKEND and cell.tier == tier]
 
 
 def popularity_ranks(documents: int, exponent: float, count: int, rng: np.random.Generator) -> np.ndarray:
