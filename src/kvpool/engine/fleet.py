@@ -341,10 +341,7 @@ class MPServer(ManagedProcess):
         """Once a fleet has stopped, wait until the server has let go of every replica's GPU KV cache; how long
         that took. Raises FleetError while it still holds one after ``timeout_s``: the next fleet on that GPU
         would run out of memory (LMCache #4014, #4980; see ``mp.REPLICA_SHUTDOWN_TIMEOUT_S``)."""
-        started = time.monotonic()
-        while (held := self.registered()) and time.monotonic() - started < timeout_s:
-            time.sleep(poll_s)
-        waited_s = round(time.monotonic() - started, 3)
+        held, waited_s = _polled(self.registered, lambda held: not held, timeout_s, poll_s)
         if held:
             raise FleetError(
                 f"{self.name} still holds the GPU KV cache of {len(held)} stopped replica(s) after {timeout_s:.0f} s "
@@ -358,16 +355,11 @@ class MPServer(ManagedProcess):
 
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Wait until every L2 store the server accepted is written; the stores still pending at the end."""
-        deadline = time.monotonic() + timeout_s
-        started = time.monotonic()
-        while True:
-            pending = mp.l2_pending(self.metrics())
-            if pending <= 0 or time.monotonic() >= deadline:
-                break
-            time.sleep(poll_s)
+        pending, waited_s = _polled(lambda: mp.l2_pending(self.metrics()), lambda pending: pending <= 0,
+                                    timeout_s, poll_s)
         if pending > 0:
             log.error("%s still had %d L2 stores pending after %.0f s", self.name, pending, timeout_s)
-        return {"pending_l2_stores": pending, "waited_s": round(time.monotonic() - started, 3)}
+        return {"pending_l2_stores": pending, "waited_s": waited_s}
 
 
 class RedisServer(ManagedProcess):
@@ -427,6 +419,15 @@ class RedisServer(ManagedProcess):
     def await_released(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Nothing to wait for: Redis maps no replica's GPU memory."""
         return {"waited_s": 0.0}
+
+
+def _polled(read, done, timeout_s: float, poll_s: float):
+    """``read()`` every ``poll_s`` until ``done`` holds for its value or ``timeout_s`` has passed (read once
+    more then); the last value and the seconds waited."""
+    started = time.monotonic()
+    while not done(value := read()) and time.monotonic() - started < timeout_s:
+        time.sleep(poll_s)
+    return value, round(time.monotonic() - started, 3)
 
 
 # A pool server of either kind: what phases hand around when a memory pool's servers run already

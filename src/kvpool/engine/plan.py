@@ -168,12 +168,14 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
         entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
                  "sequential_start": place["sequential_start"], "pool_dir": None if off else str(pool_dir)}
         server = (servers[index] if cell.server_per_replica else servers[0]) if servers else None
+        shutdown_timeout_s = None  # vLLM's default, but for a replica that must unregister from an MP server
         if off:
             transfer = None
             entry.update(lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         elif cell.backend == mp.BACKEND:
             transfer = mp.kv_transfer_config(server["host"], server["port"])
+            shutdown_timeout_s = mp.REPLICA_SHUTDOWN_TIMEOUT_S
             entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         else:
@@ -188,8 +190,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
                          env=replica_env(engine, place, config["hash_keys"], lmcache_file, dev_mode))
         entry["kv_transfer"] = transfer
         entry["argv"] = engine_argv(engine, model, port, kv_transfer=transfer, prefix_caching=True,
-                                    gpu_memory_utilization=util, shutdown_timeout_s=mp.REPLICA_SHUTDOWN_TIMEOUT_S
-                                    if cell.backend == mp.BACKEND and not off else None)
+                                    gpu_memory_utilization=util, shutdown_timeout_s=shutdown_timeout_s)
         entries.append(entry)
     plan = {"cell": cell.name, "engine_kind": engine["kind"], "model": model, "port_source": port_source,
             "replicas": entries}
