@@ -2,11 +2,10 @@
 each unit starts, capped at a quarter of the working set and at 1.5 times it, Zipf-drawn follow-ups each sent
 to a replica that did not prefill its document, with its own prefix cache emptied first."""
 
-import json
 
 import pandas as pd
 import pytest
-from support.e2e import copy_prerequisites, measured_run, replicas_running_in
+from support.e2e import capacity_unit, copy_prerequisites, measured_run, replicas_running_in
 
 from kvpool.studies import capacity
 
@@ -22,13 +21,8 @@ def run(tmp_path_factory, prerequisites):
     return measured_run(workdir, "e2e-capacity.yaml", "results/capacity.md")
 
 
-def unit(run, fraction):
-    folder = run / CELL / f"capacity~{fraction}"
-    return pd.read_csv(folder / "requests.csv"), json.loads((folder / "unit.json").read_text())
-
-
 def test_room_for_the_whole_working_set_serves_every_follow_up_from_the_pool_and_evicts_nothing(run):
-    rows, meta = unit(run, "1.5")
+    rows, meta = capacity_unit(run, CELL, "1.5")
     assert meta["valid"], meta["checks"]
     asked = rows[rows["part"] != "populate"]
     assert len(asked) == WARMUP + WINDOW and asked["error"].isna().all()
@@ -42,7 +36,7 @@ def test_room_for_the_whole_working_set_serves_every_follow_up_from_the_pool_and
 
 
 def test_a_quarter_of_the_working_set_evicts_recomputes_and_counts_every_miss(run):
-    rows, meta = unit(run, "0.25")
+    rows, meta = capacity_unit(run, CELL, "0.25")
     assert meta["valid"], meta["checks"]
     pool = meta["pool"]
     # populated whole, then capped: Redis evicted down to the cap at once, and on during the window

@@ -4,12 +4,11 @@ files evicts nothing: once full, stores fail, and the documents that did not fit
 recomputed, each counted as not held rather than as a silent miss. Mounting needs root: without it the test
 is skipped with the reason kvpool gives."""
 
-import json
 import subprocess
 
 import pandas as pd
 import pytest
-from support.e2e import copy_prerequisites, measured_run, replicas_running_in
+from support.e2e import capacity_unit, copy_prerequisites, measured_run, replicas_running_in
 
 from kvpool.engine import sized_pool
 from kvpool.studies import capacity
@@ -27,13 +26,8 @@ def run(tmp_path_factory, prerequisites):
     return measured_run(workdir, "e2e-capacity-files.yaml", "results/capacity.md")
 
 
-def unit(run, fraction):
-    folder = run / CELL / f"capacity~{fraction}"
-    return pd.read_csv(folder / "requests.csv"), json.loads((folder / "unit.json").read_text())
-
-
 def test_a_full_pool_of_files_holds_what_fit_and_recomputes_the_rest_without_a_silent_miss(run):
-    rows, meta = unit(run, "0.5")
+    rows, meta = capacity_unit(run, CELL, "0.5")
     assert meta["valid"], meta["checks"]
     pool = meta["pool"]
     assert pool["filesystem"]["kind"] == "ext4 on a loop device" and pool["policy"] == capacity.FILE_POLICY

@@ -1,12 +1,14 @@
 """What the end-to-end tests run and read alike: Snakemake on a working directory, the e2e cell's path,
 the prerequisites (model, prompts, reference) copied into a fresh directory, and the replicas left."""
 
+import json
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import psutil
 
 from support import CONFIGS, REPO
@@ -15,6 +17,12 @@ CELL = "results/cells/backend~{backend}/arm~{arm}/chunk~256/tier~disk"
 # What a Study A run of e2e.yaml's workload builds before its cells: the random model, the prompts and
 # the recompute reference (a fleet of its own).
 PREREQUISITES = ("resources", "results/workload", "results/reference", "results/launch-check.json")
+
+
+def capacity_unit(run: Path, cell: str, fraction: str) -> tuple[pd.DataFrame, dict]:
+    """A capacity unit of ``cell`` (its ``results/cells/...`` path) in ``run``: its request rows and its unit.json."""
+    folder = run / cell / f"capacity~{fraction}"
+    return pd.read_csv(folder / "requests.csv"), json.loads((folder / "unit.json").read_text())
 
 
 def snakemake_argv(workdir, target, *configfiles):
