@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from kvpool.config import step_settings
 from kvpool.measure.telemetry import Sampler, summarize_power
+from kvpool.settings import step_settings
 from kvpool.studies.study_a import run_ceiling
 
 COPY_BYTES = 1 << 30

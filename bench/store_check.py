@@ -42,8 +42,8 @@ from kvpool.engine.client import new_session
 from kvpool.engine.fleet import free_ports, running_fleet
 from kvpool.engine.model import RANDOM_MODEL_DIR
 from kvpool.engine.plan import fleet_plan
+from kvpool.engine.pool_files import pool_files
 from kvpool.engine.prompts import read_workload
-from kvpool.measure.pool import pool_files
 from kvpool.measure.timed import measured_request
 
 REPO = Path(__file__).resolve().parents[1]

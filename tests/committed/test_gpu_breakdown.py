@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from snakemake.utils import validate
 
-from kvpool.config import step_settings
 from kvpool.report import breakdown
+from kvpool.settings import step_settings
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-mp-breakdown"
 CELL = "backend~lmcache-mp/arm~shared/chunk~256/tier~ram"

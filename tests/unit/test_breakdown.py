@@ -81,7 +81,7 @@ def test_records_from_before_kvpool_read_the_times_give_no_rows_and_the_page_say
 
 
 def test_the_rule_s_step_writes_each_request_s_parts_a_table_per_unit_and_the_figure(tmp_path, config):
-    from kvpool.config import step_settings
+    from kvpool.settings import step_settings
 
     reuse, chains = tmp_path / "reuse.csv", tmp_path / "requests.csv"
     _records().to_csv(reuse, index=False)

@@ -134,7 +134,7 @@ def test_a_ceiling_is_read_from_a_scratch_file_of_its_own_and_flagged_beside_ano
     the other's scratch file meanwhile says its figure is a shared device's, not the tier's ceiling."""
     import json
 
-    from kvpool.config import step_settings
+    from kvpool.settings import step_settings
     from kvpool.studies import study_a
 
     run, tier = tmp_path / "run", tmp_path / "tier"

@@ -16,6 +16,7 @@ from support import REPO
 from support.fakes import FAKE, FAKE_ENGINE, fake_server_plan, family, write_driver
 
 from kvpool import config as kvpool_config
+from kvpool import settings as kvpool_settings
 from kvpool.cells import Cell, cells
 from kvpool.engine import mp
 from kvpool.engine.fleet import FleetError, free_ports, resolve_server_ports, running_servers
@@ -116,11 +117,11 @@ def test_adding_a_gpu_workers_value_re_runs_no_measured_cell(gpu_config):
     """Each step is handed its sections less the dimension, so a cell's jobs see the same settings
     whatever the other cells are."""
     job = SimpleNamespace(backend="lmcache-mp", level="c32")
-    before = {step: kvpool_config.step_settings(step, gpu_config, job)
+    before = {step: kvpool_settings.step_settings(step, gpu_config, job)
               for step in (study_a.make_plan, study_a.run_memory_pool_cell, load.run_load_level)}
     gpu_config["lmcache_mp"]["gpu_workers"] = [None, 2]
     for step, settings in before.items():
-        assert kvpool_config.step_settings(step, gpu_config, job) == settings
+        assert kvpool_settings.step_settings(step, gpu_config, job) == settings
         assert "gpu_workers" not in settings.get("lmcache_mp", {})
 
 
@@ -166,11 +167,11 @@ def test_servers_per_replica_without_a_shared_drive_tier_is_refused(gpu_config):
 
 def test_adding_servers_per_replica_re_runs_no_measured_cell(gpu_config):
     job = SimpleNamespace(backend="lmcache-mp", level="c32")
-    before = {step: kvpool_config.step_settings(step, gpu_config, job)
+    before = {step: kvpool_settings.step_settings(step, gpu_config, job)
               for step in (study_a.make_plan, study_a.run_memory_pool_cell, load.run_load_level)}
     gpu_config["lmcache_mp"]["servers"] = ["one", "per-replica"]
     for step, settings in before.items():
-        assert kvpool_config.step_settings(step, gpu_config, job) == settings
+        assert kvpool_settings.step_settings(step, gpu_config, job) == settings
 
 
 def test_l1_is_sized_for_the_whole_pool(gpu_config):
@@ -475,7 +476,7 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     logs = {name: str(tmp_path / "logs" / name) for name in ("servers", "populate", "reuse")}
     plan_path, prompts_path = str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl")
     if tier == "ram":  # only the sections the rule hands its script, as Snakemake would
-        declared = {key: gpu_config[key] for key in kvpool_config.MEMORY_POOL_CELL_SETTINGS}
+        declared = {key: gpu_config[key] for key in kvpool_settings.MEMORY_POOL_CELL_SETTINGS}
         study_a.run_memory_pool_cell(declared, cell, plan_path, prompts_path, populate=populate,
                                      drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
     else:  # the three rules: each phase starts (and stops) its own servers, whose logs sit with its replicas'

@@ -8,9 +8,9 @@ import pytest
 
 from kvpool.cells import Cell
 from kvpool.cells import cells as kvpool_cells
-from kvpool.config import step_settings
 from kvpool.engine import owned
 from kvpool.engine.plan import fleet_plan
+from kvpool.settings import step_settings
 from kvpool.studies import study_a
 
 FS_CELL = Cell("lmcache-fs", "shared", 256, "disk")

@@ -16,9 +16,9 @@ import pytest
 from support import REPO, completions_server
 
 from kvpool.cells import Cell
-from kvpool.config import step_settings
 from kvpool.engine.model import build_tokenizer
 from kvpool.measure.records import write_records
+from kvpool.settings import step_settings
 from kvpool.studies import load, peer
 
 SHARED = Cell("lmcache-fs", "shared", 256, "disk")

@@ -1,4 +1,4 @@
-"""Each step declares beside its code the config it reads (kvpool.config.reads); its rule hands it exactly that."""
+"""Each step declares beside its code the config it reads (kvpool.settings.reads); its rule hands it exactly that."""
 
 import ast
 import importlib
@@ -8,7 +8,7 @@ import yaml
 from snakemake.utils import validate
 from support import REPO
 
-from kvpool.config import step_settings
+from kvpool.settings import step_settings
 from kvpool.studies import load, study_a, studyb
 
 

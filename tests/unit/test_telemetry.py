@@ -4,8 +4,8 @@ import time
 import psutil
 import pytest
 
+from kvpool.engine.pool_files import resident_bytes
 from kvpool.measure.drive import block_devices, iostat
-from kvpool.measure.pool import resident_bytes
 from kvpool.measure.telemetry import Sampler, rapl_delta_j
 
 

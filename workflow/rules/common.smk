@@ -2,6 +2,7 @@ import re
 from pathlib import Path
 
 from kvpool import config as kvpool_config
+from kvpool import settings as kvpool_settings
 from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import runlock
 from kvpool.report import breakdown, tables
@@ -80,9 +81,9 @@ def launch_input(wildcards=None):
 
 def settings(step):
     """The config that ``step`` (the function the rule's script calls) declares it reads, beside its code
-    (kvpool.config.reads), as the rule's ``settings`` param: the script hands on exactly these, and a
+    (kvpool.settings.reads), as the rule's ``settings`` param: the script hands on exactly these, and a
     change to one of them re-runs the rule's jobs."""
-    return lambda wildcards: kvpool_config.step_settings(step, config, wildcards)
+    return lambda wildcards: kvpool_settings.step_settings(step, config, wildcards)
 
 
 def cell_names(cells=None):

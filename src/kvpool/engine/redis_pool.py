@@ -14,6 +14,7 @@ the pool's bytes are the sum of the ``kv_bytes`` values, counted on the server, 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -55,6 +56,12 @@ def server_argv(config: dict, host: str, port: int, workdir: Path) -> list[str]:
             "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"] + list(settings["extra_args"])
 
 
+def value_digest(value: bytes) -> str:
+    """A stored value's digest, as ``kvpool.measure.kvbytes.file_digest`` gives a file's (a Redis pool's chunk
+    against a file's)."""
+    return hashlib.blake2b(value, digest_size=16).hexdigest()
+
+
 def url(host: str, port: int) -> str:
     return f"redis://{host}:{port}"
 
@@ -79,7 +86,6 @@ def pool_metrics(conn) -> dict[str, float]:
 
 def digest_rows(conn, copy: str) -> list[dict]:
     """Every chunk's KV value on the server: ``copy`` (the arm's pool name), key, bytes, digest."""
-    from kvpool.measure.kvbytes import value_digest
 
     rows = []
     for key in conn.scan_iter(match=f"*{KV_SUFFIX}", count=1000):

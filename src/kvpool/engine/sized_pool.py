@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from kvpool.measure.pool import is_memory_backed
+from kvpool.engine.pool_files import is_memory_backed
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.measure.pool import pool_files
+from kvpool.engine.pool_files import pool_files
 
 DIGEST_COLUMNS = ["copy", "key", "bytes", "blake2b", "stored_in"]
 COMPARISONS = {
@@ -57,11 +57,6 @@ def pool_digests(dirs: list[Path], populate: pd.DataFrame | None = None) -> pd.D
     rows = [{"copy": d.name, "key": str(p.relative_to(d)), "bytes": p.stat().st_size, "blake2b": digest}
             for (d, p), digest in zip(files, digests, strict=True)]
     return with_stored_in(rows, populate)
-
-
-def value_digest(value: bytes) -> str:
-    """A stored value's digest, as ``file_digest`` gives a file's (a Redis pool's chunk against a file's)."""
-    return hashlib.blake2b(value, digest_size=16).hexdigest()
 
 
 def with_stored_in(rows: list[dict], populate: pd.DataFrame | None) -> pd.DataFrame:

@@ -34,10 +34,10 @@ from kvpool.engine.fleet import (
     running_servers,
 )
 from kvpool.engine.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
+from kvpool.engine.pool_files import drop_from_page_cache
 from kvpool.measure import kvbytes, logs, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.files import read_frame_or_empty, write_json
-from kvpool.measure.pool import drop_from_page_cache
 from kvpool.measure.telemetry import Sampler
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kvpool.config import reads
+from kvpool.settings import reads
 
 PARTS = ["queue", "transfer", "prefill", "server_other", "client"]
 TOLERANCE_S = 1e-3

@@ -27,9 +27,8 @@ from kvpool.measure.records import read_records
 from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.validity import failures
 from kvpool.report import tables as summary
+from kvpool.report.format import change_cells, fmt_interval, fmt_supported, fmt_value, pct
 from kvpool.report.gate import judge
-from kvpool.report.tables import fmt_interval, fmt_supported, fmt_value
-from kvpool.studies.studyb import change_cells, pct
 
 
 @dataclass

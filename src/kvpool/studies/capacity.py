@@ -48,16 +48,15 @@ from scipy import stats
 
 from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools, tier_root
 from kvpool.cells import cells as matrix_cells
-from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import external, mp, prompts, sized_pool
 from kvpool.engine.client import new_session
 from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.plan import plan_gpus, plan_pool_dirs
+from kvpool.engine.pool_files import is_memory_backed
 from kvpool.measure import provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
-from kvpool.measure.pool import is_memory_backed
 from kvpool.measure.records import CapacityRecord, read_records
 from kvpool.measure.telemetry import Nvml
 from kvpool.measure.timed import (
@@ -72,6 +71,8 @@ from kvpool.measure.timed import (
     write_unit,
 )
 from kvpool.measure.validity import with_served
+from kvpool.settings import PHASE_SETTINGS, reads
+from kvpool.stats import mean_ci, proportion_ci, reported_percentile
 
 log = logging.getLogger(__name__)
 
@@ -669,12 +670,10 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
     """One unit's window: its failed requests, the answered ones' hit rate (Wilson 95% interval), recomputes,
     silent misses, evictions, the bytes it held against its capacity, TTFT p50 and mean (bootstrap
     intervals) and p99, power and energy."""
-    from kvpool.report.tables import mean_ci, reported_percentile
-
     asked = frame[frame["part"] == "window"]
     window = asked[asked["error"].fillna("") == ""]
     hits = int((window["source"] == "pool").sum())
-    interval = stats.binomtest(hits, len(window)).proportion_ci(method="wilson") if len(window) else None
+    hit_low, hit_high = proportion_ci(hits, len(window))
     ttft = window["ttft_s"].astype(float)
     p50, p99 = reported_percentile(ttft, 50), reported_percentile(ttft, 99)
     mean_low, mean_high = mean_ci(ttft)
@@ -683,8 +682,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
             "policy": meta["policy"], "valid": bool(meta["valid"]), "requests": len(window),
             "errors": len(asked) - len(window),
             "hit_rate": hits / len(window) if len(window) else np.nan,
-            "hit_rate_low": interval.low if interval else np.nan,
-            "hit_rate_high": interval.high if interval else np.nan,
+            "hit_rate_low": hit_low, "hit_rate_high": hit_high,
             "recomputed": int(window["source"].isin(["recomputed", "partial"]).sum()),
             "silent_misses": silent_misses(window),
             "evicted_keys": meta["pool"]["end"]["evicted_keys"], "capacity_bytes": meta["capacity_bytes"],
@@ -704,7 +702,6 @@ def follow_up_energy(window: pd.DataFrame, power: dict) -> dict:
     where the unit read it; else the window's energy over its follow-ups, which includes the waits for the
     server's evictions between requests (units recorded before requests read their own), with no
     interval; none without a GPU counter."""
-    from kvpool.report.tables import mean_ci
 
     own = window["gpu_energy_j"].astype(float).dropna() if "gpu_energy_j" in window else pd.Series(dtype=float)
     if len(own):

@@ -23,7 +23,6 @@ import pandas as pd
 
 from kvpool.cells import Cell, run_pools
 from kvpool.cells import cells as matrix_cells
-from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine.model import vocabulary
 from kvpool.measure import provenance, records
 from kvpool.measure.checks import NOT_APPLICABLE, check, status
@@ -41,6 +40,7 @@ from kvpool.measure.timed import (
     write_unit,
 )
 from kvpool.measure.validity import cold_reads, with_served
+from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import crossover, studyb
 
 BLOCK = "contexts-on"  # the rows' block name: kvpool.studies.studyb's ON arm, the only one a unit runs

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvpool.config import reads
 from kvpool.measure.records import read_records
+from kvpool.settings import reads
 
 # The locality chain's steps whose TTFTs the two models are fitted to (kvpool.studies.studyb.CHAIN)
 PREFILL_STEP, RELOAD_STEP = "cold", "cross"

@@ -27,7 +27,6 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import Cell, pool_root
-from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.cross_router import followup_route
@@ -36,10 +35,10 @@ from kvpool.engine.fleet import (
     running_servers,
 )
 from kvpool.engine.plan import plan_pool_dirs
+from kvpool.engine.pool_files import pool_files
 from kvpool.measure import kvbytes, provenance, records, validity
 from kvpool.measure.checks import check, not_verified, verdict
 from kvpool.measure.files import read_json, write_json
-from kvpool.measure.pool import pool_files
 from kvpool.measure.records import LevelRecord, read_records
 from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.timed import (
@@ -58,6 +57,7 @@ from kvpool.measure.timed import (
 )
 from kvpool.report import tables as summary
 from kvpool.report.tables import phase_power
+from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import peer
 from kvpool.studies.peer import PEER_LEVEL, replay_with_vllm_bench
 from kvpool.studies.study_a import prefill_replicas, run_populate

@@ -36,7 +36,7 @@ from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
 from kvpool.measure.timed import external_window, scrape_serving
-from kvpool.report.tables import percentile_ci, reported_percentile
+from kvpool.stats import percentile_ci, reported_percentile
 
 PEER_LEVEL = "peer"
 # peer.orders: the serving replicas' runs in index order (the unit load~peer) or the reverse (load~peer-descending)

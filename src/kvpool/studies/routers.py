@@ -37,7 +37,6 @@ import pandas as pd
 from tqdm import tqdm
 
 from kvpool.cells import Cell, run_pools
-from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, new_session
 from kvpool.engine.cross_router import next_replica, round_robin
@@ -61,7 +60,8 @@ from kvpool.measure.timed import (
     timed_fleet,
     write_unit,
 )
-from kvpool.report.tables import reported_percentile
+from kvpool.settings import PHASE_SETTINGS, reads
+from kvpool.stats import reported_percentile
 from kvpool.studies.load import outputs_check
 
 ROUTERS = ("cross", "round-robin", "random", "prefix-affinity")

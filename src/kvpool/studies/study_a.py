@@ -14,8 +14,8 @@ import yaml
 from tqdm import tqdm
 
 from kvpool.cells import Cell, backend_of, is_memory_pool, pool_root
-from kvpool.config import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
 from kvpool.engine import external, mp, owned, prompts, redis_pool
+from kvpool.engine import pool_files as pool
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.cross_router import followup_route, populate_route
 from kvpool.engine.fleet import (
@@ -31,7 +31,7 @@ from kvpool.engine.plan import (
     reference_plan,
     server_port_count,
 )
-from kvpool.measure import kvbytes, pool, provenance, records, validity
+from kvpool.measure import kvbytes, provenance, records, validity
 from kvpool.measure.files import read_frame_or_empty, read_json, write_json
 from kvpool.measure.records import RequestRecord, read_records
 from kvpool.measure.reference import followups
@@ -53,6 +53,7 @@ from kvpool.measure.timed import (
     server_settings,
     timed_fleet,
 )
+from kvpool.settings import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +423,7 @@ def judged_otherwise(config: dict, cells: list[Cell], workdir: Path) -> list[str
     """With measured_only: each cell whose run recorded (its manifest.json) other values than ``config``
     for what its gate reads (``run_validity``'s declared settings), with the keys that differ. Judging it
     again with ``config`` would overwrite its verdict with one its run never had."""
-    from kvpool.config import step_settings
+    from kvpool.settings import step_settings
 
     given = step_settings(run_validity, config)
     found = []

@@ -23,7 +23,6 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import Cell, run_pools
-from kvpool.config import PHASE_SETTINGS, reads
 from kvpool.engine import metrics
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import plan_pool_dirs
@@ -44,7 +43,8 @@ from kvpool.measure.timed import (
     with_retrievals,
 )
 from kvpool.measure.validity import with_served
-from kvpool.report.tables import change_claim, fmt_interval, fmt_value
+from kvpool.report.format import change_cells, fmt_value, pct
+from kvpool.settings import PHASE_SETTINGS, reads
 
 OFF, ON = "off", "on"
 SEQUENCE = (OFF, ON, ON, OFF)
@@ -569,18 +569,6 @@ def _agreement_lines(gate: dict) -> list[str]:
             "block's gate compares its answers with a pool-less recompute in their own split).", ""]
 
 
-def pct(value) -> str:
-    return "n/a" if pd.isna(value) else fmt_value(value, "") + "%"
-
-
-def change_cells(row) -> tuple[str, str]:
-    """A row's mean paired change and its interval as the page shows them, the interval with what it lets
-    the page say (a direction, or no difference shown; kvpool.report.tables.change_claim)."""
-    interval = fmt_interval(row.change_ci_low_pct, row.change_ci_high_pct).strip()
-    claim = change_claim(row.change_ci_low_pct, row.change_ci_high_pct)
-    return pct(row.mean_paired_change_pct), f"{interval}: {claim}" if interval else claim
-
-
 def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
              figures: list[str], windows: pd.DataFrame | None = None) -> str:
     """Study B's page: the design as run, the gate, Table 3 (locality) and Table 4 (sessions)."""
@@ -762,7 +750,7 @@ def run_studyb_tables(config: dict, study: dict, blocks: dict, *, locality_csv: 
 def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
     """One of Study B's blocks (kvpool.studies.studyb) on a fresh fleet and pool (chain_fleet). Returns the
     rows and the block's meta data (wall time, the servers' counters, what fault injection corrupted)."""
-    from kvpool.measure.pool import corrupt, pool_files
+    from kvpool.engine.pool_files import corrupt, pool_files
 
     injected, before, prompts = [], set(), {}
     fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
