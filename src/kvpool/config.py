@@ -1,4 +1,8 @@
-"""Checks on a schema-valid config that JSON Schema cannot express, run before any job starts."""
+"""Checks on a schema-valid config that JSON Schema cannot express, run before any job starts.
+
+The top floor of the package: it gathers every study's own checks (``capacity.problems``,
+``contexts.problems``, ``studyb.resolved``, the engine's backends') with the matrix's, so it may import
+anything and nothing imports it but the workflow."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
 from kvpool.engine import external, mp, redis_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
+from kvpool.studies import capacity, contexts, studyb
+from kvpool.studies.load import LEVEL_PATTERN, Level
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
 # another value than its plan and folder name say (a chunk~256 cell at 512, a replica on another port).
@@ -79,8 +85,6 @@ def _owned(args: list[str], owned: set[str]) -> list[str]:
 def _rate_problems(rates: list[float]) -> list[str]:
     """Each load rate must name a level of its own (``r<rate>``, kvpool.studies.load.Level) that reads back
     as that rate: a rate in exponent form names no level, and two rates that print alike would be one."""
-    from kvpool.studies.load import LEVEL_PATTERN, Level
-
     found, names = [], {}
     for rate in rates:
         name = Level("rate", float(rate)).name
@@ -233,21 +237,15 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             found.append(f"engine.cores lists cores {missing} that this process may not run on "
                          f"(it may use {sorted(os.sched_getaffinity(0))})")
     if config["fault_injection"]["corrupt_stored_chunk"]:
-        from kvpool.cells import cells, is_memory_pool
-
         if memory := [cell.name for cell in cells(config) if is_memory_pool(config, cell)]:
             found.append(f"fault_injection.corrupt_stored_chunk needs pools of files; {memory[0]} is an MP "
                          "server's memory (drop it from the matrix: its tier from lmcache_mp.memory_tiers, or the "
                          "lmcache-redis backend)")
     if config["study_b"]["enabled"]:
-        from kvpool.studies import studyb
-
         try:
             studyb.resolved(config)
         except ValueError as exc:
             found.append(str(exc))
-    from kvpool.studies import capacity, contexts
-
     return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)
             + _input_problems(config)
             + mp.problems(config) + redis_pool.problems(config) + external.problems(config))
@@ -281,8 +279,6 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     # A length unit's pool (kvpool.studies.contexts) holds its chains' documents and questions once, one per
     # shared cell of the tier and length; a capacity unit's pool of files (kvpool.studies.capacity) is an
     # image of its capacity on the tier.
-    from kvpool.studies import capacity, contexts
-
     per_token = engine_kv_bytes_per_token(config)
     lengths = [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token
                for tokens in config["contexts"]["doc_tokens"] for cell in contexts.cells(config) if cell in on_tier]
