@@ -49,35 +49,7 @@ include: "workflow/rules/summary.smk"
 include: "workflow/rules/report.smk"
 
 
-# Study A's tables, report and gate; with measured_only, a working directory that holds only Study B's
-# blocks (a Study B run) builds Study B's page and verdict alone.
-STUDY_A_TARGETS = (
-    [
-        "results/table1.csv",
-        "results/table1.md",
-        TIER_COMPARE,
-        "results/report.html",
-        "results/validity.csv",
-        "results/kv_bytes.csv",
-        "results/load.csv",
-        PEER_TARGETS.get("csv", []),
-        ROUTER_TARGETS.get("md", []),
-        CONTEXT_TARGETS.get("md", []),
-        "results/breakdown.csv",
-        "results/gate.ok",
-    ]
-    if CELLS
-    else []
-)
-
-
 rule all:
     default_target: True
     input:
-        STUDY_A_TARGETS,
-        # capacity units need no cell of their own (a run of them alone has its table and its gate)
-        CAPACITY_TARGETS.get("md", []),
-        "results/gate.ok" if CAPACITY_UNITS and not CELLS else [],
-        STUDYB_TARGETS.get("md", []),
-        STUDYB_TARGETS.get("validity", []),
-        STUDYB_TARGETS.get("crossover", []),
+        final_outputs(),
