@@ -176,12 +176,12 @@ def test_peer_arms_keep_the_replay_off_the_other_arms_chain(config):
     assert [level.name for level in load.load_chain(config)] == ["peer", "c4"]  # what any cell runs
 
 
-def test_the_default_replays_the_shared_cell_alone_and_the_next_cell_waits_for_that_replay(tmp_path):
-    """The embedded default (peer.arms [shared]): one peer replay, the shared cell's, right after its reuse.
+def test_the_peer_config_replays_the_shared_cell_alone_and_the_next_cell_waits_for_that_replay(tmp_path):
+    """config/peer.yaml, the default with the replay (peer.arms [shared]): one peer replay, the shared cell's, right after its reuse.
     With keep_pools false the tier holds one cell's pool, removed by the last unit on it: the shared cell's
     replay, so the isolated cell populates after it (and, replayed by no one, removes its pool in its reuse)."""
     result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
-                             str(tmp_path), "--configfile", str(REPO / "config" / "config.yaml"),
+                             str(tmp_path), "--configfile", str(REPO / "config" / "peer.yaml"),
                              "--config", "keep_pools=False"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     replays = re.findall(r"output: (results/cells/\S+)/load~peer/manifest.json", result.stdout)
