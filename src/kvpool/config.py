@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from kvpool.cells import cells, is_memory_pool, run_pools, tier_root
-from kvpool.engine import external, mp, redis_pool
+from kvpool.cells import cells, is_memory_pool, pool_dirs, run_pools, tier_root
+from kvpool.engine import external, mp, pool_url, redis_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
 from kvpool.studies import capacity, contexts, studyb
@@ -140,6 +140,32 @@ def _input_problems(config: dict) -> list[str]:
     return found
 
 
+def _pool_url_problems(config: dict, workdir: Path) -> list[str]:
+    """Tier paths (and a working directory) that LMCache would read back as another folder than the cell's
+    pool (kvpool.engine.pool_url): its replicas would share a pool outside kvpool's folder, which every
+    cell and run would find warm. Named once per tier, with the folder LMCache would use."""
+    if external.is_external(config):  # an external fleet's pool is where its replicas were told, not a tier
+        return []
+    found = {}
+    for cell in cells(config):
+        if cell.backend not in pool_url.FOLDER_BACKENDS:
+            continue
+        path, folder = config["tiers"][cell.tier], pool_dirs(config, cell, workdir)[0]
+        if (elsewhere := pool_url.misread(cell.backend, folder)) is None:
+            continue
+        key = pool_url.setting(cell.backend, folder)[0]
+        where = (f"{cell.backend} would keep its pool in {', '.join(map(repr, elsewhere))}, outside kvpool's folder, "
+                 "shared by every cell and run and never emptied")
+        if pool_url.misread(cell.backend, Path("/", path)) is not None:
+            found.setdefault(cell.tier, f"tiers.{cell.tier}: {path!r} does not survive LMCache's {key} setting: "
+                                        f"{where}; give a path without '#', '?', ',', tabs or line breaks")
+        else:
+            found.setdefault(cell.tier, f"the working directory {str(workdir)!r} puts tiers.{cell.tier}'s pools in a "
+                                        f"folder LMCache's {key} setting does not read back: {where}; run from a "
+                                        "directory whose path has no '#', '?', ',', tabs or line breaks")
+    return list(found.values())
+
+
 def _followup_problems(config: dict) -> list[str]:
     """Where several follow-ups per document cannot each be a cold reload from the pool, with the way out."""
     if config["workload"].get("followups_per_document", 1) <= 1:
@@ -247,7 +273,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
         except ValueError as exc:
             found.append(str(exc))
     return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)
-            + _input_problems(config)
+            + _input_problems(config) + _pool_url_problems(config, workdir)
             + mp.problems(config) + redis_pool.problems(config) + external.problems(config))
 
 

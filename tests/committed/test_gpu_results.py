@@ -85,11 +85,14 @@ def test_each_cell_is_valid_again_from_its_records(run, cell, tmp_path):
                          reuse_digests=cell_dir / "pool-digests.csv",
                          out=tmp_path / "validity.json")
     again, recorded = read_json(tmp_path / "validity.json"), read_json(cell_dir / "validity.json")
-    # a served pool's gate now also says whether its servers stayed up and its pool could be read back
+    # a served pool's gate now also says whether its servers stayed up and its pool could be read back, and
+    # every gate whether populate loaded nothing and stored into the cell's own pool (issue 51)
     served = cell.backend in ("lmcache-mp", "lmcache-redis")
-    assert_same_gate(recorded["checks"], again["checks"], new={"pool_servers"} if served else set(),
+    own = {"populate_loaded_nothing", "populate_stored_in_own_pool"}
+    assert_same_gate(recorded["checks"], again["checks"], new=own | ({"pool_servers"} if served else set()),
                      apart={"output_matches_recompute"})
     assert not served or again["checks"]["pool_servers"]["ok"]
+    assert all(again["checks"][name]["status"] == "passed" for name in own)
     # the run's reference was the cold and after-document paths; the document is whole chunks and whole
     # blocks, so the after-document path is the pool's own split, and today's split-matched check finds it
     outputs = again["checks"]["output_matches_recompute"]

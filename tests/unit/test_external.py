@@ -89,7 +89,8 @@ def test_the_gate_lists_what_it_could_not_verify_apart(config):
     config["workload"].update(documents=4, doc_tokens=DOC)
     populate, reuse, _ = frames()
     unseen = external.not_verified(external_config(config, reference=False), "shared")
-    assert set(unseen) == {"pool_writes", "pool_bytes", "cold_reads", "pool_unchanged", "output_matches_recompute"}
+    assert set(unseen) == {"pool_writes", "pool_bytes", "cold_reads", "pool_unchanged", "populate_stored_in_own_pool",
+                           "output_matches_recompute"}
     # no pool seen, no reference: what is left must still pass on its own, and nothing unverified is "ok"
     result = evaluate("shared", config, populate, reuse, None, {"memory_backed": False, "resident_fraction": 1.0}, 0,
                       {"ok": True, "hit_tokens": 512, "expect_shared": True}, not_verified=unseen)

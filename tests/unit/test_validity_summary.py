@@ -3,16 +3,19 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
-from support.records import DOC, POOL_SPLIT, frames
+from support.records import DOC, POOL_SPLIT, STORED_CHUNKS, frames
 
 from kvpool.engine.metrics import delta, token_counters
 from kvpool.measure.checks import tally
 from kvpool.measure.validity import evaluate, failures
 from kvpool.report.tables import arm_metrics, table1, table1_markdown
 
+OWN_POOL = {"files": STORED_CHUNKS, "bytes": 10**9, "chunks": STORED_CHUNKS}
+L1 = "lmcache_mp_l1_memory_usage_bytes of the pool's servers after populate"
+
 
 def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, write_errors=(), unchanged=None,
-         reference=None, server_errors=None, served=None, **kw):
+         reference=None, server_errors=None, served=None, own_pool=OWN_POOL, **kw):
     populate, reuse, rows = frames(arm, **kw)
     config["workload"].update(documents=4, doc_tokens=DOC)
     drop = drop or {"memory_backed": False, "resident_fraction": 0.0}
@@ -20,7 +23,7 @@ def gate(config, arm="shared", drop=None, pool_bytes=10**9, preflight=None, writ
     unchanged = unchanged or {"files": 16, "changed": 0, "missing": 0, "example": ""}
     return evaluate(arm, config, populate, reuse, rows if reference is None else reference, drop, pool_bytes,
                     preflight, write_errors=write_errors, pool_unchanged=unchanged, server_errors=server_errors,
-                    served=served)
+                    served=served, own_pool=own_pool)
 
 
 def test_a_clean_shared_cell_is_valid(config):
@@ -48,6 +51,13 @@ def test_a_clean_shared_cell_is_valid(config):
     # a replica that runs another chunk size or model length than its plan (an override kvpool missed)
     ({"served": [{"0": {"max_model_len": 16384, "chunk_sizes": [512]}}]}, "served_as_planned"),
     ({"served": [{"0": {"max_model_len": 999, "chunk_sizes": []}}]}, "served_as_planned"),
+    # issue 51: a document populate loaded from a pool that held it before the cell began (foreign or warm)
+    ({"populate_hits": (0, 1023, 0, 0)}, "populate_loaded_nothing"),
+    # issue 51: the cell's own pool folder does not hold what populate stored (LMCache kept it elsewhere)
+    ({"own_pool": {"files": 0, "bytes": 0, "chunks": 0}}, "populate_stored_in_own_pool"),
+    ({"own_pool": {"files": STORED_CHUNKS // 2, "bytes": 10**9, "chunks": STORED_CHUNKS // 2}},
+     "populate_stored_in_own_pool"),                               # a ',' split the pool over two folders
+    ({"own_pool": {"files": 0, "bytes": 0, "chunks": 0, "source": L1}}, "populate_stored_in_own_pool"),
 ])
 def test_each_failure_invalidates_the_cell(config, kwargs, check):
     result = gate(config, **kwargs)
@@ -108,7 +118,10 @@ def test_memory_tiers_make_the_cold_read_and_file_checks_not_applicable(config):
     """On a pool held in an MP server's RAM there is no device read to force and no file to hash: both
     checks say so, neither passes, and the verdict rests on the others."""
     drop = {"memory_backed": True, "resident_fraction": None, "pool_in": "the LMCache server's L1 (host RAM)"}
-    result = gate(config, drop=drop, unchanged={"files": 0, "changed": 0, "missing": 0, "example": ""})
+    result = gate(config, drop=drop, unchanged={"files": 0, "changed": 0, "missing": 0, "example": ""},
+                  own_pool={"files": 0, "bytes": 10**9, "resident_bytes": None, "source": L1, "chunks": 0})
+    # the server's own count of what its L1 holds stands in for the files it has none of
+    assert result["checks"]["populate_stored_in_own_pool"]["status"] == "passed"
     for name in ("cold_reads", "pool_unchanged"):
         assert result["checks"][name]["status"] == "not_applicable" and result["checks"][name]["ok"] is None
         assert "L1" in result["checks"][name]["reason"]

@@ -118,7 +118,8 @@ def not_verified(config: dict, arm: str) -> dict[str, str]:
         unseen = f"fleet.pool_dirs.{arm} is not set: the external fleet's pool is not visible here"
         found.update(pool_bytes=f"{unseen}, so its size was not measured",
                      cold_reads=f"{unseen}, so its files were not dropped from the page cache before reuse",
-                     pool_unchanged=f"{unseen}, so its chunks were not hashed after populate and reuse")
+                     pool_unchanged=f"{unseen}, so its chunks were not hashed after populate and reuse",
+                     populate_stored_in_own_pool=f"{unseen}, so what populate stored in it was not counted")
     if not config["fleet"]["reference"]:
         found["output_matches_recompute"] = "fleet.reference is false: no recompute replica ran here"
     return found

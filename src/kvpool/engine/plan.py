@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from kvpool.cells import Cell, is_memory_pool, pool_dirs
-from kvpool.engine import external, mp, redis_pool
+from kvpool.engine import external, mp, pool_url, redis_pool
 
 SERVED_MODEL_NAME = "kvpool-model"
 OFF_ARM = "off"  # no KV connector: the fleet's only cache is vLLM's own prefix cache
@@ -32,20 +32,32 @@ def lmcache_config(config: dict, cell: Cell, pool_dir: Path, server_url: str | N
         if server_url is None:
             raise ValueError(f"{cell.name}: an lmcache-redis replica needs its server's url")
         settings.update(remote_url=server_url, remote_serde="naive")
-    elif cell.backend == "lmcache-fs":
+    elif cell.backend == pool_url.FS_BACKEND:
         # fs:// checks the directory on every lookup, so chunks written by any replica are found.
-        settings.update(remote_url=f"fs://localhost:0{pool_dir}/", remote_serde="naive")
+        settings.update(_pool_setting(cell, pool_dir), remote_serde="naive")
     elif cell.backend == mp.BACKEND:
         raise ValueError("the lmcache-mp backend is configured on its server (mp.server_argv), not per replica")
-    elif cell.backend == "lmcache-local-disk":
+    elif cell.backend == pool_url.LOCAL_DISK_BACKEND:
         # The study's literal setting; its index lives in each replica's memory.
-        settings.update(local_disk=f"file://{pool_dir}/", max_local_disk_size=_disk_budget_gb(config))
+        settings.update(_pool_setting(cell, pool_dir), max_local_disk_size=_disk_budget_gb(config))
     else:
         raise ValueError(f"unknown backend {cell.backend!r}")
     if config["hash_keys"] == "sha256_cbor":
         settings["pre_caching_hash_algorithm"] = "sha256_cbor"
     settings.update(config["lmcache"])
     return settings
+
+
+def _pool_setting(cell: Cell, pool_dir: Path) -> dict:
+    """The LMCache setting that puts the replica's pool in ``pool_dir``. A folder LMCache would read back
+    otherwise (a ``#`` in the tier path or in the working directory's name) is refused: the replicas would
+    share a pool outside the cell's folder that no run empties."""
+    key, value = pool_url.setting(cell.backend, pool_dir)
+    if (elsewhere := pool_url.misread(cell.backend, pool_dir)) is not None:
+        raise ValueError(f"{cell.name}: LMCache reads the pool folder {str(pool_dir)!r} out of {key} {value!r} as "
+                         f"{', '.join(map(repr, elsewhere))}; keep '#', '?', ',', tabs and line breaks out of the "
+                         "tier path and the working directory's path")
+    return {key: value}
 
 
 def _disk_budget_gb(config: dict) -> float:

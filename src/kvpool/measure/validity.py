@@ -49,6 +49,43 @@ def unchanged_check(unchanged: dict, drop: dict) -> dict:
             "examples": [unchanged["example"]] if unchanged["example"] else []}
 
 
+def populate_loaded_nothing(populate: pd.DataFrame) -> dict:
+    """Populate prefilled every document from nothing: its replica's external-KV-transfer counter (the
+    record's ``external_hit_tokens``, a /metrics delta) did not move. Every document starts with a token of
+    its own and the cell's pool is emptied before populate, so a document loaded then came from a pool that
+    held it before the cell began (a foreign or warm one), and reuse's hits would measure that pool."""
+    if not len(populate):
+        return not_applicable("populate recorded no documents (all_documents_served says why)")
+    if "external_hit_tokens" not in populate or populate["external_hit_tokens"].isna().all():
+        return not_applicable("populate's records hold no pool-hit counts (recorded before kvpool read the "
+                              "replicas' external-KV-transfer counter)")
+    loaded = populate["external_hit_tokens"].fillna(0).astype(int)
+    warm = populate.assign(loaded=loaded)[loaded > 0]
+    return {**check(warm.empty, int(loaded.sum()), 0),
+            "examples": [f"document {row.doc_id} loaded {row.loaded} tokens from a pool during populate"
+                         for row in warm.head(3).itertuples()]}
+
+
+def stored_in_own_pool(own_pool: dict | None, expected_chunks: int) -> dict:
+    """Populate's stores are in the cell's own pool: after populate its folder held a file per whole chunk of
+    every document (a Redis pool: a key per chunk, read from the cell's own servers), or, for an LMCache MP
+    server's L1, which cannot be listed, the cell's own servers counted bytes. LMCache keeping the pool
+    elsewhere (a folder it read out of its URL as another) leaves the cell's folder short or empty.
+
+    ``own_pool``: populate.json's ``pool`` (files, bytes, and the servers' ``source`` for a pool in their
+    memory) with ``chunks``, the files or keys hashed from the cell's pool at populate's end."""
+    if own_pool is None:
+        return not_applicable("no record of the cell's pool after populate was given")
+    if expected_chunks == 0:
+        return not_applicable("the documents are shorter than one chunk: populate stores no whole chunk")
+    chunks = own_pool.get("chunks", own_pool.get("files"))
+    if chunks is None:
+        return not_applicable("the cell's pool after populate was not counted (recorded before kvpool counted it)")
+    if chunks == 0 and own_pool.get("source"):  # an MP server's L1: its own count of what it holds
+        return check(own_pool["bytes"] > 0, own_pool["bytes"], "> 0 bytes", source=own_pool["source"])
+    return check(chunks >= expected_chunks, chunks, expected_chunks)
+
+
 def followup_keys(rows: pd.DataFrame) -> pd.DataFrame:
     """Study A request records with each follow-up's reference key (document and follow-up number)."""
     numbers = rows["followup"] if "followup" in rows else pd.Series(0, index=rows.index)
@@ -96,7 +133,8 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
              drop_before_reuse: dict, pool_bytes: int, preflight: dict, chunk: int | None = None,
              write_errors: list[str] = (), pool_unchanged: dict | None = None,
              not_verified: dict[str, str] | None = None, reload_drops: list[dict] = (),
-             server_errors: list[str] | None = None, served: list[dict] | None = None) -> dict:
+             server_errors: list[str] | None = None, served: list[dict] | None = None,
+             own_pool: dict | None = None) -> dict:
     """``{"valid": bool, "checks": {name: {"ok", "value", "threshold"}}}`` for one cell of chunk size
     ``chunk`` (default: the smallest configured, whose hit bound is the loosest).
 
@@ -107,10 +145,12 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     is served: an LMCache MP or Redis server) are what its servers' records say went wrong (a server that
     died, a pool that could not be read back); any fails the cell, named. ``served`` (each phase's replicas'
     own word, kvpool.engine.fleet.Replica.served) must match the plan: the configured model length, and the
-    cell's chunk size wherever a replica's LMCache logged one."""
+    cell's chunk size wherever a replica's LMCache logged one. ``own_pool`` (``stored_in_own_pool``) is what
+    populate left in the cell's own pool folder or servers."""
     documents = config["workload"]["documents"]
     followups = documents * config["workload"].get("followups_per_document", 1)
     doc_tokens = config["workload"]["doc_tokens"]
+    chunk = chunk or min(config["chunk_sizes"])
     messages = pd.concat([populate["error"], reuse["error"]]).fillna("")
     errors = int((messages != "").sum())
     cross = reuse["prefill_replica"] != reuse["serve_replica"]
@@ -124,6 +164,10 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                                        {"populate": documents, "reuse": followups}),
         "cross_replica": check(len(reuse) > 0 and bool(cross.all()), float(cross.mean()) if len(reuse) else 0.0, 1.0),
         "pool_bytes": check(pool_bytes >= config["min_pool_bytes"], pool_bytes, config["min_pool_bytes"]),
+        # made whatever the config says (min_pool_bytes may be 0): a pool LMCache kept outside the cell's
+        # folder, or one an earlier run left warm, must not pass
+        "populate_loaded_nothing": populate_loaded_nothing(populate),
+        "populate_stored_in_own_pool": stored_in_own_pool(own_pool, documents * (doc_tokens // chunk)),
         # a store that failed (a full tier) leaves a pool that misses; the replicas' logs say why
         "pool_writes": {**check(not write_errors, len(write_errors), 0), "examples": list(write_errors)[:3]},
         "preflight": check(preflight["ok"], {"hit_tokens": preflight["hit_tokens"],
@@ -131,8 +175,7 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
                             "> 0 hit tokens, outputs equal" if preflight["expect_shared"] else "0 hit tokens"),
     }
     if served:
-        checks["served_as_planned"] = served_check(served, config["engine"]["max_model_len"],
-                                                   chunk or min(config["chunk_sizes"]))
+        checks["served_as_planned"] = served_check(served, config["engine"]["max_model_len"], chunk)
     if server_errors is not None:
         checks["pool_servers"] = {**check(not server_errors, len(server_errors), 0),
                                    "examples": list(server_errors)[:3]}
@@ -147,7 +190,6 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
         # populate stored the documents' whole chunks and nothing else: a follow-up that loaded more
         # read chunks an earlier reuse left in the pool (its own new tokens), not a cold pool
         most = int(reuse["external_hit_tokens"].fillna(0).max()) if len(reuse) else 0
-        chunk = chunk or min(config["chunk_sizes"])
         whole = doc_tokens // chunk * chunk
         checks["hits_within_document"] = check(most <= whole, most, whole)
     else:

@@ -312,9 +312,12 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
     did not hash the pool at populate's end (the check is then absent, not passed); ``reference_csv``
     None where no recompute replica ran (an external fleet's, listed as not verified)."""
     populate_meta, reuse_meta = read_json(populate_json), read_json(reuse_json)
-    unchanged = None
-    if populate_digests is not None and reuse_digests is not None:
-        unchanged = kvbytes.unchanged(kvbytes.read_digests(populate_digests), kvbytes.read_digests(reuse_digests))
+    unchanged, own_pool = None, populate_meta["pool"]
+    if populate_digests is not None:
+        stored = kvbytes.read_digests(populate_digests)
+        own_pool = {**own_pool, "chunks": len(stored)}  # the files (a Redis pool's keys) read from the cell's own pool
+        if reuse_digests is not None:
+            unchanged = kvbytes.unchanged(stored, kvbytes.read_digests(reuse_digests))
     result = validity.evaluate(cell.arm, config, read_records(populate_csv), read_records(reuse_csv),
                                read_records(reference_csv) if reference_csv else None,
                                reuse_meta["drop_before_reuse"], populate_meta["pool"]["bytes"],
@@ -324,7 +327,8 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
                                not_verified=external.not_verified(config, cell.arm),
                                reload_drops=reuse_meta.get("drops_between_reloads", []),
                                server_errors=server_errors(populate_meta, reuse_meta),
-                               served=[meta["served"] for meta in (populate_meta, reuse_meta) if "served" in meta])
+                               served=[meta["served"] for meta in (populate_meta, reuse_meta) if "served" in meta],
+                               own_pool=own_pool)
     write_json(out, {"cell": cell.name, **result})
     for reason in validity.failures(result):
         log.error("%s invalid: %s", cell.name, reason)
