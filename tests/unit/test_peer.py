@@ -178,8 +178,9 @@ def test_peer_arms_keep_the_replay_off_the_other_arms_chain(config):
 
 def test_the_peer_config_replays_the_shared_cell_alone_and_the_next_cell_waits_for_that_replay(tmp_path):
     """config/peer.yaml, the default with the replay (peer.arms [shared]): one peer replay, the shared cell's,
-    right after its reuse. With keep_pools false the tier holds one cell's pool, removed by the last unit on it: the shared cell's
-    replay, so the isolated cell populates after it (and, replayed by no one, removes its pool in its reuse)."""
+    right after its reuse. With keep_pools false the tier holds one cell's pool, removed by the last unit on it:
+    the shared cell's replay, so the isolated cell populates after it (and, replayed by no one, removes its pool
+    in its reuse)."""
     result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
                              str(tmp_path), "--configfile", str(REPO / "config" / "peer.yaml"),
                              "--config", "keep_pools=False"], capture_output=True, text=True, timeout=300)
