@@ -55,9 +55,9 @@ def test_the_table_is_rebuilt_from_the_records(tmp_path):
         units = [(CELL, f) for f in fractions]
         out = tmp_path / run
         capacity_report.run_capacity_table(units, csvs=[str(unit_dir(run, f) / "requests.csv") for f in fractions],
-                                    metas=[str(unit_dir(run, f) / "unit.json") for f in fractions],
-                                    csv_out=str(out.with_suffix(".csv")), md_out=str(out.with_suffix(".md")),
-                                    figures_dir=str(out))
+                                           metas=[str(unit_dir(run, f) / "unit.json") for f in fractions],
+                                           csv_out=str(out.with_suffix(".csv")), md_out=str(out.with_suffix(".md")),
+                                           figures_dir=str(out))
         for suffix in (".csv", ".md"):
             committed = RESULTS / run / "results" / f"capacity{suffix}"
             assert out.with_suffix(suffix).read_text().replace(f"]({run}/", "](capacity/") == committed.read_text()

@@ -144,8 +144,8 @@ def test_the_capacity_table_from_unit_records(tmp_path):
             "policy": "allkeys-lru", "valid": True, "capacity_bytes": int(fraction * 1e6), "pool": held,
             "summary": {"power": {}}}))
     capacity_report.run_capacity_table([(cell, 0.25), (cell, 1.0)], csvs=csvs, metas=metas,
-                                csv_out=str(tmp_path / "capacity.csv"), md_out=str(tmp_path / "capacity.md"),
-                                figures_dir=str(tmp_path / "capacity"))
+                                       csv_out=str(tmp_path / "capacity.csv"), md_out=str(tmp_path / "capacity.md"),
+                                       figures_dir=str(tmp_path / "capacity"))
     table = pd.read_csv(tmp_path / "capacity.csv").set_index("fraction")
     assert table.loc[0.25, "hit_rate"] == 0.25 and table.loc[0.25, "recomputed"] == 3
     assert table.loc[0.25, "hit_rate_low"] < 0.25 < table.loc[0.25, "hit_rate_high"]
