@@ -12,6 +12,7 @@ from kvpool.cells import Cell
 from kvpool.measure import timed
 from kvpool.report import gate as run_gate
 from kvpool.report import page
+from kvpool.report import routers as routers_report
 from kvpool.studies import routers
 
 DOCS = {doc: list(range(doc * 100, doc * 100 + 64)) for doc in range(40)}
@@ -153,7 +154,7 @@ def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica()
     assert row["moved_fraction"] == 1.0 and row["requests"] == 2 and row["ttft_p50_s"] == pytest.approx(0.3)
     assert row["group"] == "all" and row["ttft_p99_basis"] == "max of 2"
     assert ("| lmcache-fs / shared / chunk 256 / disk | cross | follow-up | all | valid | 2 | 0.3 s [0.1, 0.5] | "
-            "max of 2: 0.5 s |") in routers.markdown(pd.DataFrame([row]))
+            "max of 2: 0.5 s |") in routers_report.markdown(pd.DataFrame([row]))
 
 
 def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
@@ -171,8 +172,8 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
         units.append((cell, router))
     out = tmp_path / "results"
     out.mkdir()
-    routers.run_router_table(units, csvs=csvs, metas=metas, csv_out=str(out / "routers.csv"),
-                             md_out=str(out / "routers.md"), figures_dir=str(out / "routers"))
+    routers_report.run_router_table(units, csvs=csvs, metas=metas, csv_out=str(out / "routers.csv"),
+                                    md_out=str(out / "routers.md"), figures_dir=str(out / "routers"))
     table = pd.read_csv(out / "routers.csv")
     assert list(table["phase"]) == ["first", "follow-up", "hot"] * 2
     assert table.loc[table["phase"] == "hot", "pool_fraction"].tolist() == [1.0, 1.0]  # the window's split
