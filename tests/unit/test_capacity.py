@@ -5,9 +5,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpool.engine import pool_views
+from kvpool.cells import Cell
+from kvpool.engine import mp, pool_views
+from kvpool.engine.client import RequestResult
 from kvpool.report import capacity as capacity_report
+from kvpool.report import gate
 from kvpool.studies import capacity, capacity_requests
+from kvpool.studies.capacity_requests import Asking
 
 
 @pytest.mark.parametrize("exponent", [0.7, 1.0, 1.4])
@@ -126,8 +130,6 @@ def test_the_operators_number_is_where_mean_ttft_has_come_90_percent_of_the_way_
 def test_the_capacity_table_from_unit_records(tmp_path):
     import json
 
-    from kvpool.cells import Cell
-
     cell = Cell("lmcache-redis", "shared", 256, "ram")
     csvs, metas = [], []
     for fraction, sources, ttft in ((0.25, ["pool", "recomputed", "recomputed", "partial"], [0.05, 0.3, 0.32, 0.2]),
@@ -166,8 +168,6 @@ def test_the_capacity_table_from_unit_records(tmp_path):
 
 
 def test_a_run_of_capacity_units_alone_is_gated_on_them(tmp_path):
-    from kvpool.report import gate
-
     units = pd.DataFrame({"cell": ["backend~lmcache-redis/arm~shared/chunk~256/tier~ram"] * 2,
                           "fraction": [0.25, 1.5], "valid": [False, True]})
     units.to_csv(tmp_path / "capacity.csv", index=False)
@@ -236,9 +236,6 @@ def test_an_mp_pool_settles_after_two_eviction_ticks_without_a_write_and_keeps_i
 
 
 def test_an_mp_cell_on_a_memory_tier_takes_capacity_units_and_a_drive_tier_is_refused(config_with, monkeypatch):
-    from kvpool.cells import Cell
-    from kvpool.engine import mp
-
     made = config_with(fractions=[0.25, 1.0])
     made.update(backends=["lmcache-mp"], lmcache_mp={**made["lmcache_mp"], "memory_tiers": ["ram"]})
     assert capacity.problems(made) == []
@@ -300,8 +297,6 @@ def test_energy_per_follow_up_is_each_requests_own_and_a_window_figure_is_marked
 def test_a_follow_ups_energy_is_read_around_the_request_alone(monkeypatch):
     import asyncio
 
-    from kvpool.studies.capacity_requests import Asking
-
     counter = iter([100.0, 142.5])  # the GPUs' energy counter before and after the request
 
     class Pool(pool_views.ServerPool):
@@ -309,8 +304,6 @@ def test_a_follow_ups_energy_is_read_around_the_request_alone(monkeypatch):
             return 0
 
     async def answered(session, replica, prompt, output_tokens, timeout_s):
-        from kvpool.engine.client import RequestResult
-
         return RequestResult(ttft_s=0.1, e2e_s=0.2), {"external_hit_tokens": 2048}
 
     monkeypatch.setattr(capacity_requests, "measured_request", answered)

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.config import pool_bytes_per_cell, problems
 from kvpool.engine import pool_views, sized_pool
+from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.measure import timed
 from kvpool.studies import capacity
 
 
@@ -56,9 +59,6 @@ def test_a_drive_tier_without_room_for_the_largest_capacitys_image_is_refused_wi
         files_config, free_disk, tmp_path, monkeypatch):
     """The unit's ext4 image takes the tier's space beside the cell's own pool: config's one tier check counts
     it, at the largest capacity, and names it."""
-    from kvpool.config import pool_bytes_per_cell, problems
-    from kvpool.engine.model import engine_kv_bytes_per_token
-
     made = {**files_config([0.25, 1.0]), "keep_pools": False, "drive_ceiling_bytes": 1 << 20}
     monkeypatch.setattr(sized_pool.os, "geteuid", lambda: 0)
     (cell,) = capacity.cells(made)
@@ -186,8 +186,6 @@ def test_a_store_the_sized_pool_refuses_is_its_capacity_not_an_error(sized, monk
     import logging
 
     import pandas as pd
-
-    from kvpool.measure import timed
 
     class Sampler:
         meta = {}

@@ -15,6 +15,7 @@ from support import REPO, passing_gate_inputs
 from kvpool.cells import Cell
 from kvpool.measure import records
 from kvpool.measure.checks import verdict
+from kvpool.measure.files import write_json
 from kvpool.measure.records import ChainRecord
 from kvpool.report import contexts as contexts_report
 from kvpool.report import gate, page
@@ -203,8 +204,6 @@ def test_the_default_config_runs_no_length_units():
 
 
 def test_the_table_step_its_figure_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
-    from kvpool.measure.files import write_json
-
     cfg = config()
     validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))  # the random model's KV size
     units, csvs, metas = [], [], []

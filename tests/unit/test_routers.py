@@ -9,7 +9,9 @@ import pytest
 from support import passing_gate_inputs
 
 from kvpool.cells import Cell
+from kvpool.engine import prompts
 from kvpool.measure import timed
+from kvpool.measure.files import write_json
 from kvpool.report import gate as run_gate
 from kvpool.report import page
 from kvpool.report import routers as routers_report
@@ -158,8 +160,6 @@ def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica()
 
 
 def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
-    from kvpool.measure.files import write_json
-
     cell = Cell("lmcache-fs", "shared", 256, "disk")
     units, csvs, metas = [], [], []
     for router, valid in (("cross", True), ("prefix-affinity", False)):
@@ -189,8 +189,6 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
 def test_a_router_unit_that_fails_leaves_no_pool_on_the_tier(config, tmp_path, monkeypatch):
     """The unit's pool is its own, made fresh for it: a fleet that dies mid-unit must not leave it on the
     tier (keep_pools false), where the space check of later units does not expect it."""
-    from kvpool.engine import prompts
-
     config.update(tiers={"disk": str(tmp_path / "pools")}, keep_pools=False)
     cell = Cell("lmcache-fs", "shared", 256, "disk")
     root = routers.router_pool_root(config, cell, "cross")
