@@ -12,6 +12,7 @@ from kvpool.cells import Cell
 from kvpool.measure.checks import verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import capacity as capacity_report
 from kvpool.studies import capacity
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
@@ -53,10 +54,10 @@ def test_the_table_is_rebuilt_from_the_records(tmp_path):
     for run, fractions in RUNS.items():
         units = [(CELL, f) for f in fractions]
         out = tmp_path / run
-        capacity.run_capacity_table(units, csvs=[str(unit_dir(run, f) / "requests.csv") for f in fractions],
-                                    metas=[str(unit_dir(run, f) / "unit.json") for f in fractions],
-                                    csv_out=str(out.with_suffix(".csv")), md_out=str(out.with_suffix(".md")),
-                                    figures_dir=str(out))
+        capacity_report.run_capacity_table(units, csvs=[str(unit_dir(run, f) / "requests.csv") for f in fractions],
+                                           metas=[str(unit_dir(run, f) / "unit.json") for f in fractions],
+                                           csv_out=str(out.with_suffix(".csv")), md_out=str(out.with_suffix(".md")),
+                                           figures_dir=str(out))
         for suffix in (".csv", ".md"):
             committed = RESULTS / run / "results" / f"capacity{suffix}"
             assert out.with_suffix(suffix).read_text().replace(f"]({run}/", "](capacity/") == committed.read_text()

@@ -12,6 +12,7 @@ from kvpool.cells import Cell
 from kvpool.measure.checks import verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import capacity as capacity_report
 from kvpool.studies import capacity
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "cpu-capacity-files"
@@ -57,10 +58,10 @@ def test_each_unit_is_judged_again_from_its_rows(cell, fraction):
 
 def test_the_table_is_rebuilt_from_the_records(tmp_path):
     out = tmp_path / "capacity"
-    capacity.run_capacity_table(UNITS, csvs=[str(unit_dir(c, f) / "requests.csv") for c, f in UNITS],
-                                metas=[str(unit_dir(c, f) / "unit.json") for c, f in UNITS],
-                                csv_out=str(out.with_suffix(".csv")), md_out=str(out.with_suffix(".md")),
-                                figures_dir=str(out))
+    capacity_report.run_capacity_table(UNITS, csvs=[str(unit_dir(c, f) / "requests.csv") for c, f in UNITS],
+                                       metas=[str(unit_dir(c, f) / "unit.json") for c, f in UNITS],
+                                       csv_out=str(out.with_suffix(".csv")), md_out=str(out.with_suffix(".md")),
+                                       figures_dir=str(out))
     for suffix in (".csv", ".md"):
         assert out.with_suffix(suffix).read_text() == (RUN / "results" / f"capacity{suffix}").read_text()
 

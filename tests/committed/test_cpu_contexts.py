@@ -13,6 +13,7 @@ from kvpool.cells import Cell
 from kvpool.measure.checks import verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import contexts as contexts_report
 from kvpool.studies import contexts
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "cpu-contexts"
@@ -47,10 +48,10 @@ def test_every_unit_is_valid_again_from_its_records(cell, tokens):
 
 def test_the_table_rebuilds_and_says_what_the_readme_says(tmp_path):
     config = read_json(unit_dir(*UNITS[0]) / "manifest.json")["config"]
-    contexts.run_contexts_table(config, UNITS, csvs=[str(unit_dir(c, n) / "requests.csv") for c, n in UNITS],
-                                metas=[str(unit_dir(c, n) / "unit.json") for c, n in UNITS],
-                                csv_out=str(tmp_path / "contexts.csv"), md_out=str(tmp_path / "contexts.md"),
-                                figures_dir=str(tmp_path / "contexts"))
+    contexts_report.run_contexts_table(config, UNITS, csvs=[str(unit_dir(c, n) / "requests.csv") for c, n in UNITS],
+                                       metas=[str(unit_dir(c, n) / "unit.json") for c, n in UNITS],
+                                       csv_out=str(tmp_path / "contexts.csv"), md_out=str(tmp_path / "contexts.md"),
+                                       figures_dir=str(tmp_path / "contexts"))
     # the fits' last bits depend on the CPU's LAPACK kernels (polyfit's lstsq): equal to 1e-9, not byte for byte
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "contexts.csv"), pd.read_csv(RUN / "results" / "contexts.csv"),
                                   rtol=1e-9)

@@ -12,6 +12,7 @@ from kvpool.cells import Cell
 from kvpool.measure.checks import verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import capacity as capacity_report
 from kvpool.studies import capacity
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-mp-capacity"
@@ -49,10 +50,10 @@ def test_each_unit_is_judged_again_from_its_rows(fraction):
 
 def test_the_table_is_rebuilt_from_the_records(tmp_path):
     units = [(CELL, f) for f in FRACTIONS]
-    capacity.run_capacity_table(units, csvs=[str(unit_dir(f) / "requests.csv") for f in FRACTIONS],
-                                metas=[str(unit_dir(f) / "unit.json") for f in FRACTIONS],
-                                csv_out=str(tmp_path / "capacity.csv"), md_out=str(tmp_path / "capacity.md"),
-                                figures_dir=str(tmp_path / "capacity"))
+    capacity_report.run_capacity_table(units, csvs=[str(unit_dir(f) / "requests.csv") for f in FRACTIONS],
+                                       metas=[str(unit_dir(f) / "unit.json") for f in FRACTIONS],
+                                       csv_out=str(tmp_path / "capacity.csv"), md_out=str(tmp_path / "capacity.md"),
+                                       figures_dir=str(tmp_path / "capacity"))
     for name in ("capacity.csv", "capacity.md"):
         assert (tmp_path / name).read_text() == (RUN / "results" / name).read_text()
 

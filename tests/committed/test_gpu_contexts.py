@@ -13,6 +13,7 @@ from kvpool.cells import Cell
 from kvpool.measure.checks import verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import contexts as contexts_report
 from kvpool.studies import contexts
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-mp-contexts"
@@ -64,9 +65,11 @@ def test_the_run_failed_only_on_the_cold_answer_and_todays_gate_passes_every_uni
 def test_the_table_rebuilds_from_the_records(tmp_path):
     config = unit(LENGTHS[0])[1]["config"]
     folders = [RUN / "results" / "cells" / CELL.name / f"doc~{n}" for n in LENGTHS]
-    contexts.run_contexts_table(config, [(CELL, n) for n in LENGTHS], csvs=[str(f / "requests.csv") for f in folders],
-                                metas=[str(f / "unit.json") for f in folders], csv_out=str(tmp_path / "contexts.csv"),
-                                md_out=str(tmp_path / "contexts.md"), figures_dir=str(tmp_path / "contexts"))
+    contexts_report.run_contexts_table(config, [(CELL, n) for n in LENGTHS],
+                                       csvs=[str(f / "requests.csv") for f in folders],
+                                       metas=[str(f / "unit.json") for f in folders],
+                                       csv_out=str(tmp_path / "contexts.csv"), md_out=str(tmp_path / "contexts.md"),
+                                       figures_dir=str(tmp_path / "contexts"))
     # the device's pandas and LAPACK differ from this machine's in the last bits
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "contexts.csv"), pd.read_csv(RUN / "results" / "contexts.csv"),
                                   rtol=1e-9)

@@ -13,6 +13,7 @@ from kvpool.cells import Cell
 from kvpool.measure.checks import NOT_APPLICABLE, status
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import routers as routers_report
 from kvpool.studies import peer, routers
 from support import REPO
 
@@ -61,10 +62,10 @@ def router_checks_again(run: Path, cell: Cell, router: str) -> tuple[dict, dict,
 
 def rebuild_router_table(run: Path, units: list[tuple[Cell, str]], out: Path) -> None:
     """routers.csv, routers.md and the figures from the units' records, into ``out``."""
-    routers.run_router_table(units, csvs=[str(router_unit_dir(run, c, r) / "requests.csv") for c, r in units],
-                             metas=[str(router_unit_dir(run, c, r) / "run.json") for c, r in units],
-                             csv_out=str(out / "routers.csv"), md_out=str(out / "routers.md"),
-                             figures_dir=str(out / "routers"))
+    routers_report.run_router_table(units, csvs=[str(router_unit_dir(run, c, r) / "requests.csv") for c, r in units],
+                                    metas=[str(router_unit_dir(run, c, r) / "run.json") for c, r in units],
+                                    csv_out=str(out / "routers.csv"), md_out=str(out / "routers.md"),
+                                    figures_dir=str(out / "routers"))
 
 
 def measured_only_rebuild(run: Path, config: str, target: str, page: str, tmp_path: Path) -> Path:

@@ -5,22 +5,29 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpool.studies import capacity
+from kvpool.cells import Cell
+from kvpool.engine import mp, pool_views
+from kvpool.engine.client import RequestResult
+from kvpool.report import capacity as capacity_report
+from kvpool.report import gate
+from kvpool.studies import capacity, capacity_requests
+from kvpool.studies.capacity_requests import Asking
 
 
 @pytest.mark.parametrize("exponent", [0.7, 1.0, 1.4])
 def test_the_popularity_draws_recover_their_zipf_exponent(exponent):
-    ranks = capacity.popularity_ranks(64, exponent, 5000, np.random.default_rng(3))
+    ranks = capacity_requests.popularity_ranks(64, exponent, 5000, np.random.default_rng(3))
     assert ranks.min() >= 1 and ranks.max() <= 64
-    assert capacity.fitted_exponent(ranks, 64) == pytest.approx(exponent, abs=0.05)
+    assert capacity_requests.fitted_exponent(ranks, 64) == pytest.approx(exponent, abs=0.05)
 
 
 def test_uniform_popularity_and_seeded_draws_independent_of_the_populate_order():
-    uniform = capacity.popularity_ranks(8, 0.0, 16000, np.random.default_rng(0))
+    uniform = capacity_requests.popularity_ranks(8, 0.0, 16000, np.random.default_rng(0))
     counts = np.bincount(uniform, minlength=9)[1:]
     assert counts.min() > 0.9 * 2000 and counts.max() < 1.1 * 2000
-    first = capacity.draws(16, 1.0, 400, seed=5)
-    assert first == capacity.draws(16, 1.0, 400, seed=5) and first != capacity.draws(16, 1.0, 400, seed=6)
+    first = capacity_requests.draws(16, 1.0, 400, seed=5)
+    assert (first == capacity_requests.draws(16, 1.0, 400, seed=5)
+            and first != capacity_requests.draws(16, 1.0, 400, seed=6))
     # the most drawn document is the seeded ranking's first, not populate's first (document 0)
     top = np.bincount(first).argmax()
     assert top == np.random.default_rng(5).permutation(16)[0]
@@ -28,7 +35,7 @@ def test_uniform_popularity_and_seeded_draws_independent_of_the_populate_order()
 
 
 def test_the_cap_is_the_servers_empty_overhead_plus_the_capacity():
-    assert capacity.redis_maxmemory(900_000, 18_874_368) == 900_000 + 18_874_368
+    assert pool_views.redis_maxmemory(900_000, 18_874_368) == 900_000 + 18_874_368
 
 
 def test_the_working_set_is_every_follow_up_prompt_in_whole_chunks():
@@ -123,8 +130,6 @@ def test_the_operators_number_is_where_mean_ttft_has_come_90_percent_of_the_way_
 def test_the_capacity_table_from_unit_records(tmp_path):
     import json
 
-    from kvpool.cells import Cell
-
     cell = Cell("lmcache-redis", "shared", 256, "ram")
     csvs, metas = [], []
     for fraction, sources, ttft in ((0.25, ["pool", "recomputed", "recomputed", "partial"], [0.05, 0.3, 0.32, 0.2]),
@@ -140,9 +145,9 @@ def test_the_capacity_table_from_unit_records(tmp_path):
         (tmp_path / f"{fraction}.json").write_text(json.dumps({
             "policy": "allkeys-lru", "valid": True, "capacity_bytes": int(fraction * 1e6), "pool": held,
             "summary": {"power": {}}}))
-    capacity.run_capacity_table([(cell, 0.25), (cell, 1.0)], csvs=csvs, metas=metas,
-                                csv_out=str(tmp_path / "capacity.csv"), md_out=str(tmp_path / "capacity.md"),
-                                figures_dir=str(tmp_path / "capacity"))
+    capacity_report.run_capacity_table([(cell, 0.25), (cell, 1.0)], csvs=csvs, metas=metas,
+                                       csv_out=str(tmp_path / "capacity.csv"), md_out=str(tmp_path / "capacity.md"),
+                                       figures_dir=str(tmp_path / "capacity"))
     table = pd.read_csv(tmp_path / "capacity.csv").set_index("fraction")
     assert table.loc[0.25, "hit_rate"] == 0.25 and table.loc[0.25, "recomputed"] == 3
     assert table.loc[0.25, "hit_rate_low"] < 0.25 < table.loc[0.25, "hit_rate_high"]
@@ -163,8 +168,6 @@ def test_the_capacity_table_from_unit_records(tmp_path):
 
 
 def test_a_run_of_capacity_units_alone_is_gated_on_them(tmp_path):
-    from kvpool.report import gate
-
     units = pd.DataFrame({"cell": ["backend~lmcache-redis/arm~shared/chunk~256/tier~ram"] * 2,
                           "fraction": [0.25, 1.5], "valid": [False, True]})
     units.to_csv(tmp_path / "capacity.csv", index=False)
@@ -192,7 +195,7 @@ def test_an_mp_pool_evicting_during_populate_counts_each_documents_store_from_it
 
 @pytest.mark.parametrize("limit", [1, 2**30, 3 * 2**30 + 12345, int(0.25 * 16 * 16384 * 65536)])
 def test_the_mp_servers_l1_is_the_capacity_rounded_down(limit):
-    gib = capacity.mp_l1_size_gib(limit)
+    gib = pool_views.mp_l1_size_gib(limit)
     l1_bytes = int(float(f"{gib:g}") * 2**30)  # what LMCache takes from --l1-size-gb (mp.server_argv's format)
     assert l1_bytes <= limit and limit - l1_bytes <= 1e-4 * 2**30 + 1
 
@@ -210,8 +213,8 @@ class StandInMPServer:
 
 
 def mp_reading(written, evicted, ticks, held=0):
-    return {capacity.MPPool.WRITTEN: written, capacity.MPPool.EVICTED: evicted, capacity.MPPool.TICKS: ticks,
-            capacity.MPPool.HELD: held}
+    return {pool_views.MPPool.WRITTEN: written, pool_views.MPPool.EVICTED: evicted, pool_views.MPPool.TICKS: ticks,
+            pool_views.MPPool.HELD: held}
 
 
 def test_an_mp_pool_settles_after_two_eviction_ticks_without_a_write_and_keeps_its_peak():
@@ -219,7 +222,7 @@ def test_an_mp_pool_settles_after_two_eviction_ticks_without_a_write_and_keeps_i
                               mp_reading(12, 3, 2, held=400),  # the loop evicted 3 chunks
                               mp_reading(12, 3, 3, held=400), mp_reading(12, 3, 4, held=400),
                               mp_reading(99, 9, 9)])  # never read: settled before it
-    pool = capacity.MPPool(server)
+    pool = pool_views.MPPool(server)
     assert pool.settled(poll_s=0) == 3
     assert server.calls == 5 and pool.peak_kv_bytes == 700
     # nothing written or evicted since it settled: returned at once, one read
@@ -233,9 +236,6 @@ def test_an_mp_pool_settles_after_two_eviction_ticks_without_a_write_and_keeps_i
 
 
 def test_an_mp_cell_on_a_memory_tier_takes_capacity_units_and_a_drive_tier_is_refused(config_with, monkeypatch):
-    from kvpool.cells import Cell
-    from kvpool.engine import mp
-
     made = config_with(fractions=[0.25, 1.0])
     made.update(backends=["lmcache-mp"], lmcache_mp={**made["lmcache_mp"], "memory_tiers": ["ram"]})
     assert capacity.problems(made) == []
@@ -244,7 +244,7 @@ def test_an_mp_cell_on_a_memory_tier_takes_capacity_units_and_a_drive_tier_is_re
         "eviction_policy"]
     limit = capacity.capacity_bytes(made, cell.chunk, 0.25, 65536)
     argv = mp.server_argv(capacity.limited_config(made, cell, limit), cell, "127.0.0.1", 5555, 8080, None)
-    assert argv[argv.index("--l1-size-gb") + 1] == f"{capacity.mp_l1_size_gib(limit):g}"
+    assert argv[argv.index("--l1-size-gb") + 1] == f"{pool_views.mp_l1_size_gib(limit):g}"
     # the unit's step is handed the MP server's settings; a Redis unit's is not
     wildcards = {"backend": "lmcache-mp", "arm": "shared", "chunk": str(cell.chunk), "tier": "ram"}
     monkeypatch.setattr(Cell, "from_wildcards", classmethod(lambda cls, wc: Cell(wc["backend"], wc["arm"],
@@ -297,21 +297,17 @@ def test_energy_per_follow_up_is_each_requests_own_and_a_window_figure_is_marked
 def test_a_follow_ups_energy_is_read_around_the_request_alone(monkeypatch):
     import asyncio
 
-    from kvpool.studies.capacity import Asking
-
     counter = iter([100.0, 142.5])  # the GPUs' energy counter before and after the request
 
-    class Pool(capacity.ServerPool):
+    class Pool(pool_views.ServerPool):
         def settled(self):
             return 0
 
     async def answered(session, replica, prompt, output_tokens, timeout_s):
-        from kvpool.engine.client import RequestResult
-
         return RequestResult(ttft_s=0.1, e2e_s=0.2), {"external_hit_tokens": 2048}
 
-    monkeypatch.setattr(capacity, "measured_request", answered)
-    monkeypatch.setattr(capacity, "request_row", lambda doc, prefill, serve, result, counts: {
+    monkeypatch.setattr(capacity_requests, "measured_request", answered)
+    monkeypatch.setattr(capacity_requests, "request_row", lambda doc, prefill, serve, result, counts: {
         "doc_id": doc, "prefill_replica": prefill, "serve_replica": serve, **counts})
 
     class Replica:

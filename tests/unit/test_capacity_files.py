@@ -1,5 +1,5 @@
 """Capacity of a pool of files (lmcache-fs): the pool folder sized by a filesystem of the capacity's size
-(kvpool.engine.sized_pool), and the unit's view of it (capacity.FilePool): what each document's populate
+(kvpool.engine.sized_pool), and the unit's view of it (pool_views.FilePool): what each document's populate
 left, whether the pool holds a document whole, and the silent miss that follows from it."""
 
 import errno
@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.engine import sized_pool
+from kvpool.config import pool_bytes_per_cell, problems
+from kvpool.engine import pool_views, sized_pool
+from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.measure import timed
 from kvpool.studies import capacity
 
 
@@ -56,9 +59,6 @@ def test_a_drive_tier_without_room_for_the_largest_capacitys_image_is_refused_wi
         files_config, free_disk, tmp_path, monkeypatch):
     """The unit's ext4 image takes the tier's space beside the cell's own pool: config's one tier check counts
     it, at the largest capacity, and names it."""
-    from kvpool.config import pool_bytes_per_cell, problems
-    from kvpool.engine.model import engine_kv_bytes_per_token
-
     made = {**files_config([0.25, 1.0]), "keep_pools": False, "drive_ceiling_bytes": 1 << 20}
     monkeypatch.setattr(sized_pool.os, "geteuid", lambda: 0)
     (cell,) = capacity.cells(made)
@@ -89,7 +89,7 @@ def chunk_file(folder: Path, name: str, size: int = 1000) -> None:
 
 
 def test_a_file_pool_knows_each_documents_files_and_whether_it_holds_the_document_whole(tmp_path):
-    pool = capacity.FilePool(tmp_path, {"kind": "tmpfs"}, doc_chunks=2)
+    pool = pool_views.FilePool(tmp_path, {"kind": "tmpfs"}, doc_chunks=2)
     for name in ("a0", "a1"):
         chunk_file(tmp_path, name)
     pool.stored(0)
@@ -106,7 +106,7 @@ def test_a_file_pool_knows_each_documents_files_and_whether_it_holds_the_documen
 
 
 def test_a_file_pool_settles_once_its_temp_files_are_renamed(tmp_path):
-    pool = capacity.FilePool(tmp_path, {}, doc_chunks=1)
+    pool = pool_views.FilePool(tmp_path, {}, doc_chunks=1)
     (tmp_path / "c0.tmp").write_bytes(b"\0" * 10)
 
     def land():
@@ -186,8 +186,6 @@ def test_a_store_the_sized_pool_refuses_is_its_capacity_not_an_error(sized, monk
     import logging
 
     import pandas as pd
-
-    from kvpool.measure import timed
 
     class Sampler:
         meta = {}

@@ -15,7 +15,9 @@ from support import REPO, passing_gate_inputs
 from kvpool.cells import Cell
 from kvpool.measure import records
 from kvpool.measure.checks import verdict
+from kvpool.measure.files import write_json
 from kvpool.measure.records import ChainRecord
+from kvpool.report import contexts as contexts_report
 from kvpool.report import gate, page
 from kvpool.studies import contexts, studyb
 
@@ -162,7 +164,7 @@ def test_the_table_fits_each_tier_states_where_it_pays_and_keeps_an_invalid_unit
     assert at["prompt_tokens"] == at["loaded_tokens"] == 4096 + QUESTION
     assert at["kv_bytes"] == (4096 + QUESTION) * BYTES_PER_TOKEN
     assert at["break_even_read_gbps"] * 1e9 == pytest.approx(at["kv_bytes"] / (prefill[4096] - 0.05))
-    page = contexts.markdown(table, fits)
+    page = contexts_report.markdown(table, fits)
     assert "## lmcache-fs / chunk 256 / disk" in page and "| 8,192 | 8,448 | INVALID |" in page
     assert "bytes / 0.50 GB/s" in page and "bytes / 5.00 GB/s" in page
 
@@ -171,7 +173,7 @@ def test_two_lengths_are_too_few_to_fit_and_the_page_says_so():
     rows = [contexts.unit_row(DISK, n, chain_rows(n, 1.0, 0.2, 0.1), True, None) for n in (512, 1024)]
     table, fits = contexts.table(rows, BYTES_PER_TOKEN)
     assert isinstance(fits[DISK.name], str) and table["crossover_tokens"].isna().all()
-    assert "No fit: a crossover needs at least 3 contexts" in contexts.markdown(table, fits)
+    assert "No fit: a crossover needs at least 3 contexts" in contexts_report.markdown(table, fits)
 
 
 def test_the_workflow_runs_one_unit_per_cell_and_length_and_gates_on_them(tmp_path):
@@ -202,8 +204,6 @@ def test_the_default_config_runs_no_length_units():
 
 
 def test_the_table_step_its_figure_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
-    from kvpool.measure.files import write_json
-
     cfg = config()
     validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))  # the random model's KV size
     units, csvs, metas = [], [], []
@@ -215,8 +215,8 @@ def test_the_table_step_its_figure_the_report_section_and_the_gate_flag_an_inval
         units.append((DISK, n))
     out = tmp_path / "results"
     out.mkdir()
-    contexts.run_contexts_table(cfg, units, csvs=csvs, metas=metas, csv_out=str(out / "contexts.csv"),
-                                md_out=str(out / "contexts.md"), figures_dir=str(out / "contexts"))
+    contexts_report.run_contexts_table(cfg, units, csvs=csvs, metas=metas, csv_out=str(out / "contexts.csv"),
+                                       md_out=str(out / "contexts.md"), figures_dir=str(out / "contexts"))
     table = pd.read_csv(out / "contexts.csv")
     assert table["context"].tolist() == [512, 1024, 2048, 4096] and table["valid"].tolist() == [True] * 3 + [False]
     assert table["fit_read_gbps"].iloc[:3].notna().all() and np.isnan(table["reload_fit_s"].iloc[3])

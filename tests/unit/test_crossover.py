@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvpool.report import crossover as crossover_report
 from kvpool.studies import crossover
 
 PER_TOKEN = 65536
@@ -62,7 +63,7 @@ def test_no_fit_says_why_and_keeps_the_measured_medians():
     flat, reason = crossover.table(locality([512, 1024, 2048], [0.08, 0.11, 0.27], [0.045, 0.026, 0.031]), 4096,
                                    "ram")
     assert "do not grow" in reason
-    page = crossover.markdown(flat, reason)
+    page = crossover_report.markdown(flat, reason)
     assert "No fit" in page and "2,048 tokens: 0.27 s / 0.031 s" in page
 
 

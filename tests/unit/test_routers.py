@@ -9,9 +9,12 @@ import pytest
 from support import passing_gate_inputs
 
 from kvpool.cells import Cell
+from kvpool.engine import prompts
 from kvpool.measure import timed
+from kvpool.measure.files import write_json
 from kvpool.report import gate as run_gate
 from kvpool.report import page
+from kvpool.report import routers as routers_report
 from kvpool.studies import routers
 
 DOCS = {doc: list(range(doc * 100, doc * 100 + 64)) for doc in range(40)}
@@ -153,12 +156,10 @@ def test_a_phase_row_splits_the_tokens_by_source_and_names_the_busiest_replica()
     assert row["moved_fraction"] == 1.0 and row["requests"] == 2 and row["ttft_p50_s"] == pytest.approx(0.3)
     assert row["group"] == "all" and row["ttft_p99_basis"] == "max of 2"
     assert ("| lmcache-fs / shared / chunk 256 / disk | cross | follow-up | all | valid | 2 | 0.3 s [0.1, 0.5] | "
-            "max of 2: 0.5 s |") in routers.markdown(pd.DataFrame([row]))
+            "max of 2: 0.5 s |") in routers_report.markdown(pd.DataFrame([row]))
 
 
 def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_unit(tmp_path):
-    from kvpool.measure.files import write_json
-
     cell = Cell("lmcache-fs", "shared", 256, "disk")
     units, csvs, metas = [], [], []
     for router, valid in (("cross", True), ("prefix-affinity", False)):
@@ -171,8 +172,8 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
         units.append((cell, router))
     out = tmp_path / "results"
     out.mkdir()
-    routers.run_router_table(units, csvs=csvs, metas=metas, csv_out=str(out / "routers.csv"),
-                             md_out=str(out / "routers.md"), figures_dir=str(out / "routers"))
+    routers_report.run_router_table(units, csvs=csvs, metas=metas, csv_out=str(out / "routers.csv"),
+                                    md_out=str(out / "routers.md"), figures_dir=str(out / "routers"))
     table = pd.read_csv(out / "routers.csv")
     assert list(table["phase"]) == ["first", "follow-up", "hot"] * 2
     assert table.loc[table["phase"] == "hot", "pool_fraction"].tolist() == [1.0, 1.0]  # the window's split
@@ -188,8 +189,6 @@ def test_the_table_its_figures_the_report_section_and_the_gate_flag_an_invalid_u
 def test_a_router_unit_that_fails_leaves_no_pool_on_the_tier(config, tmp_path, monkeypatch):
     """The unit's pool is its own, made fresh for it: a fleet that dies mid-unit must not leave it on the
     tier (keep_pools false), where the space check of later units does not expect it."""
-    from kvpool.engine import prompts
-
     config.update(tiers={"disk": str(tmp_path / "pools")}, keep_pools=False)
     cell = Cell("lmcache-fs", "shared", 256, "disk")
     root = routers.router_pool_root(config, cell, "cross")

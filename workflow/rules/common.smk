@@ -6,6 +6,7 @@ from kvpool import settings as kvpool_settings
 from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import runlock
 from kvpool.report import breakdown, tables
+from kvpool.report import contexts as contexts_report, crossover as crossover_report
 from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb
 from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain

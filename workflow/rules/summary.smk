@@ -104,7 +104,7 @@ rule contexts_table:
         CONDA_ENV
     params:
         units=[[cell.name, tokens] for cell, tokens in CONTEXT_UNITS],
-        settings=settings(contexts.run_contexts_table),
+        settings=settings(contexts_report.run_contexts_table),
     script:
         "../scripts/contexts_table.py"
 
@@ -169,7 +169,7 @@ rule crossover:
     conda:
         CONDA_ENV
     params:
-        settings=settings(crossover.run_crossover),
+        settings=settings(crossover_report.run_crossover),
         study=STUDYB_MEASURED,
     script:
         "../scripts/crossover.py"

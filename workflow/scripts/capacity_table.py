@@ -1,6 +1,6 @@
 from kvpool.cells import Cell
 from kvpool.measure import logs
-from kvpool.studies import capacity
+from kvpool.report import capacity
 
 logs.to_log(snakemake.log[0])
 units = [(Cell.from_name(name), float(fraction)) for name, fraction in snakemake.params.units]

@@ -1,6 +1,6 @@
 from kvpool.cells import Cell
 from kvpool.measure import logs
-from kvpool.studies import contexts
+from kvpool.report import contexts
 
 logs.to_log(snakemake.log[0])
 units = [(Cell.from_name(name), int(tokens)) for name, tokens in snakemake.params.units]

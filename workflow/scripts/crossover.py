@@ -1,5 +1,5 @@
 from kvpool.measure import logs
-from kvpool.studies import crossover
+from kvpool.report import crossover
 
 logs.to_log(snakemake.log[0])
 crossover.run_crossover(snakemake.params.settings, snakemake.params.study, locality_csv=snakemake.input.locality,

@@ -1,6 +1,6 @@
 from kvpool.cells import Cell
 from kvpool.measure import logs
-from kvpool.studies import routers
+from kvpool.report import routers
 
 logs.to_log(snakemake.log[0])
 units = [(Cell.from_name(name), router) for name, router in snakemake.params.units]

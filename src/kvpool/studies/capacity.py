@@ -28,44 +28,37 @@ while every one of them is in the pool is a silent miss. The unit's gate fails o
 any error, and on a pool that held more KV bytes than its capacity.
 
 An MP server on a drive tier is refused: its L2 folder has no limit here.
+
+Each backend's view of its pool is kvpool.engine.pool_views; the draws and the request driver are
+kvpool.studies.capacity_requests; the page and its figure kvpool.report.capacity.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import math
-import os
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import psutil
-from scipy import stats
 
 from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools, tier_root
 from kvpool.cells import cells as matrix_cells
-from kvpool.engine import external, mp, prompts, sized_pool
-from kvpool.engine.client import new_session
-from kvpool.engine.cross_router import followup_route, populate_route
+from kvpool.engine import external, prompts, sized_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
-from kvpool.engine.plan import plan_gpus, plan_pool_dirs
+from kvpool.engine.plan import plan_gpus
 from kvpool.engine.pool_files import is_memory_backed
+from kvpool.engine.pool_views import FILE_BACKEND, FilePool, mp_l1_size_gib, pool_of, sized_pool_folder
 from kvpool.measure import provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import CapacityRecord, read_records
-from kvpool.measure.telemetry import Nvml
 from kvpool.measure.timed import (
     REPO,
     checked_ports,
-    measured_request,
     new_plan,
-    request_row,
-    reset_prefix_cache,
     run_unit,
     timed_fleet,
     write_unit,
@@ -73,10 +66,10 @@ from kvpool.measure.timed import (
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.stats import mean_ci, proportion_ci, reported_percentile
+from kvpool.studies.capacity_requests import Asking, draws, request_energy
 
 log = logging.getLogger(__name__)
 
-FILE_BACKEND = "lmcache-fs"
 BACKENDS = (REDIS_BACKEND, MP_BACKEND, FILE_BACKEND)
 FILE_POLICY = "none: a full filesystem fails new stores"
 FILE_REFUSALS = "the pool's filesystem, sized to the capacity"  # what refuses a pool of files' stores by design
@@ -193,28 +186,6 @@ def drive_tier_images(config: dict, tier: str) -> list[int]:
         return []
     return [sized_pool.image_bytes(capacity_bytes(config, cell.chunk, max(asked), per_token))
             for cell in cells(config) if cell.backend == FILE_BACKEND and cell.tier == tier]
-
-
-def popularity_ranks(documents: int, exponent: float, count: int, rng: np.random.Generator) -> np.ndarray:
-    """``count`` popularity ranks (1 = most popular) of ``documents``: Zipf with ``exponent`` (scipy's
-    finite ``zipfian``), uniform at 0."""
-    if exponent == 0:
-        return rng.integers(1, documents + 1, size=count)
-    return stats.zipfian(exponent, documents).rvs(size=count, random_state=rng)
-
-
-def fitted_exponent(ranks: np.ndarray, documents: int) -> float:
-    """The Zipf exponent that best explains ``ranks`` (scipy's maximum-likelihood fit, ``n`` held)."""
-    fit = stats.fit(stats.zipfian, ranks, bounds={"a": (0.0, 5.0), "n": (documents, documents)})
-    return float(fit.params.a)
-
-
-def draws(documents: int, exponent: float, count: int, seed: int) -> list[int]:
-    """The documents of ``count`` follow-ups: ranks drawn by popularity, mapped onto documents by a seeded
-    ranking, so popularity is independent of the order populate stored them in (LRU evicts by it)."""
-    rng = np.random.default_rng(seed)
-    ranking = rng.permutation(documents)
-    return [int(ranking[rank - 1]) for rank in popularity_ranks(documents, exponent, count, rng)]
 
 
 def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
@@ -380,18 +351,6 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, polic
     return records.frame(CapacityRecord, rows), meta, fleet.sampler
 
 
-@contextlib.contextmanager
-def request_energy(gpus: list[int]):
-    """A reader of the GPUs' summed energy counter (J, NVML's), or of None without one (CPU replicas): a
-    follow-up's own energy, apart from the window's waits between requests (the evictions read settled)."""
-    nvml = Nvml(gpus) if gpus else None
-    try:
-        yield (lambda: sum(nvml.energy_j())) if nvml is not None and nvml.available else (lambda: None)
-    finally:
-        if nvml is not None and nvml.available:
-            nvml.close()
-
-
 def store_marks(populated: list[dict], default: int) -> dict[int, int]:
     """Each document's eviction count as populate began storing it (its populate row's ``evicted_before``),
     or ``default`` where the row has none (units recorded before populate read it: populate ran with no
@@ -399,271 +358,6 @@ def store_marks(populated: list[dict], default: int) -> dict[int, int]:
     return {row["doc_id"]: default if pd.isna(row.get("evicted_before", np.nan)) else int(row["evicted_before"])
             for row in populated}
 
-
-def redis_maxmemory(empty_overhead: int, limit: int) -> int:
-    """A Redis server's ``maxmemory`` for ``limit`` KV bytes: its own overhead while empty (its structures
-    and idle clients: ``used_memory_overhead``) plus the limit. Redis evicts once its memory passes
-    maxmemory, and its dataset holds every KV value and more (each chunk's metadata key, the allocator's
-    size classes), so the KV it holds never exceeds ``limit``; clients' buffers filled by large writes
-    count against maxmemory too, so at times it holds less."""
-    return empty_overhead + limit
-
-
-def mp_l1_size_gib(limit: int) -> float:
-    """The MP server's ``--l1-size-gb`` (GiB; LMCache takes ``int(value * 2**30)`` bytes) for ``limit``
-    KV bytes: four decimals, rounded down, so its L1 never exceeds the capacity."""
-    return math.floor(limit / 2**30 * 1e4) / 1e4
-
-
-@contextlib.contextmanager
-def sized_pool_folder(plan: dict, limit: int):
-    """A pool of files' shared folder sized to ``limit`` bytes for the unit (``sized_pool``), as the folder
-    and its mount; a server's pool has its limit of its own, and this yields None. The one place a unit
-    decides between the two: ``pool_of`` follows it."""
-    if plan.get("servers"):
-        yield None
-        return
-    (folder,) = set(plan_pool_dirs(plan))  # the shared arm's one folder
-    with sized_pool.sized_folder(folder, limit) as mounted:
-        yield Path(folder), mounted
-
-
-@contextlib.contextmanager
-def pool_of(servers, sized: tuple[Path, dict] | None = None, doc_chunks: int = 0):
-    """The capacity unit's view of its pool: ``FilePool`` on a ``sized`` folder (``sized_pool_folder``'s),
-    else ``MPPool`` or ``RedisPool`` (on a connection of its own) on its server."""
-    if sized is not None:
-        yield FilePool(*sized, doc_chunks)
-        return
-    (server,) = servers  # the shared arm's one server
-    if server.entry["kind"] == "lmcache":
-        yield MPPool(server)
-        return
-    with server.connection() as conn:
-        yield RedisPool(conn)
-
-
-class ServerPool:
-    """A pool server's view keeps no record per document: a follow-up's silent miss is judged by its
-    evictions (``account``)."""
-
-    def stored(self, doc_id: int) -> None:
-        return None
-
-    def holds(self, doc_id: int) -> None:
-        return None
-
-
-class RedisPool(ServerPool):
-    """A Redis server as a capacity unit reads and limits it: its KV held and keys evicted, capped after
-    populate by ``maxmemory``."""
-
-    def __init__(self, conn):
-        self.conn, self.peak_kv_bytes = conn, 0  # the most KV a read saw
-
-    def state(self) -> dict:
-        from kvpool.engine import redis_pool
-
-        held, memory = redis_pool.pool_metrics(self.conn), self.conn.info("memory")
-        found = {"kv_bytes": int(held[redis_pool.POOL_BYTES]), "chunks": int(held[redis_pool.POOL_CHUNKS]),
-                 "keys": int(self.conn.dbsize()), "used_memory": int(held[redis_pool.USED_MEMORY]),
-                 "dataset_memory": int(memory["used_memory_dataset"]),
-                 "overhead_memory": int(memory["used_memory_overhead"]),
-                 "evicted_keys": self.evicted()}
-        self.peak_kv_bytes = max(self.peak_kv_bytes, found["kv_bytes"])
-        return found
-
-    def evicted(self) -> int:
-        return int(self.conn.info("stats")["evicted_keys"])
-
-    def limit(self, empty: dict, limit: int, policy: str) -> dict:
-        """Cap the populated server: Redis evicts down to ``maxmemory`` at once."""
-        maxmemory = redis_maxmemory(empty["overhead_memory"], limit)
-        self.conn.config_set("maxmemory-policy", policy)
-        self.conn.config_set("maxmemory", maxmemory)
-        self.peak_kv_bytes = 0  # populate's whole pool was before the limit
-        return {"maxmemory": maxmemory, "policy": policy}
-
-    def settled(self, poll_s: float = 0.1, timeout_s: float = 10.0) -> int:
-        """The server's evicted keys once its keys and evictions stop changing (LMCache may store a
-        request's chunks after its answer): two reads ``poll_s`` apart that agree, or the last one at
-        ``timeout_s``."""
-        def now():
-            return int(self.conn.dbsize()), self.evicted()
-
-        last, deadline = now(), time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(poll_s)
-            current = now()
-            if current == last:
-                break
-            last = current
-        return last[1]
-
-
-class MPPool(ServerPool):
-    """An LMCache MP server's L1 as a capacity unit reads it, from the server's Prometheus counters: the
-    KV held (L1 bytes in use) and the chunks evicted. Its limit is its L1 size, set at its start."""
-
-    HELD, EVICTED, WRITTEN = mp.L1_BYTES, "lmcache_mp_l1_evicted_chunks_total", "lmcache_mp_l1_write_chunks_total"
-    TICKS = "lmcache_mp_l1_eviction_loop_ticks_total"
-
-    def __init__(self, server):
-        self.server, self.peak_kv_bytes, self._settled = server, 0, None
-
-    def _read(self) -> dict[str, float]:
-        metrics = self.server.metrics()
-        self.peak_kv_bytes = max(self.peak_kv_bytes, int(metrics.get(self.HELD, 0)))
-        return metrics
-
-    def state(self) -> dict:
-        metrics = self._read()
-        return {"kv_bytes": int(metrics.get(self.HELD, 0)), "evicted_keys": int(metrics.get(self.EVICTED, 0)),
-                "written_chunks": int(metrics.get(self.WRITTEN, 0)),
-                "usage_ratio": metrics.get("lmcache_mp_l1_usage_ratio")}
-
-    def evicted(self) -> int:
-        return int(self._read().get(self.EVICTED, 0))
-
-    def limit(self, empty: dict, limit: int, policy: str) -> dict:
-        """Nothing to set: the L1 was the limit from the server's start (its plan's ``l1_size_gib``)."""
-        return {"l1_size_bytes": int(self.server.entry["l1_size_gib"] * 2**30), "policy": policy}
-
-    def settled(self, poll_s: float = 0.2, timeout_s: float = 15.0) -> int:
-        """The chunks the server evicted once its writes and evictions stop: unchanged over two ticks of its
-        eviction loop (1 s each; the loop decides from L1's usage, which no write has changed since), or
-        at ``timeout_s``. Unchanged since the last settled read, it is returned at once."""
-        def now(metrics):
-            return int(metrics.get(self.WRITTEN, 0)), int(metrics.get(self.EVICTED, 0))
-
-        def ticks(metrics):  # a server without the loop's counter: two seconds stand for its two ticks
-            return metrics.get(self.TICKS, time.monotonic() - started)
-
-        started = time.monotonic()
-        metrics = self._read()
-        last, since = now(metrics), ticks(metrics)
-        if last == self._settled:
-            return last[1]
-        deadline = started + timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(poll_s)
-            metrics = self._read()
-            if now(metrics) != last:
-                last, since = now(metrics), ticks(metrics)
-            elif ticks(metrics) >= since + 2:
-                break
-        self._settled = last
-        return last[1]
-
-
-class FilePool:
-    """A pool of files on a filesystem of the capacity's size (``sized_pool``), read from its folder: the KV
-    held (the chunk files' bytes; LMCache writes a temp file and renames it once whole), and which chunk
-    files each document's populate left. Nothing is evicted: a store that finds it full fails."""
-
-    SUFFIX, TEMP = ".data", ".tmp"
-
-    def __init__(self, folder: Path, mounted: dict, doc_chunks: int):
-        self.folder, self.mounted, self.doc_chunks = Path(folder), mounted, doc_chunks
-        self.peak_kv_bytes, self.files_of, self._seen = 0, {}, set()
-
-    def _files(self) -> dict[str, int]:
-        found = {}
-        for entry in os.scandir(self.folder):
-            with contextlib.suppress(FileNotFoundError):  # a temp file renamed or removed as it is read
-                found[entry.name] = entry.stat().st_size
-        return found
-
-    def _chunks(self, files: dict[str, int] | None = None) -> dict[str, int]:
-        """The whole chunk files of one listing of the folder (``files``, else a new one), and the peak."""
-        listed = self._files() if files is None else files
-        chunks = {name: size for name, size in listed.items() if name.endswith(self.SUFFIX)}
-        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(chunks.values()))
-        return chunks
-
-    def state(self) -> dict:
-        files = self._files()
-        chunks = self._chunks(files)
-        return {"kv_bytes": sum(chunks.values()), "chunks": len(chunks), "evicted_keys": 0,
-                "temp_files": sum(name.endswith(self.TEMP) for name in files),
-                "free_bytes": sized_pool.free_bytes(self.folder)}
-
-    def evicted(self) -> int:
-        return 0
-
-    def limit(self, empty: dict, limit: int, policy: str) -> dict:
-        """Nothing to set: the filesystem was the limit from the unit's start."""
-        return {"filesystem": self.mounted, "policy": policy}
-
-    def settled(self, poll_s: float = 0.2, timeout_s: float = 15.0) -> int:
-        """Once the folder stops changing (LMCache stores a request's chunks after its answer): two listings
-        ``poll_s`` apart that agree with no temp file in them, or the last at ``timeout_s``. Returns the
-        evictions, none."""
-        last, deadline = self._files(), time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(poll_s)
-            current = self._files()
-            if current == last and not any(name.endswith(self.TEMP) for name in current):
-                break
-            last = current
-        return 0
-
-    def stored(self, doc_id: int) -> None:
-        """Record the chunk files ``doc_id``'s populate request left, once its stores have landed."""
-        self.settled()
-        new = set(self._chunks()) - self._seen
-        self.files_of[doc_id], self._seen = new, self._seen | new
-
-    def holds(self, doc_id: int) -> bool:
-        """Whether the pool holds the document whole: its populate left a chunk file for every whole chunk of
-        it, and each is still there."""
-        mine = self.files_of.get(doc_id, set())
-        return len(mine) >= self.doc_chunks and mine <= set(self._chunks())
-
-
-class Asking:
-    """A capacity unit's requests on its fleet, one at a time: populate, and drawn follow-ups with the
-    server's evictions read, settled, around each."""
-
-    def __init__(self, replicas, workload: list[dict], cfg: dict, pool, energy=lambda: None):
-        self.by_index, self.by_doc = {r.index: r for r in replicas}, {item["doc_id"]: item for item in workload}
-        self.prefill = populate_route(list(self.by_doc), len(replicas))
-        self.route = followup_route(self.prefill, len(replicas))
-        self.output_tokens, self.timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-        self.pool, self.energy, self.populated = pool, energy, []
-
-    async def populate(self) -> dict:
-        """Every document once on its replica, each with the server's evictions as its store began; the
-        pool's state once its stores have landed."""
-        async with new_session() as session:
-            for doc_id, item in self.by_doc.items():
-                replica = self.by_index[self.prefill[doc_id]]
-                before = self.pool.evicted()
-                result, counts = await measured_request(session, replica, item["document"], self.output_tokens,
-                                                        self.timeout_s)
-                self.pool.stored(doc_id)
-                self.populated.append({**request_row(doc_id, replica.index, replica.index, result, counts),
-                                       "part": "populate", "evicted_before": before})
-        self.pool.settled()
-        return self.pool.state()
-
-    async def followups(self, sequence: list[int], part: str, first: int, reset_own_cache: bool) -> list[dict]:
-        rows = []
-        async with new_session() as session:
-            for number, doc_id in enumerate(sequence, start=first):
-                serve = self.by_index[self.route[doc_id]]
-                reset = await reset_prefix_cache(session, serve) if reset_own_cache else ""
-                before = self.pool.settled()
-                held, joules = self.pool.holds(doc_id), self.energy()
-                result, counts = await measured_request(session, serve, self.by_doc[doc_id]["followup"],
-                                                        self.output_tokens, self.timeout_s)
-                used = None if joules is None else self.energy() - joules
-                if reset and not result.error:
-                    result.error = f"the prefix cache reset before this follow-up failed: {reset}"
-                rows.append({**request_row(doc_id, self.prefill[doc_id], serve.index, result, counts), "part": part,
-                             "sequence": number, "evicted_before": before, "evicted_after": self.pool.settled(),
-                             "held_before": held, "gpu_energy_j": used})
-        return rows
 
 
 def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> dict:
@@ -750,74 +444,10 @@ def with_gain(table: pd.DataFrame, recomputed: dict[str, np.ndarray]) -> pd.Data
     return pd.concat(parts, ignore_index=True) if parts else table
 
 
-def for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """results/capacity.csv as a person reads it: per cell and capacity, each figure with its unit and
-    interval."""
-    def energy(row) -> str:
-        if pd.isna(row.energy_per_request_j):
-            return "n/a"
-        if row.energy_basis == "request":
-            return (f"{row.energy_per_request_j:.3g} J [{row.energy_per_request_ci_low_j:.3g}, "
-                    f"{row.energy_per_request_ci_high_j:.3g}]")
-        return f"{row.energy_per_request_j:.3g} J (window)"
-
-    return pd.DataFrame([{
-        "cell": f"{row.backend} / chunk {row.chunk} / {row.tier}", "capacity": f"{row.fraction:g}",
-        "policy": row.policy, "gate": "valid" if row.valid else "INVALID",
-        "from the pool": f"{row.hit_rate:.0%} [{row.hit_rate_low:.0%}, {row.hit_rate_high:.0%}] of {row.requests}",
-        "failed": f"{row.errors} of {row.requests + row.errors}", "recomputed or partial": row.recomputed,
-        "silent misses": row.silent_misses, "keys evicted": row.evicted_keys,
-        "KV held / capacity": f"{row.held_kv_bytes / 1e6:.3g} / {row.capacity_bytes / 1e6:.3g} MB",
-        "TTFT p50": f"{row.ttft_p50_s:.3g} s [{row.ttft_p50_ci_low_s:.3g}, {row.ttft_p50_ci_high_s:.3g}]",
-        "TTFT mean": f"{row.ttft_mean_s:.3g} s [{row.ttft_mean_ci_low_s:.3g}, {row.ttft_mean_ci_high_s:.3g}]",
-        "TTFT p99": f"{row.ttft_p99_s:.3g} s", "energy / follow-up": energy(row),
-    } for row in table.itertuples()])
-
-
-INTRODUCTION = ("Per shared cell and capacity (a fraction of the working set's KV bytes, set as the pool's own "
-                "limit: a server's memory, or the size of the filesystem under a pool of files), the window's "
-                "follow-ups, their documents drawn by popularity, each to a replica that did not prefill it with "
-                "its own cache emptied. Hit rate with its Wilson 95% interval, TTFT p50 and mean with "
-                "their bootstrap 95% intervals. Energy per follow-up: each follow-up's own GPU energy (mean, bootstrap "
-                "95% interval), or, marked (window), the window's energy over its follow-ups, which counts the "
-                "waits for the server's evictions between them.")
-
-
-def operators_numbers(table: pd.DataFrame) -> list[str]:
-    """Per cell, a line with the capacity at which its pool gives 90% of its largest capacity's gain in mean
-    TTFT, or why there is none."""
-    lines = []
-    for _, cell in table.groupby("cell", sort=False):
-        first, largest = cell.iloc[0], cell.sort_values("fraction").iloc[-1]
-        name = f"{first.backend} / chunk {first.chunk} / {first.tier}"
-        if pd.isna(first.recompute_ttft_mean_s):
-            lines.append(f"- {name}: no follow-up was recomputed, so there is no recompute TTFT to measure a gain "
-                         "from.")
-        elif pd.isna(first.capacity_for_90pct_gain):
-            lines.append(f"- {name}: no capacity reached 90% of the full-capacity gain among the valid units (a unit "
-                         "at 1.0 or more is needed).")
-        else:
-            lines.append(f"- {name}: 90% of the gain in mean TTFT at capacity {largest.fraction:g} (where "
-                         f"{largest.hit_rate:.0%} came from the pool) at about "
-                         f"**{first.capacity_for_90pct_gain:.2f}** of the working set (interpolated between the "
-                         f"measured capacities; the recompute's mean TTFT is {first.recompute_ttft_mean_s:.3g} s "
-                         f"over {first.recomputes_measured} recomputed follow-ups).")
-    return lines
-
-
-def markdown(table: pd.DataFrame) -> str:
-    return ("# Pool capacity: what a pool smaller than the working set serves\n\n" + INTRODUCTION + "\n\n"
-            + for_reading(table).to_markdown(index=False) + "\n\n" + "\n".join(operators_numbers(table)) + "\n")
-
-
-def run_capacity_table(units: list[tuple[Cell, float]], *, csvs: list[str], metas: list[str], csv_out: str,
-                       md_out: str, figures_dir: str) -> None:
-    """results/capacity.csv and .md and their figure: per shared cell and capacity, the window's hit rate,
-    recomputes, silent misses, evictions, bytes held, TTFT and energy."""
-    import os
-
-    from kvpool.report import figures
-
+def table(units: list[tuple[Cell, float]], csvs: list[str], metas: list[str]) -> pd.DataFrame:
+    """results/capacity.csv from the units' records (``csvs``, ``metas``): per shared cell and capacity, the
+    window's hit rate, recomputes, silent misses, evictions, bytes held, TTFT and energy, with the
+    recompute's TTFT and the capacity for 90% of the gain (``with_gain``)."""
     rows, recomputed = [], {}
     for (cell, fraction), csv, meta in zip(units, csvs, metas, strict=True):
         frame = read_records(csv)
@@ -825,8 +455,5 @@ def run_capacity_table(units: list[tuple[Cell, float]], *, csvs: list[str], meta
         window = frame[(frame["part"] == "window") & (frame["source"] == "recomputed")]
         recomputed[cell.name] = np.concatenate([recomputed.get(cell.name, np.array([])),
                                                 window["ttft_s"].astype(float).to_numpy()])
-    table = with_gain(pd.DataFrame(rows).sort_values(["cell", "fraction"], kind="stable"), recomputed)
-    table = table.reindex(columns=COLUMNS)
-    table.to_csv(csv_out, index=False)
-    drawn = figures.save(figures.capacity(table), Path(figures_dir), "capacity")
-    Path(md_out).write_text(f"{markdown(table)}\n![capacity]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
+    shown = with_gain(pd.DataFrame(rows).sort_values(["cell", "fraction"], kind="stable"), recomputed)
+    return shown.reindex(columns=COLUMNS)

@@ -15,17 +15,15 @@ KV bytes are the tokens its cross steps measurably loaded. A new length builds o
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from kvpool.cells import Cell, run_pools
 from kvpool.cells import cells as matrix_cells
 from kvpool.engine.model import vocabulary
-from kvpool.measure import provenance, records
-from kvpool.measure.checks import NOT_APPLICABLE, check, status
+from kvpool.measure import provenance, records, reference
+from kvpool.measure.checks import NOT_APPLICABLE, check, status, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import ChainRecord, read_records
 from kvpool.measure.timed import (
@@ -42,6 +40,7 @@ from kvpool.measure.timed import (
 from kvpool.measure.validity import cold_reads, with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import crossover, studyb
+from kvpool.studies.studyb import run_block
 
 BLOCK = "contexts-on"  # the rows' block name: kvpool.studies.studyb's ON arm, the only one a unit runs
 LOCAL_STEPS = ("local-1", "local-2")
@@ -138,6 +137,17 @@ def unit_row(cell: Cell, tokens: int, rows: pd.DataFrame, valid: bool, drive_rea
             "loaded_tokens": float(cross["external_hit_tokens"].median()), "drive_read_gb_per_s": drive_read_gb_per_s}
 
 
+def unit_rows(units: list[tuple[Cell, int]], csvs: list[str], metas: list[str]) -> list[dict]:
+    """Each unit's medians (``unit_row``) from its records (``csvs``) and its unit.json (``metas``): its gate
+    and the drive's read rate while reading."""
+    rows = []
+    for (cell, tokens), csv, meta_path in zip(units, csvs, metas, strict=True):
+        meta = read_json(meta_path)
+        rows.append(unit_row(cell, tokens, read_records(csv), meta["valid"],
+                             meta["summary"]["drive"].get("read_active_gb_per_s")))
+    return rows
+
+
 def table(rows: list[dict], bytes_per_token: int) -> tuple[pd.DataFrame, dict[str, crossover.Fit | str]]:
     """Per cell, its lengths' medians with the prefill and reload models fitted (kvpool.studies.crossover) over
     its valid units: the length from which a reload pays and the break-even read rate per length. An
@@ -157,41 +167,6 @@ def table(rows: list[dict], bytes_per_token: int) -> tuple[pd.DataFrame, dict[st
     return table.reindex(columns=COLUMNS), fits
 
 
-def _gbps(value) -> str:
-    return "n/a" if value is None or pd.isna(value) else f"{value:.2f} GB/s"
-
-
-def markdown(frame: pd.DataFrame, fits: dict[str, crossover.Fit | str]) -> str:
-    lines = ["# Document length: where each tier's pool starts paying", "",
-             "Per shared cell and length, each document's locality chain (kvpool.studies.contexts): cold on replica A, "
-             "local on A, the pool dropped from the page cache, then cross-replica on B. Prefill fitted as "
-             "c + a*n + b*n^2, reload as overhead + bytes / read rate, over the valid units.", ""]
-    for name, cell in frame.groupby("cell", sort=False):
-        fit = fits[name]
-        lines.append(f"## {cell['backend'].iloc[0]} / chunk {cell['chunk'].iloc[0]} / {cell['tier'].iloc[0]}")
-        lines.append("")
-        if isinstance(fit, str):
-            lines.append(f"No fit: {fit}.")
-        else:
-            at = fit.crossover_tokens()
-            where = ("at every length (the fit's crossover is 0 tokens)" if at == 0 else "at no length"
-                     if np.isnan(at) else f"from a prompt of about {at:,.0f} tokens")
-            lines.append(f"Reload fitted as {fit.overhead_s:.3f} s + bytes / {fit.read_rate / 1e9:.2f} GB/s: it beats "
-                         f"the prefill {where}.")
-        lines += ["", "| document tokens | prompt tokens | gate | prefill (cold) | own cache (local) | pool (cross) "
-                  "| prefill / pool | KV loaded | drive read while reading | read rate below which the pool stops "
-                  "paying |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for row in cell.itertuples():
-            rate = ("n/a" if pd.isna(row.fit_read_gbps) else "none pays" if pd.isna(row.break_even_read_gbps)
-                    else f"{row.break_even_read_gbps:.2f} GB/s")
-            lines.append(f"| {row.context:,} | {row.prompt_tokens:,} | {'valid' if row.valid else 'INVALID'} "
-                         f"| {row.prefill_s:.3g} s "
-                         f"| {row.local_s:.3g} s | {row.reload_s:.3g} s | {row.speedup:.2f}x "
-                         f"| {row.kv_bytes / 1e9:.3g} GB | {_gbps(row.drive_read_gb_per_s)} | {rate} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 log = logging.getLogger(__name__)
 
 
@@ -209,10 +184,6 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     """One context unit (kvpool.studies.contexts): its own plan on a fresh pool of the cell's kind, one fleet,
     each document's locality chain with the pool dropped before the cross step; the rows, the answers'
     split-matched reference (``reference_out``), the unit's gate and its telemetry summary."""
-    from kvpool.measure import reference
-    from kvpool.measure.checks import verdict
-    from kvpool.studies import studyb
-
     study = chain_study(config, cell, tokens)
     root = run_pools(config, cell.tier) / "contexts" / cell.name / f"doc~{tokens}"
     plan = checked_ports(new_plan(config, cell, model, Path(csv_out).parent, pool_root=root))
@@ -239,39 +210,10 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
 
 
-@reads("engine", "random_model")
-def run_contexts_table(config: dict, units: list[tuple[Cell, int]], *, csvs: list[str], metas: list[str],
-                       csv_out: str, md_out: str, figures_dir: str) -> None:
-    """results/contexts.csv and .md and their figure: per shared cell, its lengths' cold, own-cache and
-    pool TTFT medians with the prefill and reload models fitted (kvpool.studies.contexts)."""
-    from kvpool.engine.model import engine_kv_bytes_per_token
-    from kvpool.report import figures
-
-    per_token = engine_kv_bytes_per_token(config)
-    if per_token is None:
-        raise ValueError(f"the length sweep needs the model's KV bytes per token, and {config['engine']['model']} "
-                         "has no config.json here to read them from")
-    rows = []
-    for (cell, tokens), csv, meta_path in zip(units, csvs, metas, strict=True):
-        meta = read_json(meta_path)
-        rows.append(unit_row(cell, tokens, read_records(csv), meta["valid"],
-                                      meta["summary"]["drive"].get("read_active_gb_per_s")))
-    shown, fits = table(rows, per_token)
-    shown.to_csv(csv_out, index=False)
-    drawn = figures.save(figures.contexts(shown, fits), Path(figures_dir), "contexts")
-    page = markdown(shown, fits)
-    Path(md_out).write_text(f"{page}\n![contexts]({os.path.relpath(drawn['png'], Path(md_out).parent)})\n")
-    for name, fit in fits.items():
-        if isinstance(fit, str):
-            log.warning("%s: no fit over its lengths: %s", name, fit)
-
-
 def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Path, disks: list[str]):
     """A context unit (kvpool.studies.contexts): each document's locality chain one request at a time on a fresh
     fleet and pool (chain_fleet), the pool dropped from the page cache and checked right before every
     cross-replica step, so each reload is a device read."""
-    from kvpool.studies.studyb import run_block
-
     drops, prompts = [], {}
 
     async def body(send, _send_together, plan, replicas):

@@ -30,6 +30,7 @@ import itertools
 import logging
 import random as random_module
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +41,8 @@ from kvpool.cells import Cell, run_pools
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, new_session
 from kvpool.engine.cross_router import next_replica, round_robin
-from kvpool.engine.fleet import (
-    Replica,
-)
+from kvpool.engine.fleet import Replica
+from kvpool.engine.plan import batch_invariant
 from kvpool.measure import provenance, records, validity
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
@@ -62,7 +62,7 @@ from kvpool.measure.timed import (
 )
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.stats import reported_percentile
-from kvpool.studies.load import outputs_check
+from kvpool.studies.load import Level, outputs_check, send_level
 
 ROUTERS = ("cross", "round-robin", "random", "prefix-affinity")
 PHASES = ("first", "follow-up", "hot", "after-loss")
@@ -222,28 +222,20 @@ def phase_row(cell, router: str, phase: str, rows: pd.DataFrame, sources: dict, 
     }
 
 
-def markdown(table: pd.DataFrame) -> str:
-    """results/routers.md: TTFT and where the prompt tokens came from, per cell, router, phase and group."""
-    lines = ["# Routers: where each request went and where its tokens came from", "",
-             "A phase's requests that went to a replica new to their document (moved) and to one that had served it "
-             "(stayed) are also shown apart: their TTFTs are two populations.", "",
-             "| cell | router | phase | requests | gate | n | TTFT p50 [95% CI] | TTFT p99 | own cache | pool "
-             "| computed | on a replica new to the document | busiest replica's share |", "|" + "---|" * 13]
-    for row in table.itertuples():
-        group = getattr(row, "group", "all")
-        p99 = f"{row.ttft_p99_s:.3g} s"
-        basis = getattr(row, "ttft_p99_basis", "p99")
-        if isinstance(basis, str) and basis.startswith("max of"):
-            p99 = f"{basis}: {p99}"
-        interval = (f" [{row.ttft_p50_ci_low_s:.3g}, {row.ttft_p50_ci_high_s:.3g}]"
-                    if pd.notna(row.ttft_p50_ci_low_s) else "")
-        lines.append(
-            f"| {row.backend} / {row.arm} / chunk {row.chunk} / {row.tier} | {row.router} | {row.phase} | "
-            f"{'all' if group == 'all' else group} | {'valid' if row.valid else '**INVALID**'} | "
-            f"{getattr(row, 'ttft_n', row.requests)} | {row.ttft_p50_s:.3g} s{interval} | {p99} | "
-            f"{row.local_cache_fraction:.0%} | {row.pool_fraction:.0%} | {row.computed_fraction:.0%} | "
-            f"{row.moved_fraction:.0%} | {row.max_replica_share:.0%} |")
-    return "\n".join(lines) + "\n"
+def table(units: list[tuple[Cell, str]], csvs: list[str], metas: list[str]) -> pd.DataFrame:
+    """results/routers.csv from the units' records (``csvs``) and run.json (``metas``): per cell, router,
+    phase and group (``groups``), a ``phase_row``."""
+    rows = []
+    for (cell, router), csv, meta_path in zip(units, csvs, metas, strict=True):
+        frame, meta = read_records(csv), read_json(meta_path)
+        for phase in PHASES:
+            sent = frame[frame["phase"] == phase]
+            if sent.empty:
+                continue
+            for group, part in groups(sent, phase):
+                sources = phase_sources(part, meta["windows"].get(phase) if group == "all" else None)
+                rows.append(phase_row(cell, router, phase, part, sources, meta["valid"], group=group))
+    return pd.DataFrame(rows)
 
 
 log = logging.getLogger(__name__)
@@ -271,38 +263,12 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
         plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, router=router),
         manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
         name=f"router-{router}")
-    from kvpool.engine.plan import batch_invariant
-
     gate = checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
                   config["workload"]["doc_tokens"], config["min_hit_fraction"], config["max_resident_fraction"],
                   read_records(reference_csv) if reference_csv else None, batch_invariant(config["engine"]),
                   config["routers"]["hot"]["concurrency"])
     meta.update(validity.with_served(gate, meta, config["engine"]["max_model_len"], cell.chunk))
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} router~{router}")
-
-
-def run_router_table(units: list[tuple[Cell, str]], *, csvs: list[str], metas: list[str], csv_out: str,
-                     md_out: str, figures_dir: str) -> None:
-    """results/routers.csv and .md, and their figures: per cell, router and phase."""
-    from kvpool.report import figures
-
-    rows = []
-    for (cell, router), csv, meta_path in zip(units, csvs, metas, strict=True):
-        frame, meta = read_records(csv), read_json(meta_path)
-        for phase in PHASES:
-            sent = frame[frame["phase"] == phase]
-            if sent.empty:
-                continue
-            for group, part in groups(sent, phase):
-                sources = phase_sources(part, meta["windows"].get(phase) if group == "all" else None)
-                rows.append(phase_row(cell, router, phase, part, sources, meta["valid"], group=group))
-    table = pd.DataFrame(rows)
-    table.to_csv(csv_out, index=False)
-    Path(md_out).write_text(markdown(table))
-    out = Path(figures_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stem, (draw, _) in figures.ROUTER_FIGURES.items():
-        figures.save(draw(table), out, stem)
 
 
 def _routed_row(router: str, phase: str, seq: int, doc_id: int, first: int | None, serve: Replica, seen: bool,
@@ -335,8 +301,6 @@ async def _routed_hot(by_index: dict[int, Replica], router, sends: list[tuple[in
                       tokens: dict[int, list[int]], seen: dict[int, set[int]], cfg: dict, in_flight: int):
     """The hot phase: ``in_flight`` requests at a time; per request only its response's ``cached_tokens``
     (own cache and pool together), the split by source from the serving replicas' counters over the phase."""
-    from kvpool.studies.load import Level, send_level
-
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     placed = [(doc_id, router.followup(doc_id, tokens[doc_id]), prompt) for doc_id, prompt in sends]
     seen_then = []
@@ -362,9 +326,6 @@ def router_unit(plan: dict, workload: list[dict], router_name: str, cfg: dict, l
     """A router unit (kvpool.studies.routers): one fleet on a fresh pool; each document's first request, the
     pool dropped from the page cache and checked, every follow-up, the hot phase, then a replica stopped
     and every follow-up again, each request where ``router_name`` sends it."""
-    from collections import defaultdict
-
-
     settings = cfg["routers"]
     tokens = {item["doc_id"]: item["document"] for item in workload}
     followups = {item["doc_id"]: item["followup"] for item in workload}
