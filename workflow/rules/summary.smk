@@ -64,7 +64,7 @@ rule load_table:
     params:
         cells=cell_names(),
         levels=[[cell.name, level] for cell, level in LOAD_DONE],
-        settings=settings(load.run_load_table),
+        settings=settings(load_report.run_load_table),
     script:
         "../scripts/load_table.py"
 
