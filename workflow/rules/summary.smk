@@ -149,7 +149,7 @@ rule studyb_tables:
         CONDA_ENV
     params:
         blocks=STUDYB_BLOCKS,
-        settings=settings(studyb.run_studyb_tables),
+        settings=settings(studyb_report.run_studyb_tables),
         study=STUDYB_MEASURED,
     script:
         "../scripts/studyb_tables.py"
