@@ -10,7 +10,7 @@ from test_gpu_load_runs import C32, SHARED, config_of, rebuilt_table
 
 from kvpool.measure import link
 from kvpool.measure.telemetry import gpu_state
-from kvpool.studies import load
+from kvpool.report import load
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-link"
 CEILING = RUN / "results" / "tiers" / "ram" / "ceiling.json"

@@ -25,9 +25,10 @@ from support.committed import assert_same_gate
 
 from kvpool.cells import Cell
 from kvpool.measure import reference as reference_module
-from kvpool.measure import validity
+from kvpool.measure import reuse_checks, validity
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import load as load_report
 from kvpool.studies import load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +112,7 @@ def test_each_level_is_valid_again_from_its_records(run, cell, level):
     hits = load.attribution(rows, meta["window_external_tokens"])
     reference = read_records(str(run.root / "results" / "reference" / "outputs.csv"))
     in_flight = load.in_flight_limit(load.Level.from_name(level), 1)
-    outputs = load.outputs_check(rows, reference, in_flight, batch_invariant=False)
+    outputs = reuse_checks.outputs_check(rows, reference, in_flight, batch_invariant=False)
     checks = load.level_checks(cell.arm, rows, hits, meta["drop_before_level"], meta["checks"]["pool_restored"],
                                config["workload"]["doc_tokens"], config["min_hit_fraction"],
                                config["max_resident_fraction"], outputs)
@@ -167,8 +168,8 @@ def rebuilt_table(run: Run, tmp_path: Path) -> pd.DataFrame:
     cells = [cell for cell in (SHARED, ISOLATED, TWO_WORKERS) if cell in run.levels]
     levels = {(cell, level): {"csv": str(run.level_dir(cell, level) / "requests.csv"),
                               "meta": str(run.level_dir(cell, level) / "level.json")} for cell, level in run.units()}
-    load.run_load_table(config_of(run, cells[0]), cells, reuse={cell: files(cell) for cell in cells}, levels=levels,
-                        csv_out=str(tmp_path / "load.csv"), md_out=str(tmp_path / "load.md"))
+    load_report.run_load_table(config_of(run, cells[0]), cells, reuse={cell: files(cell) for cell in cells},
+                               levels=levels, csv_out=str(tmp_path / "load.csv"), md_out=str(tmp_path / "load.md"))
     for name in ("load.csv", "load.md"):
         assert (tmp_path / name).read_text() == (run.root / "results" / name).read_text()
     table = pd.read_csv(run.root / "results" / "load.csv").set_index(["arm", "level"])

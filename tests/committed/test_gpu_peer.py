@@ -13,9 +13,10 @@ import pytest
 from support.committed import assert_peer_table_rebuilt
 
 from kvpool.cells import Cell
+from kvpool.measure import reuse_checks
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
-from kvpool.studies import load, peer
+from kvpool.studies import peer
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200-mp-peer"
 CELL = Cell("lmcache-mp", "shared", 256, "ram")
@@ -49,7 +50,7 @@ def test_vllms_client_got_the_split_matched_recomputes_answers():
     follow-up's split, taken from kvpool's reuse of the same follow-up on the same pool: 64 of 64 equal."""
     reused, replayed = records()
     reference = read_records(str(RUN / "results" / "reference" / "outputs.csv"))
-    outputs = load.outputs_check(peer.with_reuse_splits(replayed, reused), reference, 1, batch_invariant=False)
+    outputs = reuse_checks.outputs_check(peer.with_reuse_splits(replayed, reused), reference, 1, batch_invariant=False)
     assert outputs["status"] == "passed" and outputs["value"]["exact"] == outputs["value"]["equal"] == 64
 
 

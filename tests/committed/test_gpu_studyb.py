@@ -12,6 +12,7 @@ from support.committed import measured_only_rebuild
 
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import studyb as studyb_report
 from kvpool.studies import studyb
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,10 +62,10 @@ def test_the_tables_and_the_verdict_come_again_from_the_records(run, tmp_path):
                      "meta": str(blocks_dir / f"block~{name}" / "block.json")} for name in NAMES}
     out = {name: str(tmp_path / name) for name in ("locality.csv", "sessions.csv", "summary.csv", "validity.json",
                                                    "studyb.md")}
-    studyb.run_studyb_tables(config, studyb.resolved(config), blocks, locality_csv=out["locality.csv"],
-                             sessions_csv=out["sessions.csv"],
-                             summary_csv=out["summary.csv"], validity_out=out["validity.json"], md_out=out["studyb.md"],
-                             figures_dir=str(tmp_path / "studyb" / "figures"))
+    studyb_report.run_studyb_tables(config, studyb.resolved(config), blocks, locality_csv=out["locality.csv"],
+                                    sessions_csv=out["sessions.csv"], summary_csv=out["summary.csv"],
+                                    validity_out=out["validity.json"], md_out=out["studyb.md"],
+                                    figures_dir=str(tmp_path / "studyb" / "figures"))
     assert read_json(out["validity.json"]) == read_json(run / "results" / "studyb" / "validity.json")
     assert Path(out["studyb.md"]).read_text() == (run / "results" / "studyb.md").read_text()
 

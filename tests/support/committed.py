@@ -13,8 +13,9 @@ from kvpool.cells import Cell
 from kvpool.measure.checks import NOT_APPLICABLE, status
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.report import peer
 from kvpool.report import routers as routers_report
-from kvpool.studies import peer, routers
+from kvpool.studies import routers
 from support import REPO
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvpool.cells import Cell
 from kvpool.measure import link
-from kvpool.report import tables
+from kvpool.studies import tables
 
 
 def test_a_copy_rate_is_the_median_of_its_timed_copies_with_the_slowest_and_fastest():

@@ -12,17 +12,14 @@ from aiohttp import web
 from support import completions_server, passing_gate_inputs
 
 from kvpool.measure import kvbytes
+from kvpool.measure.reuse_checks import files_restored, memory_restored, repopulated, restore_pool
 from kvpool.report import gate
 from kvpool.studies.load import (
     Level,
     arrival_offsets,
     attribution,
-    files_restored,
     level_checks,
     levels,
-    memory_restored,
-    repopulated,
-    restore_pool,
     send_level,
 )
 
@@ -187,7 +184,8 @@ def test_the_pool_is_restored_to_what_populate_left(tmp_path):
 
 def test_a_load_row_reports_what_the_fleet_delivered_in_the_levels_window():
     from kvpool.cells import Cell
-    from kvpool.report.tables import load_markdown, load_row
+    from kvpool.report.load import load_markdown
+    from kvpool.studies.load_table import load_row
 
     records = pd.DataFrame({"ttft_s": [0.2, 0.4, 6.0, np.nan], "e2e_s": [0.3, 0.5, 6.2, np.nan],
                             "external_hit_tokens": [2048, 2048, 2048, 0], "error": ["", "", "", "replica 1 died"]})
@@ -292,7 +290,8 @@ def test_a_levels_window_splits_its_requests_time_by_the_replicas_own_histograms
 
 
 def test_the_load_table_gains_the_time_split_only_where_a_level_recorded_it():
-    from kvpool.report.tables import load_for_reading, time_split
+    from kvpool.report.load import load_for_reading
+    from kvpool.studies.load_table import time_split
 
     reuse = pd.DataFrame({"queue_s": [0.01, 0.03, np.nan], "prefill_s": [0.05, 0.07, 0.06]})
     split = time_split(reuse, {})  # the reuse phase: its requests' own times

@@ -18,6 +18,7 @@ from support import REPO, completions_server
 from kvpool.cells import Cell
 from kvpool.engine.model import build_tokenizer
 from kvpool.measure.records import write_records
+from kvpool.report import peer as peer_report
 from kvpool.settings import step_settings
 from kvpool.studies import load, peer
 
@@ -151,7 +152,7 @@ def test_the_peer_row_sets_both_clients_ttft_side_by_side():
     assert row["paired_median_change_ci_low_pct"] <= row["paired_median_change_pct"] <= \
         row["paired_median_change_ci_high_pct"]
     assert not peer.peer_row(SHARED, ours, theirs, True, False)["valid"]
-    table = peer.peer_markdown(pd.DataFrame([row]))
+    table = peer_report.peer_markdown(pd.DataFrame([row]))
     assert "lmcache-fs / shared / chunk 256 / disk" in table and "+9.1%" in table
 
 
@@ -224,7 +225,7 @@ def test_the_peer_table_splits_each_cell_by_serving_replica():
     assert rows.loc["0", "p50_difference_pct"] == pytest.approx(50.0)
     assert rows.loc["1", "p50_difference_pct"] == pytest.approx(0.0)
     assert rows.loc["all", "paired_median_change_pct"] == pytest.approx(25.0)  # the median of 0, 0, 50, 50
-    text = peer.peer_markdown(rows.reset_index())
+    text = peer_report.peer_markdown(rows.reset_index())
     head, per_replica = text.split("## Per serving replica")
     assert head.count("lmcache-fs / shared") == 1 and per_replica.count("lmcache-fs / shared") == 2
     assert "+50.0%" in per_replica and "+50.0%" not in head
@@ -262,9 +263,9 @@ def test_the_peer_table_names_each_rows_order_where_both_ran(tmp_path):
     (tmp_path / "validity.json").write_text(json.dumps({"valid": True}))
     reuse = {SHARED: {"csv": str(tmp_path / "reuse.csv"), "validity": str(tmp_path / "validity.json")}}
     out = {"csv_out": str(tmp_path / "peer.csv"), "md_out": str(tmp_path / "peer.md")}
-    peer.run_peer_table([(SHARED, "peer")], reuse=reuse, replays=files, **out)
+    peer_report.run_peer_table([(SHARED, "peer")], reuse=reuse, replays=files, **out)
     assert "order" not in pd.read_csv(tmp_path / "peer.csv").columns  # one order: the table as it was
-    peer.run_peer_table(list(files), reuse=reuse, replays=files, **out)
+    peer_report.run_peer_table(list(files), reuse=reuse, replays=files, **out)
     table = pd.read_csv(tmp_path / "peer.csv", dtype={"replica": str}).set_index(["order", "replica"])
     assert table.loc[("ascending", "0"), "p50_difference_pct"] == pytest.approx(100.0)
     assert table.loc[("descending", "1"), "p50_difference_pct"] == pytest.approx(100.0)

@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 from kvpool.cells import Cell
-from kvpool.report.tables import cell_row, table1
 from kvpool.stats import change_claim, mean_ci, proportion_ci, ratio_ci, reported_percentile
+from kvpool.studies.tables import cell_row, table1
 
 
 @pytest.mark.parametrize("q, n, basis", [(95, 19, "max of 19"), (95, 20, "p95"), (99, 99, "max of 99"),

@@ -12,7 +12,8 @@ from kvpool.engine.plan import fleet_plan
 from kvpool.measure import records, reference
 from kvpool.measure.checks import verdict
 from kvpool.measure.records import ChainRecord
-from kvpool.studies import studyb
+from kvpool.report import studyb as studyb_report
+from kvpool.studies import studyb, studyb_tables
 
 VOCAB = list(range(1000, 3000))
 
@@ -167,27 +168,27 @@ def test_damaged_kv_fails_an_on_block_against_the_recompute_in_its_split(study):
 def test_pairs_match_by_payload_and_replica_and_their_answers_are_counted(study):
     pairs = studyb.block_pairs(studyb.blocks({"repeats": 1}))
     rows = run_blocks(study)
-    checks = studyb.pairing_checks(rows, pairs)
+    checks = studyb_tables.pairing_checks(rows, pairs)
     assert checks["every_on_request_paired"]["ok"] and set(checks) == {"every_on_request_paired"}
-    agreement = studyb.pairing_agreement(rows, pairs)
+    agreement = studyb_tables.pairing_agreement(rows, pairs)
     assert agreement["equal"] == agreement["of"] > 0
     damaged = run_blocks(study, damage=True)
-    assert studyb.pairing_agreement(damaged, pairs)["equal"] < agreement["equal"]
+    assert studyb_tables.pairing_agreement(damaged, pairs)["equal"] < agreement["equal"]
     # an answer apart changes the next turn's payload: those turns no longer pair, which the pairing explains
     # (the ON block's own gate is what fails on damaged KV: test_damaged_kv_fails_an_on_block...)
-    pairing = studyb.pairing_checks(damaged, pairs)["every_on_request_paired"]
+    pairing = studyb_tables.pairing_checks(damaged, pairs)["every_on_request_paired"]
     assert pairing["ok"] and pairing["value"]["after_an_answer_apart"] > 0
     # a turn unpaired for any other reason breaks the design
     broken = rows.copy()
     turn = (broken["block"] == "2-on") & (broken["kind"] == "session") & (broken["turn"] == 0)
     broken.loc[turn, "payload_sha256"] = "another prompt"
-    assert not studyb.pairing_checks(broken, pairs)["every_on_request_paired"]["ok"]
+    assert not studyb_tables.pairing_checks(broken, pairs)["every_on_request_paired"]["ok"]
 
 
 def test_the_tables_show_the_cross_step_and_alternating_sessions_gain_only_with_the_pool(study):
     rows = run_blocks(study)
     pairs = studyb.block_pairs(studyb.blocks({"repeats": 1}))
-    locality = studyb.locality_table(rows, pairs).set_index(["context", "step"])
+    locality = studyb_tables.locality_table(rows, pairs).set_index(["context", "step"])
     assert list(locality.index.get_level_values("step")[:5]) == [step for step, _ in studyb.CHAIN]
     cross = locality.loc[(512, "cross")]
     assert cross["on_external_hit_tokens"] == 512 and cross["off_external_hit_tokens"] == 0
@@ -195,7 +196,7 @@ def test_the_tables_show_the_cross_step_and_alternating_sessions_gain_only_with_
     assert abs(locality.loc[(512, "cold"), "mean_paired_change_pct"]) < 1e-9  # nothing to gain when cold
     assert locality.loc[(512, "cross"), "on_observations_s"].count(";") == 1  # both ON blocks' observations
     assert pd.isna(cross["change_ci_low_pct"])  # two block pairs: no interval, as in Study B
-    sessions = studyb.sessions_table(rows, pairs).set_index("placement")
+    sessions = studyb_tables.sessions_table(rows, pairs).set_index("placement")
     assert sessions.loc["alternating", "turn_ttft_change_pct"] < -10
     assert abs(sessions.loc["fixed", "turn_ttft_change_pct"]) < 1e-9
     # decode is (N_out - 1) / (last token - first token): 3 tokens in 0.09 s, unchanged by the pool
@@ -213,8 +214,8 @@ def test_the_locality_figure_draws_one_context_or_several(study, tmp_path):
 
 
 def test_three_block_pairs_or_more_get_a_bootstrap_interval():
-    assert all(pd.isna(v) for v in studyb.mean_change_ci(pd.Series([-40.0, -42.0])))
-    low, high = studyb.mean_change_ci(pd.Series([-40.0, -42.0, -38.0, -41.0]))
+    assert all(pd.isna(v) for v in studyb_tables.mean_change_ci(pd.Series([-40.0, -42.0])))
+    low, high = studyb_tables.mean_change_ci(pd.Series([-40.0, -42.0, -38.0, -41.0]))
     assert -42.0 <= low <= -40.25 <= high <= -38.0
 
 
@@ -307,13 +308,13 @@ def test_the_windows_table_pairs_throughput_across_blocks():
 
     rows = pd.DataFrame(window_rows("1-off", 2.0) + window_rows("2-on", 1.0) + window_rows("3-on", 1.0)
                         + window_rows("4-off", 4.0))
-    table = studyb.windows_table(rows, [("1-off", "2-on"), ("4-off", "3-on")], output_tokens=4)
+    table = studyb_tables.windows_table(rows, [("1-off", "2-on"), ("4-off", "3-on")], output_tokens=4)
     (row,) = table.itertuples()
     # 8 answered turns x 4 tokens over each window's wall time
     assert (row.off_tokens_per_s_median, row.on_tokens_per_s_median) == (pytest.approx(12.0), pytest.approx(32.0))
     assert row.mean_paired_change_pct == pytest.approx((100 + 300) / 2) and row.block_pairs == 2
-    page = studyb.markdown({"backend": "b", "chunk": 256, "tier": "ram", "warmups": 1, "window_turns": 4},
+    page = studyb_report.markdown({"backend": "b", "chunk": 256, "tier": "ram", "warmups": 1, "window_turns": 4},
                            ["1-off", "2-on"], {"valid": True, "blocks": {}, "checks": {}}, pd.DataFrame(),
                            pd.DataFrame(), [], table)
     assert "## Short concurrency windows" in page and "| 2 | alternating | 12 tok/s | 32 tok/s | 200% |" in page
-    assert studyb.windows_table(rows[rows["kind"] != "window"], [], 4).empty  # a run without windows
+    assert studyb_tables.windows_table(rows[rows["kind"] != "window"], [], 4).empty  # a run without windows

@@ -8,7 +8,8 @@ from support.records import DOC, POOL_SPLIT, STORED_CHUNKS, frames
 from kvpool.engine.metrics import delta, token_counters
 from kvpool.measure.checks import tally
 from kvpool.measure.validity import evaluate, failures
-from kvpool.report.tables import arm_metrics, table1, table1_markdown
+from kvpool.report.tables import table1_markdown
+from kvpool.studies.tables import arm_metrics, table1
 
 OWN_POOL = {"files": STORED_CHUNKS, "bytes": 10**9, "chunks": STORED_CHUNKS}
 L1 = "lmcache_mp_l1_memory_usage_bytes of the pool's servers after populate"
@@ -153,7 +154,7 @@ def test_table1_is_drawn_from_the_cell_table_with_its_intervals():
     """One cell row per arm (summary.cell_row, real records); Table 1 sets them side by side, the ratio
     isolated over shared, each TTFT percentile with its bootstrap interval."""
     from kvpool.cells import Cell
-    from kvpool.report.tables import cell_row
+    from kvpool.studies.tables import cell_row
 
     config = {"warm_s": 3.0, "slo_s": 5.0, "workload": {"doc_tokens": 1000}}
     power = {"mean_power_w": None, "gpu_energy_j": None, "replicas": {"0": {"cpu_s": 4.0}}}

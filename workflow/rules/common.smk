@@ -10,6 +10,7 @@ from kvpool.report import contexts as contexts_report, crossover as crossover_re
 from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb
 from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
+from kvpool.report import load as load_report, studyb as studyb_report
 from kvpool.engine.model import RANDOM_MODEL_DIR
 
 # What the config alone decides is checked while parsing, so a dry run catches it too. Paths and

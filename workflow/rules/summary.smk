@@ -64,7 +64,7 @@ rule load_table:
     params:
         cells=cell_names(),
         levels=[[cell.name, level] for cell, level in LOAD_DONE],
-        settings=settings(load.run_load_table),
+        settings=settings(load_report.run_load_table),
     script:
         "../scripts/load_table.py"
 
@@ -149,7 +149,7 @@ rule studyb_tables:
         CONDA_ENV
     params:
         blocks=STUDYB_BLOCKS,
-        settings=settings(studyb.run_studyb_tables),
+        settings=settings(studyb_report.run_studyb_tables),
         study=STUDYB_MEASURED,
     script:
         "../scripts/studyb_tables.py"

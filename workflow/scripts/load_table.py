@@ -1,6 +1,6 @@
 from kvpool.cells import Cell
 from kvpool.measure import logs
-from kvpool.studies import load
+from kvpool.report import load
 
 logs.to_log(snakemake.log[0])
 cells = [Cell.from_name(name) for name in snakemake.params.cells]

@@ -1,6 +1,6 @@
 from kvpool.cells import Cell
 from kvpool.measure import logs
-from kvpool.studies import peer
+from kvpool.report import peer
 
 logs.to_log(snakemake.log[0])
 params = snakemake.params

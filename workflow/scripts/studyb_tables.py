@@ -1,5 +1,5 @@
 from kvpool.measure import logs
-from kvpool.studies import studyb
+from kvpool.report import studyb
 
 logs.to_log(snakemake.log[0])
 blocks = {name: {"csv": csv, "meta": meta}

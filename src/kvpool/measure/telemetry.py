@@ -273,6 +273,11 @@ def energy_mean_power(power: dict, duration_s: float | None) -> dict:
             "mean_power_source": "NVML energy counter over the window"}
 
 
+def phase_power(phase: dict) -> dict:
+    """A phase summary's power, its mean from the energy counter over the phase (:func:`energy_mean_power`)."""
+    return energy_mean_power(phase["power"], phase.get("duration_s"))
+
+
 def clock_event_names(mask: int) -> list[str]:
     """NVML's clock-event (throttle) reason bits in ``mask`` by name (``sw_power_cap``, ``hw_thermal_slowdown``,
     ...), from the NVML library's own constants."""

@@ -34,13 +34,19 @@ from kvpool.engine.fleet import (
     PoolServer,
     running_servers,
 )
-from kvpool.engine.plan import plan_pool_dirs
-from kvpool.engine.pool_files import pool_files
+from kvpool.engine.plan import batch_invariant, plan_pool_dirs
 from kvpool.measure import kvbytes, provenance, records, validity
-from kvpool.measure.checks import check, not_verified, verdict
+from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json, write_json
 from kvpool.measure.records import LevelRecord, read_records
-from kvpool.measure.telemetry import energy_mean_power
+from kvpool.measure.reuse_checks import (
+    files_restored,
+    memory_restored,
+    outputs_check,
+    repopulated,
+    request_checks,
+    restore_pool,
+)
 from kvpool.measure.timed import (
     REPO,
     checked_ports,
@@ -55,8 +61,6 @@ from kvpool.measure.timed import (
     times_window,
     write_unit,
 )
-from kvpool.report import tables as summary
-from kvpool.report.tables import phase_power
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import peer
 from kvpool.studies.peer import PEER_LEVEL, replay_with_vllm_bench
@@ -151,65 +155,6 @@ def attribution(rows: pd.DataFrame, window_external: int | None) -> dict:
     return {"per_request_cached_tokens": per_request, "window_external_tokens": window_external, "agree": agree,
             "used": "per-request usage.prompt_tokens_details.cached_tokens, checked against /metrics deltas "
                     "over the level's window"}
-
-
-def restore_pool(dirs: list[Path], populate_digests: pd.DataFrame) -> dict:
-    """Back to what populate left: remove every pool file populate did not store (an earlier level's
-    serving replicas stored documents and follow-up chunks). What populate stored is left as it is;
-    the level's gate checks it is unchanged."""
-    kept = set(zip(populate_digests["copy"], populate_digests["key"], strict=True))
-    removed = 0
-    for directory in dict.fromkeys(map(Path, dirs)):
-        for path in pool_files([directory]):
-            if (directory.name, str(path.relative_to(directory))) not in kept:
-                path.unlink()
-                removed += 1
-    return {"removed_files": removed, "kept_files": len(kept)}
-
-
-def files_restored(unchanged: dict) -> dict:
-    """The ``pool_restored`` check of a pool of files: populate's files unchanged (kvbytes.unchanged)."""
-    return check(unchanged["changed"] == 0 and unchanged["missing"] == 0, unchanged, "populate's files unchanged")
-
-
-def repopulated(cell_rows: pd.DataFrame, cell_meta: dict, rows: pd.DataFrame, meta: dict) -> dict:
-    """What a memory pool's level populated (``rows``, ``meta``) against the cell's own populate:
-    placement (document -> replica), errors, the preflight, and the bytes its servers held afterwards."""
-    def placement(frame: pd.DataFrame) -> dict:
-        return dict(zip(frame["doc_id"].astype(int), frame["prefill_replica"].astype(int), strict=True))
-
-    return {"repopulated": True, "same_placement": placement(cell_rows) == placement(rows),
-            "errors": int((rows["error"].fillna("") != "").sum()), "preflight_ok": bool(meta["preflight"]["ok"]),
-            "bytes": int(meta["pool"]["bytes"]), "cell_bytes": int(cell_meta["pool"]["bytes"])}
-
-
-def memory_restored(restored: dict) -> dict:
-    """The ``pool_restored`` check of a memory pool populated again for its level (``repopulated``)."""
-    ok = (restored["same_placement"] and restored["errors"] == 0 and restored["preflight_ok"]
-          and restored["bytes"] == restored["cell_bytes"])
-    return check(ok, restored, "populated again without errors, in the same placement, to the cell's pool bytes")
-
-
-def request_checks(rows: pd.DataFrame) -> dict:
-    """What every unit of the load chain asks of its requests: no errors, every follow-up cross-replica."""
-    errors = int((rows["error"].fillna("") != "").sum())
-    cross = rows["prefill_replica"] != rows["serve_replica"]
-    return {"zero_errors": check(errors == 0, errors, 0),
-            "cross_replica": check(bool(len(rows)) and bool(cross.all()), float(cross.mean()) if len(rows) else 0.0,
-                                   1.0)}
-
-
-def outputs_check(rows: pd.DataFrame, reference: pd.DataFrame | None, in_flight: int, batch_invariant: bool) -> dict:
-    """A level's answers against the split-matched reference (kvpool.measure.reference). With more than one
-    request in flight the batch a request shares changes the kernels' numerics, so its answer is only
-    comparable under vLLM's batch-invariant kernels; without them the check is not verified, and says why."""
-    if in_flight > 1 and not batch_invariant:
-        answered = int((rows["error"].fillna("") == "").sum())
-        return not_verified(f"{answered} answers sent up to {in_flight} at a time: the batch each shared changes "
-                            "the numerics, so they are not comparable with a recompute sent alone; "
-                            "engine.batch_invariant: true (vLLM's batch-invariant kernels) makes them so",
-                            {"answers": answered, "in_flight": in_flight})
-    return validity.outputs_check(rows, reference)
 
 
 def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_restored: dict, doc_tokens: int,
@@ -329,8 +274,6 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
                   plan: dict, workload: list[dict], reference: pd.DataFrame | None = None) -> None:
     """A level's rows, its gate (its answers against the split-matched ``reference``) and its telemetry
     summary."""
-    from kvpool.engine.plan import batch_invariant
-
     records.write_records(frame, csv_out, f"load-{level.name}")
     in_flight = in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
     if level.kind == "peer":  # vLLM's client reports no hits per request: the window's, against reuse's
@@ -350,44 +293,6 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
                 **validity.with_served(gate, meta, config["engine"]["max_model_len"], cell.chunk))
     meta["pool_removed"] = pool_removed
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} {level.name}")
-
-
-@reads("workload", "slo_s", "engine", "random_model")
-def run_load_table(config: dict, cells_run: list[Cell], *, reuse: dict, levels: dict, csv_out: str,
-                   md_out: str, ceilings: list[str] | None = None) -> None:
-    """``results/load.csv``: one row per cell and level (``c1`` is the cell's reuse phase; ``reuse``
-    maps a cell to its reuse.csv, reuse.json, validity.json and telemetry summary; ``levels`` maps
-    (cell, level) to the level's csv and json). Where the tiers' ``ceilings`` hold the host-to-GPU link,
-    each level's KV loaded per second is also given as a share of it (``link_use``)."""
-    from kvpool.engine.model import engine_kv_bytes_per_token
-
-    per_token, rows, units = engine_kv_bytes_per_token(config), [], []
-    for cell in cells_run:
-        files = reuse[cell]
-        summary_ = read_json(files["telemetry"])["reuse"]
-        cell_gate = read_json(files["validity"])
-        units.append((read_records(files["csv"]), {**read_json(files["meta"]), **cell_gate}))
-        rows.append(summary.load_row(cell, "c1", *units[-1], summary_["drive"], phase_power(summary_),
-                                     cell_gate["valid"], config, per_token))
-        for (level_cell, level), paths in levels.items():
-            if level_cell == cell:
-                units.append((read_records(paths["csv"]), read_json(paths["meta"])))
-                meta = units[-1][1]
-                power = energy_mean_power(meta["summary"]["power"], meta["telemetry"].get("duration_s"))
-                rows.append(summary.load_row(cell, level, *units[-1], meta["summary"]["drive"], power,
-                                             meta["valid"], config, per_token))
-    if any("window_times" in meta for _, meta in units):  # vLLM's split of the time (tables recorded before: none)
-        rows = [{**row, **summary.time_split(*unit)} for row, unit in zip(rows, units, strict=True)]
-    table = pd.DataFrame(rows)
-    links = {path.split("/")[-2]: read_json(path).get("link") for path in ceilings or []}
-    if any((link or {}).get("gb_per_s") for link in links.values()):  # the share of the GPU link the reloads used
-        table["link_ceiling_gb_per_s"] = table["tier"].map(
-            lambda tier: (links.get(tier) or {}).get("gb_per_s") or np.nan).astype(float)
-        table["link_use"] = table["loaded_gb_per_s"] / table["link_ceiling_gb_per_s"]
-    table.to_csv(csv_out, index=False)
-    Path(md_out).write_text("# Under load: each cell's follow-ups per level\n\n" + summary.load_markdown(table))
-
-
 
 
 async def _load(replicas, workload, route, prefill, cfg, level

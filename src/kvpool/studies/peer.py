@@ -32,9 +32,11 @@ from kvpool.engine.client import new_session
 from kvpool.engine.fleet import (
     Replica,
 )
+from kvpool.engine.plan import BASE_ENV, SERVED_MODEL_NAME
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
+from kvpool.measure.reuse_checks import request_checks
 from kvpool.measure.timed import external_window, scrape_serving
 from kvpool.stats import percentile_ci, reported_percentile
 
@@ -163,8 +165,6 @@ def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], windo
     over the window (vLLM's client reports none per request) against what kvpool's reuse phase loaded
     (shared arm) or nothing (isolated arm), and the server's prompt token counts equal to the
     follow-ups' (the text dataset carried exactly kvpool's prompts)."""
-    from kvpool.studies.load import request_checks
-
     sent = frame["prompt_tokens"].astype(int).tolist()
     wanted = [followup_tokens[d] for d in frame["doc_id"]]
     found = {
@@ -225,38 +225,6 @@ def cell_rows(table: pd.DataFrame) -> pd.Series:
     return table["replica"].astype(str) == "all"
 
 
-def peer_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """The replay table as a person reads it: one row per cell or serving replica, each value with its
-    unit."""
-    return pd.DataFrame([{
-        "cell": f"{r['backend']} / {r['arm']} / chunk {r['chunk']} / {r['tier']}", "replica": r["replica"],
-        **({"replica order": r["order"]} if "order" in r else {}),
-        "gate": "valid" if r["valid"] else "INVALID", "follow-ups": int(r["requests"]),
-        "kvpool TTFT p50": f"{r['kvpool_ttft_p50_s']:.4g} s", "vllm bench TTFT p50": f"{r['vllm_ttft_p50_s']:.4g} s",
-        "p50 difference": f"{r['p50_difference_pct']:+.1f}%",
-        "paired change, median [95% CI]": f"{r['paired_median_change_pct']:+.1f}% "
-                                          f"[{r['paired_median_change_ci_low_pct']:+.1f}, "
-                                          f"{r['paired_median_change_ci_high_pct']:+.1f}]",
-        "TTFT p99 basis": r.get("ttft_p99_basis", "p99"),
-        "kvpool TTFT p99": f"{r['kvpool_ttft_p99_s']:.4g} s", "vllm bench TTFT p99": f"{r['vllm_ttft_p99_s']:.4g} s",
-    } for _, r in table.iterrows()])
-
-
-def peer_markdown(table: pd.DataFrame) -> str:
-    if table.empty:
-        return "No cell was replayed through vllm bench serve.\n"
-    whole = cell_rows(table)
-    replicas = table[~whole]
-    text = ("# kvpool's client against vLLM's (`vllm bench serve`), the same follow-ups to the same replicas\n\n"
-            + peer_for_reading(table[whole]).drop(columns="replica").to_markdown(index=False)
-            + "\n\nkvpool's numbers are the cell's reuse phase; vLLM's are the replay on the pool restored to what "
-            "populate left and a fresh fleet (`load~peer/`).\n")
-    if len(replicas):
-        text += ("\n## Per serving replica\n\nThe replay sends one replica's follow-ups after the other's; kvpool's "
-                 "reuse phase alternates them.\n\n" + peer_for_reading(replicas).to_markdown(index=False) + "\n")
-    return text
-
-
 def main(argv: list[str]) -> None:
     """``vllm bench serve ARGV``: vLLM's own parser and entry point."""
     from vllm.benchmarks.serve import add_cli_args
@@ -275,9 +243,9 @@ if __name__ == "__main__":
 log = logging.getLogger(__name__)
 
 
-def run_peer_table(units: list[tuple[Cell, str]], *, reuse: dict, replays: dict, csv_out: str, md_out: str) -> None:
-    """``results/peer.csv``: per replay unit (a cell's ``load~peer`` or ``load~peer-<order>``), kvpool's TTFT
-    (the cell's reuse phase) beside vLLM's client's (the replay of the same follow-ups to the same
+def peer_table(units: list[tuple[Cell, str]], reuse: dict, replays: dict) -> pd.DataFrame:
+    """``results/peer.csv``'s rows: per replay unit (a cell's ``load~peer`` or ``load~peer-<order>``), kvpool's
+    TTFT (the cell's reuse phase) beside vLLM's client's (the replay of the same follow-ups to the same
     replicas); ``reuse`` maps a cell to its reuse.csv and validity.json, ``replays`` a (cell, unit) to the
     replay's requests.csv and level.json. Where some replay ran in another order than ascending, an
     ``order`` column says each row's."""
@@ -293,12 +261,11 @@ def run_peer_table(units: list[tuple[Cell, str]], *, reuse: dict, replays: dict,
         table = table.drop(columns="order", errors="ignore")  # one order: the table as it always was
     else:
         table.insert(table.columns.get_loc("replica") + 1, "order", table.pop("order"))
-    table.to_csv(csv_out, index=False)
-    Path(md_out).write_text(peer_markdown(table))
     for row in rows:
         log.info("%s replica %s (%s): TTFT p50 kvpool %.4g s, vllm bench serve %.4g s (%+.1f%%)", row["cell"],
                  row["replica"], row["order"], row["kvpool_ttft_p50_s"], row["vllm_ttft_p50_s"],
                  row["p50_difference_pct"])
+    return table
 
 
 def serving_order(route: dict[int, int], workload: list[dict], order: str) -> list[int]:
@@ -314,8 +281,6 @@ def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[d
     the hits are the serving replicas' /metrics deltas over the whole window."""
 
     from transformers import AutoTokenizer
-
-    from kvpool.engine.plan import BASE_ENV, SERVED_MODEL_NAME
 
     output_tokens = cfg["workload"]["output_tokens"]
     tokenizer = AutoTokenizer.from_pretrained(plan["model"])

@@ -1,59 +1,50 @@
 """Study A's cell: populate the pool, drop it from the page cache, reuse it cross-replica, and judge it;
-the cell's plan, its recompute reference, its telemetry and the tier's ceiling."""
+the cell's plan, its recompute reference, its telemetry and the tier's ceiling. The phases' fleets and
+requests are kvpool.studies.study_a_phases'."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
-import time
 from pathlib import Path
 
 import pandas as pd
 import yaml
-from tqdm import tqdm
 
-from kvpool.cells import Cell, backend_of, is_memory_pool, pool_root
+from kvpool.cells import Cell, backend_of, is_memory_pool, pool_root, run_pools, tier_root
 from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine import pool_files as pool
-from kvpool.engine.client import complete, new_session
-from kvpool.engine.cross_router import followup_route, populate_route
-from kvpool.engine.fleet import (
-    PoolServer,
-    Replica,
-    running_servers,
-)
-from kvpool.engine.model import vocabulary
+from kvpool.engine.fleet import running_servers
+from kvpool.engine.model import engine_kv_bytes_per_token, vocabulary
 from kvpool.engine.plan import (
     fleet_plan,
+    placements,
     plan_gpus,
     plan_pool_dirs,
     reference_plan,
     server_port_count,
 )
-from kvpool.measure import kvbytes, provenance, records, validity
+from kvpool.measure import kvbytes, link, provenance, records, reference, validity
+from kvpool.measure.drive import block_devices, sequential_read_ceiling
 from kvpool.measure.files import read_frame_or_empty, read_json, write_json
-from kvpool.measure.records import RequestRecord, read_records
-from kvpool.measure.reference import followups
+from kvpool.measure.records import read_records
+from kvpool.measure.reuse_checks import restore_pool
 from kvpool.measure.timed import (
     REPO,
     checked_ports,
     drop_pool,
     fresh_pool,
-    measured_request,
     new_plan,
     phase_summary,
     pool_digests,
     reference_phase,
     reference_replica,
     refuse_failed_reference,
-    request_row,
-    reset_prefix_cache,
     run_sampled_phase,
     server_settings,
-    timed_fleet,
 )
-from kvpool.settings import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads
+from kvpool.settings import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads, step_settings
+from kvpool.studies.study_a_phases import populate_phase, reuse_phase
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +226,6 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     def between_reloads() -> None:
         """A pool of files back to what populate stored (the last follow-up's stores removed) and out of
         the page cache again, so the next follow-up reloads it from the device."""
-        from kvpool.studies.load import restore_pool
-
         restore_pool(dirs, stored)
         drops.append(drop_pool(plan, config["drop_caches"]))
 
@@ -289,8 +278,6 @@ def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path:
 def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
     """Study A's split-matched reference: every follow-up in each split the workload's arithmetic
     predicts (kvpool.measure.reference.predicted_requests), on one replica with no pool."""
-    from kvpool.measure import reference
-
     requests = reference.predicted_requests(prompts.read_workload(Path(prompts_path)), config["chunk_sizes"])
     frame = reference_phase(reference_replica(config, model), requests, config, Path(log_dir))
     frame.to_csv(csv_out, index=False)
@@ -384,12 +371,6 @@ def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary
 def run_ceiling(config: dict, tier: str, out: str) -> None:
     """The tier's sequential-read ceiling and, beside it, the host-to-GPU link's on the fleet's GPUs
     (kvpool.measure.link): what a drive tier's and a memory tier's reload are each held against."""
-    from kvpool.cells import run_pools, tier_root
-    from kvpool.engine.model import engine_kv_bytes_per_token
-    from kvpool.engine.plan import placements
-    from kvpool.measure import link
-    from kvpool.measure.drive import block_devices, sequential_read_ceiling
-
     root = tier_root(config, tier)
     mine = run_pools(config, tier) / "ceiling"
     others = lambda: sorted(str(p) for p in root.glob("kvpool-pools/*/ceiling/*.scratch")  # noqa: E731
@@ -427,8 +408,6 @@ def judged_otherwise(config: dict, cells: list[Cell], workdir: Path) -> list[str
     """With measured_only: each cell whose run recorded (its manifest.json) other values than ``config``
     for what its gate reads (``run_validity``'s declared settings), with the keys that differ. Judging it
     again with ``config`` would overwrite its verdict with one its run never had."""
-    from kvpool.settings import step_settings
-
     given = step_settings(run_validity, config)
     found = []
     for cell in cells:
@@ -448,142 +427,3 @@ def _at(config: dict, key: str):
     for part in key.split("."):
         config = config[part]
     return config
-
-
-class PreflightFailed(RuntimeError):
-    """Replicas of a shared pool cannot find each other's chunks or get different KV back (or an
-    isolated arm finds them)."""
-
-
-async def _preflight(session, replicas: list[Replica], probe: list[int], probe_followup: list[int],
-                     output_tokens: int, timeout_s: float, expect_shared: bool) -> dict:
-    """Replica 0 stores a probe; replica 1 asks for its extension. Shared pools must hit, isolated must not.
-
-    Replica 0 then answers the extension itself, on the probe's KV in its own GPU cache. The pool and
-    that cache both cover the probe's two whole chunks, so a shared pool that returned the KV replica 0
-    stored gives replica 1 the same greedy tokens; a pool that returns damaged KV is caught here,
-    before the populate phase is spent.
-    """
-    stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
-    found, counts = await measured_request(session, replicas[1], probe_followup, output_tokens, timeout_s)
-    local = await complete(session, replicas[0].url, probe_followup, output_tokens, timeout_s)
-    hits = counts.get("external_kv_transfer", 0)
-    errors = [e for e in (stored.error, found.error, local.error) if e]
-    outputs_match = not errors and found.output_text == local.output_text
-    # Only a pool hit puts the pool's KV under test; an isolated arm's replica 1 computes cold.
-    ok = not errors and ((hits > 0 and outputs_match) if expect_shared else hits == 0)
-    return {"ok": ok, "expect_shared": expect_shared, "probe_tokens": len(probe), "hit_tokens": hits,
-            "outputs_match": outputs_match, "pool_output": found.output_text, "local_output": local.output_text,
-            "errors": errors}
-
-
-def preflight_failure(cell: str, preflight: dict) -> str:
-    """Why a preflight failed, in one line."""
-    if preflight["errors"]:
-        return f"preflight failed for {cell}: a probe request failed: {'; '.join(preflight['errors'])}"
-    if preflight["expect_shared"] and preflight["hit_tokens"] > 0 and not preflight.get("outputs_match", True):
-        return (f"preflight failed for {cell}: replica 1 loaded {preflight['hit_tokens']} tokens of replica 0's "
-                f"probe from the pool but answered {preflight['pool_output']!r}, while replica 0, on the probe's "
-                f"KV in its own GPU cache, answered {preflight['local_output']!r}: the pool returned different KV "
-                "than was stored (e.g. LMCache's in-process connector on vLLM 0.26, LMCache issue #4463)")
-    expected = ("expected a hit: the pool is not shared" if preflight["expect_shared"]
-                else "expected none: the arm is not isolated")
-    return (f"preflight failed for {cell}: replica 1 loaded {preflight['hit_tokens']} of the "
-            f"{preflight['probe_tokens']}-token probe replica 0 stored ({expected})")
-
-
-async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) -> tuple[list[dict], dict]:
-    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-    async with new_session() as session:
-        preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s, expect_shared=expect_shared)
-        log.info("preflight %s: replica 1 loaded %d tokens of the %d-token probe replica 0 stored (%s)",
-                 "passed" if preflight["ok"] else "FAILED", preflight["hit_tokens"], preflight["probe_tokens"],
-                 "a hit expected" if expect_shared else "none expected")
-        if not preflight["ok"] and cfg["preflight_on_failure"] == "abort":
-            return [], preflight
-        rows: list[dict] = []
-        bar = tqdm(total=len(workload), desc="populate", unit="doc")
-
-        async def feed(replica: Replica):
-            # One request in flight per replica keeps each replica's counter deltas exact.
-            for item in workload:
-                if route[item["doc_id"]] != replica.index:
-                    continue
-                result, counts = await measured_request(session, replica, item["document"], output_tokens, timeout_s)
-                rows.append(request_row(item["doc_id"], replica.index, replica.index, result, counts))
-                bar.update()
-
-        await asyncio.gather(*(feed(r) for r in replicas))
-        bar.close()
-    return sorted(rows, key=lambda r: r["doc_id"]), preflight
-
-
-def populate_phase(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
-             disks: list[str], servers: list[PoolServer] | None = None, *, expect_shared: bool):
-    """Start the fleet (and its pool servers unless ``servers`` run already), run the preflight (replica 1
-    must find replica 0's probe when ``expect_shared``, must not otherwise), send each document once
-    round robin, stop the fleet.
-
-    Returns the per-document records, the phase's meta data and its telemetry sampler.
-    """
-    route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
-    with timed_fleet(plan, cfg, log_dir, servers) as fleet:
-        # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
-        endpoints = [external.describe(r.url) for r in fleet.replicas] if plan.get("external") else None
-        with fleet.window("populate", disks):
-            rows, preflight = asyncio.run(_populate(fleet.replicas, workload, route, cfg, probe, expect_shared))
-    if not preflight["ok"]:
-        message = preflight_failure(plan["cell"], preflight)
-        if cfg["preflight_on_failure"] == "abort":
-            raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
-        log.error(message)
-    frame = records.frame(RequestRecord, rows)
-    meta = fleet.meta(preflight=preflight)
-    if endpoints is not None:
-        meta["endpoints"] = endpoints
-    return frame, meta, fleet.sampler
-
-
-async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) -> tuple[list[dict], float, float]:
-    output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
-    by_index = {r.index: r for r in replicas}
-    rows = []
-    async with new_session() as session:
-        started = time.time()
-        with tqdm(total=sum(len(followups(item)) for item in workload), desc="reuse", unit="follow-up") as bar:
-            for item in workload:
-                serve = by_index[route[item["doc_id"]]]
-                for number, prompt in enumerate(followups(item)):
-                    reset = ""
-                    if number:  # a reload again: nothing of the document left in the serving replica or warm
-                        reset = await reset_prefix_cache(session, serve)
-                        if between_reloads is not None:
-                            await asyncio.to_thread(between_reloads)
-                    result, counts = await measured_request(session, serve, prompt, output_tokens, timeout_s)
-                    if reset and not result.error:
-                        result.error = f"the prefix cache reset before this follow-up failed: {reset}"
-                    row = request_row(item["doc_id"], prefill[item["doc_id"]], serve.index, result, counts)
-                    rows.append({**row, "followup": number})
-                    bar.update()
-        finished = time.time()
-    return rows, started, finished
-
-
-def reuse_phase(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str],
-          servers: list[PoolServer] | None = None, between_reloads=None):
-    """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty),
-    drop the pool from the page cache again, send every follow-up to a replica that did not prefill
-    its document, one at a time, and stop the fleet. Before each of a document's later follow-ups the
-    serving replica's prefix cache is emptied and ``between_reloads`` runs (a pool of files restored
-    and dropped again)."""
-    route = followup_route(prefill, len(plan["replicas"]))
-    with timed_fleet(plan, cfg, log_dir, servers) as fleet:
-        # Starting the fleet may have touched the pool; the drop must hold right before the reads.
-        drop = drop_pool(fleet.plan, cfg["drop_caches"])
-        with fleet.window("reuse", disks):
-            rows, started, finished = asyncio.run(_reuse(fleet.replicas, workload, route, prefill, cfg,
-                                                         between_reloads))
-    frame = records.frame(RequestRecord, rows)
-    # the wall clock of the follow-ups themselves, from the first request to the last answer
-    meta = fleet.meta(drop_before_reuse=drop, wall_s=finished - started, started_at=started, finished_at=finished)
-    return frame, meta, fleet.sampler

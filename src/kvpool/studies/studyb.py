@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,13 +24,15 @@ import yaml
 from kvpool.cells import Cell, run_pools
 from kvpool.engine import metrics
 from kvpool.engine.model import vocabulary
-from kvpool.engine.plan import plan_pool_dirs
+from kvpool.engine.plan import batch_invariant, plan_pool_dirs
+from kvpool.engine.pool_files import corrupt, pool_files
 from kvpool.measure import provenance, records
 from kvpool.measure import reference as split_reference
-from kvpool.measure.checks import FAILED, check, not_applicable, status
+from kvpool.measure.checks import FAILED, check, not_applicable, status, verdict
 from kvpool.measure.files import read_json, write_json
 from kvpool.measure.records import ChainRecord, read_records
 from kvpool.measure.reference import payload_sha256
+from kvpool.measure.reuse_checks import outputs_check
 from kvpool.measure.timed import (
     REPO,
     chain_fleet,
@@ -43,7 +44,6 @@ from kvpool.measure.timed import (
     with_retrievals,
 )
 from kvpool.measure.validity import with_served
-from kvpool.report.format import change_cells, fmt_value, pct
 from kvpool.settings import PHASE_SETTINGS, reads
 
 OFF, ON = "off", "on"
@@ -342,8 +342,6 @@ def block_checks(rows: pd.DataFrame, arm: str, study: dict, min_hit_fraction: fl
     checks["output_matches_recompute"] = split_reference.output_check(under_test(rows, batch_invariant), reference,
                                                                       "request")
     if len(windows) and not batch_invariant:
-        from kvpool.studies.load import outputs_check
-
         checks["window_outputs_match_recompute"] = outputs_check(windows, reference, max(study["windows"]), False)
     return checks
 
@@ -356,261 +354,12 @@ def answer_agreement(rows: pd.DataFrame) -> dict:
     return {"chains": len(agree), "agree": int(agree.sum())}
 
 
-def paired(rows: pd.DataFrame, pairs: list[tuple[str, str]], key: list[str]) -> pd.DataFrame:
-    """ON rows beside their OFF rows, one line per ON/OFF block pair and ``key`` (the request's place in
-    the design); a pair holds only when payload and replica agree too."""
-    frames = []
-    for number, (off_block, on_block) in enumerate(pairs, start=1):
-        off = rows[rows["block"] == off_block].set_index(key)
-        on = rows[rows["block"] == on_block].set_index(key)
-        both = on.merge(off, how="outer", left_index=True, right_index=True, suffixes=("_on", "_off"))
-        both["pair"] = number
-        both["paired"] = ((both["payload_sha256_on"] == both["payload_sha256_off"])
-                          & (both["replica_on"] == both["replica_off"]))
-        both["output_equal"] = both["paired"] & (both["output_text_on"] == both["output_text_off"])
-        both["change_pct"] = 100 * (both["ttft_s_on"] / both["ttft_s_off"] - 1)
-        frames.append(both.reset_index())
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
-def mean_change_ci(per_pair: pd.Series, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Bootstrap interval of the mean paired change across ON/OFF block pairs (``per_pair``: one mean
-    per pair); NaN below three pairs, where Study B reported none either."""
-    from scipy.stats import bootstrap
-
-    values = per_pair.dropna().to_numpy(dtype=float)
-    if len(values) < 3:
-        return float("nan"), float("nan")
-    if np.all(values == values[0]):
-        return float(values[0]), float(values[0])
-    result = bootstrap((values,), np.mean, confidence_level=confidence, n_resamples=2000, method="percentile",
-                       random_state=np.random.default_rng(seed))
-    return float(result.confidence_interval.low), float(result.confidence_interval.high)
-
-
-def _observations(values: pd.Series) -> str:
-    return ";".join(f"{v:.4g}" for v in values.dropna())
-
-
-def _mean_change(changes: pd.DataFrame) -> dict:
-    """The mean of ``changes``' paired changes (``change_pct``) and its interval across block pairs."""
-    per_pair = changes.groupby("pair")["change_pct"].mean()
-    low, high = mean_change_ci(per_pair)
-    return {"mean_paired_change_pct": float(changes["change_pct"].mean()) if changes["change_pct"].notna().any()
-            else np.nan, "change_ci_low_pct": low, "change_ci_high_pct": high,
-            "block_pairs": int(per_pair.notna().sum())}
-
-
-def locality_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
-    """Study B's Table 3: per context and chain step, each arm's median TTFT, its observations and hit
-    tokens by source, and the mean ON/OFF paired change."""
-    chains = rows[rows["kind"] == "chain"]
-    matched = paired(chains, pairs, ["context", "chain", "step"])
-    table = []
-    for (context, step), group in chains.groupby(["context", "step"], sort=False):
-        row = {"context": int(context), "step": step}
-        for arm in (OFF, ON):
-            values = group[group["arm"] == arm]
-            row.update({f"{arm}_ttft_median_s": values["ttft_s"].median(), f"{arm}_n": int(values["ttft_s"].count()),
-                        f"{arm}_observations_s": _observations(values["ttft_s"]),
-                        f"{arm}_local_hit_tokens": values["local_hit_tokens"].median(),
-                        f"{arm}_external_hit_tokens": values["external_hit_tokens"].median(),
-                        f"{arm}_computed_tokens": values["computed_tokens"].median()})
-        at = matched[(matched["context"] == context) & (matched["step"] == step)]
-        row.update({**_mean_change(at), "pairs_matched": int(at["paired"].sum()),
-                    "outputs_equal": int(at["output_equal"].sum())})
-        table.append(row)
-    order = {step: i for i, (step, _) in enumerate(CHAIN)}
-    return pd.DataFrame(table).sort_values(["context", "step"], key=lambda s: s.map(order) if s.name == "step"
-                                           else s).reset_index(drop=True)
-
-
-def session_walls(rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per block and session: its wall time, first request sent to last answer complete."""
-    sessions = rows[rows["kind"] == "session"]
-    grouped = sessions.groupby(["block", "arm", "placement", "session"], sort=False)
-    walls = grouped.agg(started=("started_at", "min"), finished=("finished_at", "max"), turns=("turn", "count"),
-                        ttft_total_s=("ttft_s", "sum"), errors=("error", "count")).reset_index()
-    walls["wall_s"] = walls["finished"] - walls["started"]
-    return walls.drop(columns=["started", "finished"])
-
-
-def sessions_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
-    """Study B's Table 4: per placement, each arm's median session wall time and its observations,
-    the mean ON/OFF paired change of the wall time, and of the TTFT per turn."""
-    walls = session_walls(rows)
-    sessions = rows[rows["kind"] == "session"]
-    turns = paired(sessions, pairs, ["placement", "session", "turn"])
-    wall_pairs = []
-    for number, (off_block, on_block) in enumerate(pairs, start=1):
-        off = walls[walls["block"] == off_block].set_index(["placement", "session"])["wall_s"]
-        on = walls[walls["block"] == on_block].set_index(["placement", "session"])["wall_s"]
-        wall_pairs.append(pd.DataFrame({"pair": number, "change_pct": 100 * (on / off - 1)}).reset_index())
-    wall_change = pd.concat(wall_pairs, ignore_index=True) if wall_pairs else pd.DataFrame()
-    table = []
-    for placement, group in walls.groupby("placement", sort=False):
-        row = {"placement": placement}
-        for arm in (OFF, ON):
-            values = group[group["arm"] == arm]["wall_s"]
-            row.update({f"{arm}_wall_median_s": values.median(), f"{arm}_n": int(values.count()),
-                        f"{arm}_observations_s": _observations(values)})
-        placed = turns[turns["placement"] == placement]
-        decode = placed["decode_tokens_per_s_on"] / placed["decode_tokens_per_s_off"]
-        row.update({"decode_change_pct": float(100 * (decode.mean() - 1)) if decode.notna().any() else np.nan,
-                    **_mean_change(wall_change[wall_change["placement"] == placement]),
-                    "turn_ttft_change_pct": placed["change_pct"].mean(),
-                    "turns_matched": int(placed["paired"].sum()), "outputs_equal": int(placed["output_equal"].sum())})
-        table.append(row)
-    return pd.DataFrame(table)
-
-
-WINDOW_COLUMNS = ["window", "placement", "off_tokens_per_s_median", "off_n", "off_observations",
-                  "on_tokens_per_s_median", "on_n", "on_observations", "off_turn_ttft_median_s",
-                  "on_turn_ttft_median_s", "mean_paired_change_pct", "change_ci_low_pct", "change_ci_high_pct",
-                  "block_pairs"]
-
-
-def window_walls(rows: pd.DataFrame, output_tokens: int) -> pd.DataFrame:
-    """One row per block, window size and placement: the window's wall time (first request sent to
-    last answer complete) and its output tokens per second (answered turns x ``output_tokens``)."""
-    windows = rows[rows["kind"] == "window"] if "window" in rows else rows.iloc[0:0]
-    if windows.empty:
-        return pd.DataFrame(columns=["block", "arm", "window", "placement", "turns", "answered", "wall_s",
-                                     "output_tokens_per_s"])
-    grouped = windows.groupby(["block", "arm", "window", "placement"], sort=False)
-    walls = grouped.agg(started=("started_at", "min"), finished=("finished_at", "max"), turns=("turn", "count"),
-                        answered=("error", lambda errors: int(errors.isna().sum()))).reset_index()
-    walls["wall_s"] = walls["finished"] - walls["started"]
-    walls["output_tokens_per_s"] = walls["answered"] * output_tokens / walls["wall_s"]
-    return walls.drop(columns=["started", "finished"])
-
-
-def windows_table(rows: pd.DataFrame, pairs: list[tuple[str, str]], output_tokens: int) -> pd.DataFrame:
-    """Study B's short concurrency windows: per window size and placement, each arm's median output
-    tokens per second, its observations and median turn TTFT, and the mean ON/OFF paired change of the
-    throughput across block pairs."""
-    walls = window_walls(rows, output_tokens)
-    if walls.empty:
-        return pd.DataFrame(columns=WINDOW_COLUMNS)
-    turns = rows[rows["kind"] == "window"]
-    key = ["window", "placement"]
-    changes = []
-    for number, (off_block, on_block) in enumerate(pairs, start=1):
-        off = walls[walls["block"] == off_block].set_index(key)["output_tokens_per_s"]
-        on = walls[walls["block"] == on_block].set_index(key)["output_tokens_per_s"]
-        changes.append(pd.DataFrame({"pair": number, "change_pct": 100 * (on / off - 1)}).reset_index())
-    change = pd.concat(changes, ignore_index=True) if changes else pd.DataFrame(columns=[*key, "pair", "change_pct"])
-    table = []
-    for (window, placement), group in walls.groupby(key, sort=False):
-        row = {"window": int(window), "placement": placement}
-        for arm in (OFF, ON):
-            values = group[group["arm"] == arm]["output_tokens_per_s"]
-            ttft = turns[(turns["window"] == window) & (turns["placement"] == placement) & (turns["arm"] == arm)]
-            row.update({f"{arm}_tokens_per_s_median": values.median(), f"{arm}_n": int(values.count()),
-                        f"{arm}_observations": _observations(values),
-                        f"{arm}_turn_ttft_median_s": ttft["ttft_s"].median()})
-        row.update(_mean_change(change[(change["window"] == window) & (change["placement"] == placement)]))
-        table.append(row)
-    return pd.DataFrame(table, columns=WINDOW_COLUMNS)
-
-
-def pairing_checks(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict:
-    """Every measured ON request has its OFF twin (same payload, same replica): the design's pairing. A
-    session turn whose prompt holds an earlier turn's answer pairs only while the twins' answers agree:
-    after a turn whose twins answered apart (another prefill split, :func:`pairing_agreement`) its later
-    turns have other prompts by design, and are counted as explained, not as a broken pairing."""
-    both = _pairs(rows, pairs)
-    total = len(both)
-    apart = both[both["paired"] & ~both["output_equal"] & both["turn"].notna()] if total else both
-    unpaired = both[~both["paired"]] if total else both
-    explained = sum(bool(((apart["pair"] == row.pair) & (apart["placement"] == row.placement)
-                          & (apart["session"] == row.session) & (apart["turn"] < row.turn)).any())
-                    for row in unpaired.itertuples() if pd.notna(row.turn))
-    return {"every_on_request_paired": check(total > 0 and len(unpaired) == explained,
-                                              {"paired": int(both["paired"].sum()) if total else 0,
-                                               "after_an_answer_apart": explained}, total)}
-
-
-def pairing_agreement(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict:
-    """How many ON requests gave their OFF twin's greedy answer (information, not the verdict)."""
-    both = _pairs(rows, pairs)
-    return {"equal": int(both["output_equal"].sum()) if len(both) else 0, "of": len(both)}
-
-
-def _pairs(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
-    measured = rows[rows["kind"] != "warmup"]
-    chains = paired(measured[measured["kind"] == "chain"], pairs, ["context", "chain", "step"])
-    sessions = paired(measured[measured["kind"] == "session"], pairs, ["placement", "session", "turn"])
-    return pd.concat([chains, sessions], ignore_index=True)
-
-
-def with_pairs(frame: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
-    """``frame`` with the number of the ON/OFF block pair each row's block belongs to."""
-    number = {block: i for i, pair in enumerate(pairs, start=1) for block in pair}
-    return frame.assign(pair=frame["block"].map(number))
-
-
 def gate_failures(gate: dict) -> list[str]:
     reasons = [f"block {name} ({block['arm']}): {', '.join(block['failed'])}"
                for name, block in gate["blocks"].items() if not block["valid"]]
     reasons += [f"{name}: {failed['value']} of {failed['threshold']}" for name, failed in gate["checks"].items()
                 if status(failed) == FAILED]
     return reasons
-
-
-def _agreement_lines(gate: dict) -> list[str]:
-    """What the page says of the ON/OFF twins' answers: an observation, the gate being each ON block's
-    answers against a recompute in their own split."""
-    found = gate.get("information", {}).get("outputs_equal_across_pairs")
-    if not found:
-        return []
-    return [f"ON answers equal to their OFF twin's: {found['equal']} of {found['of']} (an observation: a twin "
-            "computes its prompt in another split wherever the pool gave more than the replica's own cache; each ON "
-            "block's gate compares its answers with a pool-less recompute in their own split).", ""]
-
-
-def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
-             figures: list[str], windows: pd.DataFrame | None = None) -> str:
-    """Study B's page: the design as run, the gate, Table 3 (locality) and Table 4 (sessions)."""
-    verdict = "VALID" if gate["valid"] else "INVALID: " + "; ".join(gate_failures(gate))
-    lines = [f"# Study B's design: {study['backend']} (chunk {study['chunk']}, tier {study['tier']}), ON against OFF",
-             "", f"Blocks in run order: {', '.join(names)}. Each block restarts the fleet (and empties the ON pool); "
-             f"{study['warmups']} warm-ups per replica are recorded and left out. ON and OFF requests pair by "
-             "payload SHA-256 and replica; the change is 100 x (ON / OFF - 1), its interval a bootstrap across "
-             "block pairs (three pairs or more); a change is called higher or lower only where its interval "
-             "excludes 0.",
-             "", f"**Gate: {verdict}.**", "", *_agreement_lines(gate),
-             "## Locality chains (Study B's Table 3)", "",
-             "| context | step | OFF median | ON median | ON external hit tokens | mean paired change | 95% CI | "
-             "pairs (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
-    for row in locality.itertuples():
-        change, ci = change_cells(row)
-        lines.append(f"| {row.context} | {row.step} | {fmt_value(row.off_ttft_median_s, 's')} | "
-                     f"{fmt_value(row.on_ttft_median_s, 's')} | {fmt_value(row.on_external_hit_tokens, 'count')} | "
-                     f"{change} | {ci} | {row.pairs_matched} ({row.outputs_equal}) |")
-    lines += ["", "## Sessions (Study B's Table 4)", "",
-              "| placement | OFF median wall | ON median wall | mean paired change | 95% CI | turn TTFT change | "
-              "decode rate change | turns paired (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
-    for row in sessions.itertuples():
-        change, ci = change_cells(row)
-        lines.append(f"| {row.placement} | {fmt_value(row.off_wall_median_s, 's')} | "
-                     f"{fmt_value(row.on_wall_median_s, 's')} | {change} | {ci} | "
-                     f"{pct(row.turn_ttft_change_pct)} | {pct(row.decode_change_pct)} | "
-                     f"{row.turns_matched} ({row.outputs_equal}) |")
-    if windows is not None and not windows.empty:
-        lines += ["", "## Short concurrency windows", "",
-                  f"Per window, W sessions of {study['window_turns']} turns sent at once; output tokens per second "
-                  "over the window's wall time. Hits from each response's cached tokens; answers not paired.", "",
-                  "| sessions at once | placement | OFF median | ON median | mean paired change | 95% CI | "
-                  "turn TTFT OFF / ON |", "|---|---|---|---|---|---|---|"]
-        for row in windows.itertuples():
-            change, ci = change_cells(row)
-            lines.append(f"| {row.window} | {row.placement} | {fmt_value(row.off_tokens_per_s_median, '')} tok/s | "
-                         f"{fmt_value(row.on_tokens_per_s_median, '')} tok/s | {change} | {ci} | "
-                         f"{fmt_value(row.off_turn_ttft_median_s, 's')} / "
-                         f"{fmt_value(row.on_turn_ttft_median_s, 's')} |")
-    lines += [""] + [f"![{Path(link).stem}]({link})" for link in figures]
-    return "\n".join(lines) + "\n"
 
 
 log = logging.getLogger(__name__)
@@ -652,10 +401,6 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     with pool-less recomputes in their splits (``reference_out``): the earlier blocks' (``known``: their
     requests.csv, an OFF block's answers being pool-less, and reference.csv), and what none of them has,
     computed after the block's fleet stops."""
-    from kvpool.engine.plan import batch_invariant
-    from kvpool.measure import reference
-    from kvpool.measure.checks import status, verdict
-
     arm = block_arm(block)
     cell = block_cell(study, arm)
     root = studyb_pool_root(config, study)
@@ -668,7 +413,7 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     frame = with_retrievals(records.frame(ChainRecord, rows), Path(log_dir))
     records.write_records(frame, csv_out, f"studyb-{block}")
     invariant = batch_invariant(config["engine"])
-    compared = pd.DataFrame(columns=reference.COLUMNS)
+    compared = pd.DataFrame(columns=split_reference.COLUMNS)
     if arm == ON:
         compared = recompute_in_splits(config, model, under_test(frame, invariant), sent,
                                     _known_answers(known), Path(log_dir).parent / "reference")
@@ -688,70 +433,20 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
 def _known_answers(paths: list[str]) -> pd.DataFrame:
     """Pool-less answers recorded by earlier units, as reference rows: an OFF block's requests (each in
     its own split) and any reference.csv."""
-    from kvpool.measure import reference
-
     frames = []
     for path in paths:
         rows = read_records(path)
         if "arm" in rows:  # a Study B block's requests: only an OFF block's ran without a pool
             off = rows[(rows["arm"] == "off") & (rows["kind"] != "warmup")]
-            frames.append(reference.twin_rows(off.assign(key=off["payload_sha256"]), "off_block"))
+            frames.append(split_reference.twin_rows(off.assign(key=off["payload_sha256"]), "off_block"))
         else:
-            frames.append(reference.normalized(rows))
-    return pd.concat(frames, ignore_index=True) if frames else reference.normalized(None)
-
-
-@reads("backends", "tiers", "chunk_sizes", "engine", "workload", "replicas")
-def run_studyb_tables(config: dict, study: dict, blocks: dict, *, locality_csv: str, sessions_csv: str,
-                      summary_csv: str, validity_out: str, md_out: str, figures_dir: str,
-                      windows_csv: str | None = None) -> None:
-    """Study B's tables from every block (``blocks``: name -> requests.csv and block.json): the
-    locality chains (``locality_csv``), every session turn (``sessions_csv``) and the sessions per
-    placement (``summary_csv``), the study's gate (each block's checks and the ON/OFF pairing) and a
-    Markdown page with the tables and figures."""
-    from kvpool.measure.checks import FAILED, status, tally, verdict
-    from kvpool.report import figures
-
-    names = list(blocks)
-    rows = pd.concat([read_records(paths["csv"]) for paths in blocks.values()], ignore_index=True)
-    pairs = block_pairs(names)
-    locality = locality_table(rows, pairs)
-    locality.to_csv(locality_csv, index=False)
-    turns = rows[rows["kind"] == "session"].merge(
-        session_walls(rows)[["block", "placement", "session", "wall_s"]], on=["block", "placement", "session"])
-    turns = turns.rename(columns={"wall_s": "session_wall_s", "context": "prompt_context"})
-    turns.drop(columns=["kind", "chain", "step", "window", "output_text"], errors="ignore").to_csv(sessions_csv,
-                                                                                                  index=False)
-    sessions = sessions_table(rows, pairs)
-    sessions.to_csv(summary_csv, index=False)
-    windows = windows_table(rows, pairs, config["workload"]["output_tokens"])
-    if windows_csv:
-        windows.to_csv(windows_csv, index=False)
-    metas = {name: read_json(paths["meta"]) for name, paths in blocks.items()}
-    checks = pairing_checks(rows, pairs)
-    gate = {"blocks": {name: {"arm": meta["arm"], "valid": meta["valid"],
-                              "failed": [c for c, check in meta["checks"].items() if status(check) == FAILED],
-                              "checks": tally(meta["checks"])}
-                       for name, meta in metas.items()},
-            "checks": checks, "information": {"outputs_equal_across_pairs": pairing_agreement(rows, pairs)},
-            "backend": study["backend"], "tier": study["tier"], "chunk": study["chunk"]}
-    gate["valid"] = all(b["valid"] for b in gate["blocks"].values()) and verdict(checks)
-    write_json(validity_out, gate)
-    folder = Path(figures_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    drawn = [figures.save(figures.locality(rows), folder, "locality"),
-             figures.save(figures.sessions(with_pairs(session_walls(rows), pairs)), folder, "sessions")]
-    links = [os.path.relpath(d["png"], Path(md_out).parent) for d in drawn]
-    Path(md_out).write_text(markdown(study, names, gate, locality, sessions, links, windows))
-    if not gate["valid"]:
-        log.error("Study B is INVALID: %s", gate_failures(gate))
+            frames.append(split_reference.normalized(rows))
+    return pd.concat(frames, ignore_index=True) if frames else split_reference.normalized(None)
 
 
 def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
     """One of Study B's blocks (kvpool.studies.studyb) on a fresh fleet and pool (chain_fleet). Returns the
     rows and the block's meta data (wall time, the servers' counters, what fault injection corrupted)."""
-    from kvpool.engine.pool_files import corrupt, pool_files
-
     injected, before, prompts = [], set(), {}
     fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
 
