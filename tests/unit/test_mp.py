@@ -19,9 +19,11 @@ from kvpool import config as kvpool_config
 from kvpool import settings as kvpool_settings
 from kvpool.cells import Cell, cells
 from kvpool.engine import mp
-from kvpool.engine.fleet import FleetError, free_ports, resolve_server_ports, running_servers
+from kvpool.engine.errors import FleetError
+from kvpool.engine.fleet import running_servers
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import fleet_plan, server_port_count, with_server_ports
+from kvpool.engine.ports import free_ports, resolve_server_ports
 from kvpool.measure import kvbytes, timed
 from kvpool.studies import load, study_a
 

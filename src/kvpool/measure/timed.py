@@ -23,18 +23,12 @@ from tqdm import tqdm
 from kvpool.cells import Cell
 from kvpool.engine import external, metrics, mp
 from kvpool.engine.client import RequestResult, complete, new_session
-from kvpool.engine.fleet import (
-    FleetError,
-    PoolServer,
-    Replica,
-    free_ports,
-    resolve_ports,
-    resolve_server_ports,
-    running_fleet,
-    running_servers,
-)
+from kvpool.engine.errors import FleetError
+from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
 from kvpool.engine.pool_files import drop_from_page_cache
+from kvpool.engine.ports import free_ports, resolve_ports, resolve_server_ports
+from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import kvbytes, logs, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.files import read_frame_or_empty, write_json
