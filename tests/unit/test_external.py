@@ -11,7 +11,7 @@ from kvpool.cells import Cell
 from kvpool.config import problems
 from kvpool.engine import external
 from kvpool.engine.plan import plan_pool_dirs
-from kvpool.measure.timed import new_plan as _new_plan
+from kvpool.measure.unit_plan import new_plan as _new_plan
 from kvpool.measure.validity import evaluate
 from kvpool.studies.study_a import _refuse_a_used_external_pool
 
