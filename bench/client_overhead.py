@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 
 from kvpool.engine.client import complete
-from kvpool.engine.fleet import free_ports
+from kvpool.engine.ports import free_ports
 
 
 def serve(port: int, output_tokens: int) -> None:

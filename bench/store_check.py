@@ -39,10 +39,11 @@ from snakemake.utils import validate
 
 from kvpool.cells import Cell
 from kvpool.engine.client import new_session
-from kvpool.engine.fleet import free_ports, running_fleet
+from kvpool.engine.fleet import running_fleet
 from kvpool.engine.model import RANDOM_MODEL_DIR
 from kvpool.engine.plan import fleet_plan
 from kvpool.engine.pool_files import pool_files
+from kvpool.engine.ports import free_ports
 from kvpool.engine.prompts import read_workload
 from kvpool.measure.timed import measured_request
 

@@ -17,7 +17,8 @@ import yaml
 from support import CONFIGS
 from support.e2e import copy_prerequisites, snakemake
 
-from kvpool.engine.fleet import free_ports, lmcache_sockets
+from kvpool.engine.ports import free_ports
+from kvpool.engine.processes import lmcache_sockets
 
 CELL = "results/cells/backend~lmcache-fs/arm~shared/chunk~256/tier~disk"
 

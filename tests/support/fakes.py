@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil
 
-from kvpool.engine.fleet import free_ports
+from kvpool.engine.ports import free_ports
 
 HERE = Path(__file__).resolve().parent
 FAKE = str(HERE / "fake_replica.py")

@@ -11,7 +11,7 @@ from kvpool.cells import Cell
 from kvpool.config import problems
 from kvpool.engine import external
 from kvpool.engine.plan import plan_pool_dirs
-from kvpool.measure.timed import new_plan as _new_plan
+from kvpool.measure.unit_plan import new_plan as _new_plan
 from kvpool.measure.validity import evaluate
 from kvpool.studies.study_a import _refuse_a_used_external_pool
 
@@ -72,7 +72,9 @@ def test_an_external_plan_names_the_endpoints_and_launches_nothing(config, tmp_p
 def test_a_fleet_that_is_down_is_named_after_fleet_wait_s_not_a_replicas_startup(config, tmp_path):
     import time
 
-    from kvpool.engine.fleet import FleetError, free_ports, running_fleet
+    from kvpool.engine.errors import FleetError
+    from kvpool.engine.fleet import running_fleet
+    from kvpool.engine.ports import free_ports
 
     port = free_ports("127.0.0.1", 1)[0]  # nothing listens there
     config = external_config(config, endpoints={"shared": [f"http://127.0.0.1:{port}", URLS[1]]}, wait_s=2)

@@ -10,7 +10,9 @@ import pytest
 from support import REPO
 from support.fakes import FAKE, TEST_PORTS, fake_plan, family, write_driver
 
-from kvpool.engine.fleet import FleetError, free_ports, resolve_ports, running_fleet
+from kvpool.engine.errors import FleetError
+from kvpool.engine.fleet import running_fleet
+from kvpool.engine.ports import free_ports, resolve_ports
 
 
 def test_fleet_starts_and_leaves_nothing_behind(tmp_path):
@@ -106,7 +108,7 @@ def test_signals_stop_the_fleet(tmp_path, sig):
 
 def test_an_exited_but_unreaped_process_counts_as_stopped():
     """A stop must not wait out its grace period on a zombie (exited, its parent has not reaped it)."""
-    from kvpool.engine.fleet import _still_running
+    from kvpool.engine.processes import _still_running
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     zombie = psutil.Process(child.pid)
@@ -148,7 +150,7 @@ def test_a_replica_killed_mid_request_is_named_in_that_request(tmp_path):
 
 def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
     """The phase keeps going and keeps its rows: the failed request says which replica died and why."""
-    from kvpool.engine.fleet import Replica
+    from kvpool.engine.processes import Replica
 
     replica = Replica(fake_plan("die", count=1)["replicas"][0], tmp_path / "replica-0.log")
     replica.start()
@@ -234,7 +236,7 @@ def test_a_replica_says_what_it_serves_its_model_length_and_its_lmcache_chunk_si
 def test_a_stopped_replica_s_lmcache_sockets_are_found_from_its_log_and_no_other_engine_s(tmp_path):
     """LMCache's engine leaves its RPC sockets in /tmp (thousands after a day of runs here): the replica's
     log names its engine's, and only those go when it stops."""
-    from kvpool.engine.fleet import lmcache_sockets
+    from kvpool.engine.processes import lmcache_sockets
 
     mine, other = "0fca8666-c252-4334-b988-26acf6b61c33", "685c06c7-cd31-43bb-ac5a-bd3854cd1223"
     files = [tmp_path / f"engine_{engine}_service_{service}" for engine in (mine, other)

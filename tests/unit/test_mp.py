@@ -19,10 +19,12 @@ from kvpool import config as kvpool_config
 from kvpool import settings as kvpool_settings
 from kvpool.cells import Cell, cells
 from kvpool.engine import mp
-from kvpool.engine.fleet import FleetError, free_ports, resolve_server_ports, running_servers
+from kvpool.engine.errors import FleetError
+from kvpool.engine.fleet import running_servers
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import fleet_plan, server_port_count, with_server_ports
-from kvpool.measure import kvbytes, timed
+from kvpool.engine.ports import free_ports, resolve_server_ports
+from kvpool.measure import kvbytes, timed, unit_plan
 from kvpool.studies import load, study_a
 
 TEST_PORTS = 38300
@@ -343,8 +345,8 @@ def test_running_servers_keep_their_ports_through_a_phase(tmp_path):
     """A memory pool's servers hold their own ports: a phase that re-checked them would find them
     taken, move them, and point the replicas at ports no server listens on (seen on the GPU)."""
     with running_servers(fake_server_plan("serve"), tmp_path, timeout_s=30) as (plan, servers):
-        assert timed.checked_ports(plan, servers) == plan
-        moved = timed.checked_ports(plan)  # a phase that starts its own servers moves taken ports
+        assert unit_plan.checked_ports(plan, servers) == plan
+        moved = unit_plan.checked_ports(plan)  # a phase that starts its own servers moves taken ports
         assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
         with pytest.raises(FleetError, match="running servers are"):
             with timed.pool_servers(moved, tmp_path, {"lmcache_mp": {}}, servers):

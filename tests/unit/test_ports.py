@@ -1,6 +1,6 @@
 import socket
 
-from kvpool.engine.fleet import port_is_free
+from kvpool.engine.ports import port_is_free
 
 
 def test_listening_port_is_taken_and_closed_one_is_free():
@@ -25,25 +25,26 @@ def test_a_port_another_run_is_starting_a_server_on_is_not_free_and_an_auto_port
 
     import pytest
 
-    from kvpool.engine import fleet
+    from kvpool.engine import ports
+    from kvpool.engine.errors import FleetError
 
-    port = fleet.free_ports("127.0.0.1", 1, start=18900, span=90)[0]
+    port = ports.free_ports("127.0.0.1", 1, start=18900, span=90)[0]
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from kvpool.engine import fleet; "
-        f"assert fleet.claim_port({port}); print('held', flush=True); time.sleep(60)")],
+        "import sys, time; from kvpool.engine import ports; "
+        f"assert ports.claim_port({port}); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert fleet.claimed_elsewhere(port) and not fleet.port_is_free("127.0.0.1", port)
-        assert port not in fleet.free_ports("127.0.0.1", 3, start=port, span=40)
+        assert ports.claimed_elsewhere(port) and not ports.port_is_free("127.0.0.1", port)
+        assert port not in ports.free_ports("127.0.0.1", 3, start=port, span=40)
         plan = {"port_source": "auto", "replicas": [{"index": 0, "host": "127.0.0.1", "port": port, "argv": [
             "serve", "--port", str(port)], "env": {}}]}
-        moved, held = fleet.claimed(plan, fleet.resolve_ports, lambda p: [r["port"] for r in p["replicas"]])
-        assert held == [moved["replicas"][0]["port"]] and held != [port] and not fleet.claimed_elsewhere(held[0])
-        fleet.release_ports(held)
-        with pytest.raises(fleet.FleetError, match="configured ports are in use"):
-            fleet.claimed({**plan, "port_source": "config"}, fleet.resolve_ports, lambda p: [port])
+        moved, held = ports.claimed(plan, ports.resolve_ports, lambda p: [r["port"] for r in p["replicas"]])
+        assert held == [moved["replicas"][0]["port"]] and held != [port] and not ports.claimed_elsewhere(held[0])
+        ports.release_ports(held)
+        with pytest.raises(FleetError, match="configured ports are in use"):
+            ports.claimed({**plan, "port_source": "config"}, ports.resolve_ports, lambda p: [port])
     finally:
         holder.kill()
         holder.wait()
-    assert not fleet.claimed_elsewhere(port)  # the kernel let go of a dead holder's claim
+    assert not ports.claimed_elsewhere(port)  # the kernel let go of a dead holder's claim

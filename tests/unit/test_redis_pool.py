@@ -14,8 +14,10 @@ from support.fakes import family
 from kvpool import config as kvpool_config
 from kvpool.cells import Cell, cells, is_memory_pool
 from kvpool.engine import redis_pool
-from kvpool.engine.fleet import RedisServer, free_ports, running_servers
+from kvpool.engine.fleet import running_servers
 from kvpool.engine.plan import fleet_plan, with_server_ports
+from kvpool.engine.ports import free_ports
+from kvpool.engine.processes import RedisServer
 from kvpool.measure import kvbytes, timed
 
 REPO = Path(__file__).resolve().parents[2]

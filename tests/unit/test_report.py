@@ -124,7 +124,7 @@ def test_bar_labels_sit_on_top_of_the_interval(built):
 
 
 def test_the_headline_reads_as_ratios_with_two_digits(built):
-    from kvpool.report.page import headline_for_reading
+    from kvpool.report.reading import headline_for_reading
 
     head = pd.read_csv(built / "report" / "tables" / "headline.csv")
     shown = headline_for_reading(head)
@@ -141,7 +141,7 @@ def test_the_headline_reads_as_ratios_with_two_digits(built):
 
 
 def test_kv_bytes_read_as_chunks_equal_of_keys():
-    from kvpool.report.page import kv_bytes_for_reading
+    from kvpool.report.reading import kv_bytes_for_reading
 
     table = pd.DataFrame([
         {"backend": "lmcache-fs", "chunk": 256, "tier": "disk", "comparison": "store_across_arms", "keys": 184,
@@ -191,7 +191,7 @@ def test_the_page_opens_on_the_verdict_and_the_headline_figure_then_the_details(
 
 
 def test_study_b_and_the_other_sections_read_like_table_1():
-    from kvpool.report import page as report
+    from kvpool.report import reading as report
 
     locality = pd.DataFrame([{"context": 1024, "step": "cross", "off_ttft_median_s": 0.41, "on_ttft_median_s": 0.052,
                               "on_local_hit_tokens": 0.0, "on_external_hit_tokens": 1024.0,

@@ -151,7 +151,7 @@ def test_arm_metrics_percentiles_and_rates():
 
 
 def test_table1_is_drawn_from_the_cell_table_with_its_intervals():
-    """One cell row per arm (summary.cell_row, real records); Table 1 sets them side by side, the ratio
+    """One cell row per arm (kvpool.studies.tables.cell_row, real records); Table 1 sets them side by side, the ratio
     isolated over shared, each TTFT percentile with its bootstrap interval."""
     from kvpool.cells import Cell
     from kvpool.studies.tables import cell_row

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvpool.measure.files import write_json
+
 
 @dataclasses.dataclass(kw_only=True)
 class RequestTimes:
@@ -169,8 +171,6 @@ def write_meta(meta: dict, path) -> None:
     """A unit's meta data and gate (populate.json, reuse.json, level.json, block.json, unit.json, run.json)
     to ``path``, with a timestamped copy beside its records' in ``runs/``: a forced re-run, which deletes
     ``path`` first, loses neither."""
-    from kvpool.measure.files import write_json
-
     write_json(_kept_copy(path, Path(path).name), meta)
     write_json(path, meta)
 

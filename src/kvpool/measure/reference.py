@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from kvpool.engine.client import complete
 from kvpool.measure.checks import check, not_verified
 
 COLUMNS = ["key", "doc_id", "followup", "path", "requested_split", "achieved_split", "prompt_tokens",
@@ -97,8 +98,6 @@ async def compute(session, url: str, requests: list[Request], output_tokens: int
                   progress=None) -> list[dict]:
     """Each request on the reference replica at ``url``, one at a time: the prefix of its split first,
     then the whole prompt, both under its own cache salt. Rows in :data:`COLUMNS`."""
-    from kvpool.engine.client import complete
-
     rows = []
     for request in requests:
         prefix_error = ""

@@ -1,15 +1,14 @@
-"""One timed unit on a fleet, the same for every unit kind: its plan and ports, its own pool made fresh
-and removed, the fleet started and stopped around it, each request measured and its hits proven from the
-serving replica's counters, telemetry sampled over its window, and its records archived and written."""
+"""One timed unit on a fleet, the same for every unit kind: on its own pool (its plan and pool:
+kvpool.measure.unit_plan), the fleet started and stopped around it, each request measured and its hits
+proven from the serving replica's counters, telemetry sampled over its window, and its records archived
+and written."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import shutil
 import subprocess
 import time
 from contextlib import contextmanager, nullcontext
@@ -20,82 +19,24 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
-from kvpool.cells import Cell
-from kvpool.engine import external, metrics, mp
+from kvpool.engine import metrics, mp
 from kvpool.engine.client import RequestResult, complete, new_session
-from kvpool.engine.fleet import (
-    FleetError,
-    PoolServer,
-    Replica,
-    free_ports,
-    resolve_ports,
-    resolve_server_ports,
-    running_fleet,
-    running_servers,
-)
-from kvpool.engine.plan import external_plan, fleet_plan, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
+from kvpool.engine.errors import FleetError
+from kvpool.engine.fleet import running_fleet, running_servers
+from kvpool.engine.plan import plan_gpus, plan_pool_dirs
 from kvpool.engine.pool_files import drop_from_page_cache
+from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import kvbytes, logs, records
 from kvpool.measure import reference as split_reference
+from kvpool.measure.drive import block_devices, drive_health, iostat
 from kvpool.measure.files import read_frame_or_empty, write_json
-from kvpool.measure.telemetry import Sampler
+from kvpool.measure.telemetry import Sampler, fleet_gpus_only, summarize_drive, summarize_power
+from kvpool.measure.unit_plan import reference_replica, unit_pool
 
 log = logging.getLogger(__name__)
 
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _ports(config: dict, count: int) -> tuple[list[int], str]:
-    ports = config["engine"]["ports"]
-    if ports == "auto":
-        return free_ports(config["engine"]["host"], count), "auto"
-    return list(ports[:count]), "config"
-
-
-def new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Path | None = None,
-             dev_mode: bool = False, load_failure_policy: str | None = None) -> dict:
-    """``cell``'s fleet plan on free (or configured) ports; an lmcache-mp cell's servers get a ZMQ and an
-    HTTP port each, clear of the replicas' (one server shared, one per replica isolated, none off).
-    An external fleet's plan is its endpoints. ``dev_mode``: the replicas open /reset_prefix_cache;
-    ``load_failure_policy``: vLLM's kv_load_failure_policy (kvpool.engine.plan.kv_transfer_config)."""
-    if external.is_external(config):
-        return external_plan(config, cell, model)
-    ports, source = _ports(config, config["replicas"])
-    server_ports = None
-    if count := server_port_count(cell, config["replicas"]):
-        server_ports = free_ports(config["engine"]["host"], count, exclude=ports)
-    return fleet_plan(config, cell, model, Path(cell_dir).resolve(), ports, source, server_ports=server_ports,
-                      pool_root=pool_root, dev_mode=dev_mode, load_failure_policy=load_failure_policy)
-
-
-def checked_ports(plan: dict, servers=None) -> dict:
-    """The plan with its replicas' ports, and its servers' unless they run already (``servers``: a memory
-    pool's, whose ports are theirs, not taken), checked free; taken auto ports move."""
-    plan = resolve_ports(plan)
-    return plan if servers else resolve_server_ports(plan)
-
-
-def fresh_pool(root: Path, plan: dict) -> None:
-    """Empty ``root`` (a cell's, a Study B block's or a router unit's own pool folder) and create the
-    plan's pool directories in it."""
-    if root.exists():
-        shutil.rmtree(root)
-    for directory in set(plan_pool_dirs(plan)):
-        directory.mkdir(parents=True, exist_ok=True)
-
-
-@contextlib.contextmanager
-def unit_pool(config: dict, root: Path, plan: dict):
-    """A unit's own pool (a Study B block's, a length unit's, a router unit's): emptied before its fleet
-    starts and removed when the unit ends, however it ends (unless keep_pools), so a failed unit leaves
-    nothing on the tier that the space check does not expect."""
-    fresh_pool(root, plan)
-    try:
-        yield root
-    finally:
-        if not config["keep_pools"]:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def run_unit(config: dict, plan: dict, root: Path, measure, *, plan_out: str, manifest: dict, manifest_out: str,
@@ -129,16 +70,8 @@ def refuse_failed_reference(frame: pd.DataFrame) -> None:
                            f"split {failed['requested_split'].iloc[0]}: {failed['error'].iloc[0]}")
 
 
-def reference_replica(config: dict, model: str) -> dict:
-    """The plan of one replica with no pool, on a free (or the first configured) port."""
-    ports, source = _ports(config, 1)
-    return checked_ports(reference_plan(config, model, ports[0], source))
-
-
 def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
     """The whole disks behind a plan's pool directories, and how each directory resolved."""
-    from kvpool.measure.drive import block_devices
-
     resolved = [block_devices(d) for d in dict.fromkeys(plan_pool_dirs(plan))]
     return sorted({disk for record in resolved for disk in record["disks"]}), resolved
 
@@ -146,8 +79,6 @@ def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
 def run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: str) -> tuple:
     """Run one timed phase with telemetry; record drive health before and after it, and the pool
     writes that failed in it (a full tier shows only in the replicas' and servers' logs)."""
-    from kvpool.measure.drive import drive_health
-
     disks, resolved = tier_disks(plan)
     health_before = [drive_health(d) for d in disks]
     log_start = logs.log_sizes(Path(log_dir))
@@ -189,9 +120,6 @@ def phase_summary(raw_drive: pd.DataFrame, power: pd.DataFrame, telemetry: dict,
     """One timed window's telemetry (a phase, or a load level): the raw drive samples with iostat's
     derived columns for the interval each closes, the fleet's GPUs' power samples alone (a sampler may
     read every GPU of the host) and the window's summary."""
-    from kvpool.measure.drive import iostat
-    from kvpool.measure.telemetry import fleet_gpus_only, summarize_drive, summarize_power
-
     derived = iostat(raw_drive) if not raw_drive.empty else pd.DataFrame()
     if not raw_drive.empty:
         raw_drive = raw_drive.merge(derived.drop(columns=["phase", "cell"], errors="ignore"), on=["t_s", "device"],
@@ -221,10 +149,8 @@ def recompute_in_splits(config: dict, model: str, measured: pd.DataFrame, prompt
                      known: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
     """The reference rows for ``measured`` (requests keyed by payload): those of ``known`` for its
     prompts, and every (prompt, split) none of them matches, computed now on one replica with no pool."""
-    from kvpool.measure import reference
-
-    known = reference.normalized(known)
-    requests = reference.requests_for(reference.missing(measured, known), prompts)
+    known = split_reference.normalized(known)
+    requests = split_reference.requests_for(split_reference.missing(measured, known), prompts)
     used = known[known["key"].isin(set(measured["key"]))]
     if not requests:
         return used
@@ -232,8 +158,6 @@ def recompute_in_splits(config: dict, model: str, measured: pd.DataFrame, prompt
     computed = reference_phase(reference_replica(config, model), requests, config, log_dir)
     refuse_failed_reference(computed)
     return pd.concat([used, computed], ignore_index=True)
-
-
 
 
 async def measured_request(session: aiohttp.ClientSession, replica: Replica, prompt: list[int], output_tokens: int,

@@ -144,7 +144,7 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     why: each becomes a not-verified check, which counts neither way. ``server_errors`` (a cell whose pool
     is served: an LMCache MP or Redis server) are what its servers' records say went wrong (a server that
     died, a pool that could not be read back); any fails the cell, named. ``served`` (each phase's replicas'
-    own word, kvpool.engine.fleet.Replica.served) must match the plan: the configured model length, and the
+    own word, kvpool.engine.processes.Replica.served) must match the plan: the configured model length, and the
     cell's chunk size wherever a replica's LMCache logged one. ``own_pool`` (``stored_in_own_pool``) is what
     populate left in the cell's own pool folder or servers."""
     documents = config["workload"]["documents"]

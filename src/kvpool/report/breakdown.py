@@ -22,9 +22,14 @@ the row is flagged (``nested`` False).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
+from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.measure.records import read_records
+from kvpool.report.figures import placeholder_note, save, short_cell
 from kvpool.settings import reads
 
 PARTS = ["queue", "transfer", "prefill", "server_other", "client"]
@@ -108,8 +113,6 @@ def figure(table: pd.DataFrame):
     """Stacked bars: each unit's median parts, which add up to about its median TTFT."""
     from plotnine import aes, coord_flip, geom_col, ggplot, labs, theme, theme_bw
 
-    from kvpool.report.figures import placeholder_note, short_cell
-
     if table.empty:
         return placeholder_note("Where the TTFT goes", "no request carried its replica's own times")
     long = table.assign(unit=table["cell"].map(short_cell) + " " + table["source"])
@@ -125,12 +128,6 @@ def run_breakdown(config: dict, units: list[dict], csvs: list[str], *, csv_out: 
                   figure_dir: str) -> None:
     """results/breakdown.csv (each request's parts), .md (per unit medians) and its figure; ``units`` name
     each csv's cell and source (``reuse`` or ``doc~<tokens>``)."""
-    from pathlib import Path
-
-    from kvpool.engine.model import engine_kv_bytes_per_token
-    from kvpool.measure.records import read_records
-    from kvpool.report.figures import save
-
     per_token = engine_kv_bytes_per_token(config)
     frames = []
     for unit, path in zip(units, csvs, strict=True):

@@ -31,6 +31,8 @@ from plotnine import (
     theme_bw,
 )
 
+from kvpool.studies.studyb import CHAIN
+
 ARM_COLOURS = {"shared": "#1b9e77", "isolated": "#d95f02"}
 FAINT_INVALID = {"valid": 1.0, "INVALID": 0.35}
 
@@ -257,8 +259,6 @@ def locality(rows: pd.DataFrame):
     """Study B's Figure 3: TTFT against context per chain step, OFF and ON, every observation and the
     medians (log axes)."""
     from plotnine import scale_x_continuous, scale_x_log10, scale_y_log10
-
-    from kvpool.studies.studyb import CHAIN
 
     chains = rows[(rows["kind"] == "chain") & rows["ttft_s"].notna()].copy()
     chains["step"] = pd.Categorical(chains["step"], [step for step, _ in CHAIN])

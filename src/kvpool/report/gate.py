@@ -8,14 +8,15 @@ from pathlib import Path
 import pandas as pd
 
 from kvpool.measure import kvbytes, validity
+from kvpool.measure.checks import NOT_APPLICABLE, NOT_VERIFIED, status, tally
 from kvpool.measure.files import read_json
+from kvpool.studies.peer import ORDERS, cell_rows, level_name
+from kvpool.studies.studyb import gate_failures
 
 
 def run_validity_table(validity_jsons: list[str], out: str) -> None:
     """results/validity.csv: each cell's verdict, the checks it rests on (passed, failed), the reasons of a
     failure, and the checks that were not applicable or not verified, by name."""
-    from kvpool.measure.checks import NOT_APPLICABLE, NOT_VERIFIED, status, tally
-
     rows = []
     for path in validity_jsons:
         record = read_json(path)
@@ -80,8 +81,6 @@ def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = 
                   for row in bad_levels.itertuples()]
         invalid = pd.concat([invalid, bad_levels[["cell"]]]) if len(bad_levels) else invalid
     if peer_csv is not None:  # vLLM's replay of a cell: an invalid one measured something else
-        from kvpool.studies.peer import ORDERS, cell_rows, level_name
-
         replays = pd.read_csv(peer_csv, dtype={"replica": str})
         replays = replays[cell_rows(replays)] if len(replays) else replays
         bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
@@ -111,8 +110,6 @@ def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = 
               for row in damaged.itertuples()]
     study = read_json(studyb_json) if studyb_json is not None else None
     if study is not None and not study["valid"]:
-        from kvpool.studies.studyb import gate_failures
-
         lines += [f"  Study B {reason} (results/studyb.md)" for reason in gate_failures(study)]
     return lines, counted, invalid, damaged, study
 

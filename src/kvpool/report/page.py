@@ -1,6 +1,6 @@
 """The report: Study A's figures and what the study did not show, from measured results alone.
 
-Its tables are the run's (kvpool.report.tables, written by their rules); what is read here is every
+Its tables are the run's (computed in kvpool.studies, written by their rules); what is read here is every
 request and sample behind the figures, the caveats and the servers' counters. Nothing is
 re-measured. Invalid cells are drawn and listed, flagged, and kept out of every aggregate.
 """
@@ -17,18 +17,33 @@ import pandas as pd
 import yaml
 
 from kvpool.cells import MP_BACKEND, Cell, backend_of
-from kvpool.engine.plan import (
-    SERVER_BACKENDS,
-)
+from kvpool.engine.plan import SERVER_BACKENDS
 from kvpool.measure import kvbytes
 from kvpool.measure.checks import skipped, tally
 from kvpool.measure.files import read_frame_or_empty, read_json
 from kvpool.measure.records import read_records
 from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.validity import failures
-from kvpool.report import tables as summary
-from kvpool.report.format import change_cells, fmt_interval, fmt_supported, fmt_value, pct
+from kvpool.report import breakdown, capacity, figures
+from kvpool.report.figures import ROUTER_FIGURES
 from kvpool.report.gate import judge
+from kvpool.report.load import load_for_reading
+from kvpool.report.peer import peer_for_reading
+from kvpool.report.reading import (
+    cells_for_reading,
+    contexts_for_reading,
+    crossover_for_reading,
+    headline_for_reading,
+    kv_bytes_for_reading,
+    locality_for_reading,
+    pool_servers_for_reading,
+    routers_for_reading,
+    sessions_for_reading,
+    tiers_for_reading,
+    windows_for_reading,
+)
+from kvpool.studies.studyb import gate_failures
+from kvpool.studies.tables import headline
 
 
 @dataclass
@@ -167,212 +182,6 @@ def render_page(template: Path, out: Path, context: dict) -> None:
     out.write_text(env.get_template(template.name).render(**context))
 
 
-def _with_interval(row: pd.Series, column: str, unit: str, low: str, high: str) -> str:
-    shown = fmt_value(row[column], unit)
-    return shown if shown == "n/a" else shown + fmt_interval(row.get(low), row.get(high), unit)
-
-
-def cells_for_reading(cells: pd.DataFrame) -> pd.DataFrame:
-    """The per-cell table as a person reads it: one value per column with its unit, TTFT percentiles
-    with their 95% interval in brackets, three significant digits."""
-    rows = []
-    for _, row in cells.iterrows():
-        shown = {"cell": f"{row['backend']} / chunk {row['chunk']} / {row['tier']} / {row['arm']}",
-                 "gate": "valid" if row["valid"] else "INVALID"}
-        for q in (50, 95, 99):
-            basis = row.get(f"ttft_p{q}_basis")
-            shown[f"TTFT p{q}"] = (f"{basis}: {fmt_value(row[f'ttft_p{q}_s'], 's')}"
-                                   if isinstance(basis, str) and basis.startswith("max of")
-                                   else _with_interval(row, f"ttft_p{q}_s", "s", f"ttft_p{q}_ci_low_s",
-                                                       f"ttft_p{q}_ci_high_s"))
-        shown.update({"n": f"{row['ttft_n']:.0f}" if pd.notna(row.get("ttft_n")) else "n/a",
-                      "reload ≤ warm_s": _with_interval(row, "reload_rate", "fraction", "reload_rate_ci_low",
-                                                        "reload_rate_ci_high"),
-                      "SLO attainment": _with_interval(row, "slo_attainment", "fraction", "slo_attainment_ci_low",
-                                                       "slo_attainment_ci_high"),
-                      "wall clock": fmt_value(row["wall_clock_s"], "s"),
-                      "GPU power": fmt_value(row["mean_power_w"], "W"),
-                      "energy / follow-up": fmt_value(row["energy_per_followup_j"], "J"),
-                      "document loaded": fmt_value(row["mean_pool_hit_fraction"], "fraction"),
-                      "errors": f"{int(row['errors'])} of {int(row['followups'])}"})
-        rows.append(shown)
-    return pd.DataFrame(rows)
-
-
-def headline_for_reading(head: pd.DataFrame) -> pd.DataFrame:
-    """The isolated / shared ratios as a person reads them: one setting per row, two significant digits,
-    the p50's with its 95% interval and the follow-ups it rests on, the p99's with its basis."""
-    def interval(row) -> str:
-        low, high = row["ttft_p50_s_ratio_ci_low"], row["ttft_p50_s_ratio_ci_high"]
-        return f" [{low:.2g}, {high:.2g}]" if pd.notna(low) and pd.notna(high) else ""
-
-    return pd.DataFrame([{"setting": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
-                          "TTFT p50": f"{row['ttft_p50_s_ratio']:.2g}x{interval(row)}",
-                          "follow-ups (isolated / shared)": f"{row['isolated_n']:.0f} / {row['shared_n']:.0f}",
-                          "TTFT p99": f"{row['ttft_p99_s_ratio']:.2g}x ({row['ttft_p99_basis']})",
-                          "wall clock": f"{row['wall_clock_s_ratio']:.2g}x"} for _, row in head.iterrows()],
-                        columns=["setting", "TTFT p50", "follow-ups (isolated / shared)", "TTFT p99", "wall clock"])
-
-
-def kv_bytes_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """The byte-level comparisons as a person reads them: agreement as "equal of keys", and whether the
-    comparison must agree bit for bit."""
-    return pd.DataFrame([{"setting": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
-                          "comparison": row["comparison"], "chunks equal": f"{row['equal']} of {row['keys']}",
-                          "must agree bit for bit": "yes" if str(row["bit_exact_expected"]) == "True" else "no",
-                          "example of a differing chunk": row["example_key"] or ""}
-                         for _, row in table.iterrows()],
-                        columns=["setting", "comparison", "chunks equal", "must agree bit for bit",
-                                 "example of a differing chunk"])
-
-
-def tiers_for_reading(tiers: pd.DataFrame) -> pd.DataFrame:
-    """The per-tier table (shared cells) as a person reads it, as :func:`cells_for_reading`."""
-    rows = []
-    for _, row in tiers.iterrows():
-        rows.append({
-            "cell": f"{row['backend']} / chunk {row['chunk']} / {row['tier']}",
-            "gate": "valid" if row["valid"] else "INVALID",
-            "read (phase)": fmt_value(row["drive_read_gb_per_s"], "GB/s"),
-            "read (active)": fmt_value(row["drive_read_active_gb_per_s"], "GB/s"),
-            "ceiling": fmt_value(row["ceiling_read_gb_per_s"], "GB/s"),
-            "of ceiling": fmt_value(row["reload_efficiency"], "fraction"),
-            "avg read": fmt_value(row["avg_read_kb"], "KiB"),
-            "queue p95": _with_interval(row, "queue_depth_p95", "", "queue_depth_p95_ci_low",
-                                        "queue_depth_p95_ci_high"),
-            "r_await p50": _with_interval(row, "r_await_p50_ms", "ms", "r_await_p50_ms_ci_low",
-                                          "r_await_p50_ms_ci_high"),
-            "r_await p95": _with_interval(row, "r_await_p95_ms", "ms", "r_await_p95_ms_ci_low",
-                                          "r_await_p95_ms_ci_high"),
-            "TTFT p50": _with_interval(row, "ttft_p50_s", "s", "ttft_p50_s_ci_low", "ttft_p50_s_ci_high"),
-            "temperature": fmt_value(row["temperature_c"], "°C"),
-            # SMART reports both in percent already
-            "wear / spare": f"{row['percent_used']:.0f}% / {row['avail_spare']:.0f}%"
-            if pd.notna(row["percent_used"]) and pd.notna(row["avail_spare"]) else "n/a",
-        })
-    return pd.DataFrame(rows)
-
-
-def _cell_label(name: str) -> str:
-    """A cell's name as the tables show it: backend / arm / chunk / tier, with spaces a line can break at."""
-    cell = Cell.from_name(name)
-    return f"{cell.label} / {cell.arm} / chunk {cell.chunk} / {cell.tier}"
-
-
-def _paired_change(row) -> dict:
-    """ON against OFF as Study B's own page (results/studyb.md) shows it: the mean paired change, and its
-    95% interval with what it lets the page say."""
-    change, interval = change_cells(row)
-    return {"ON against OFF (mean paired)": change, "95% CI": interval}
-
-
-def _of(part, whole) -> str:
-    return "n/a" if pd.isna(part) or pd.isna(whole) else f"{int(part)} of {int(whole)}"
-
-
-def locality_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """Study B's locality chains (results/locality.csv) as a person reads them: per context and step, the
-    median TTFT OFF and ON, where the ON tokens came from, the paired change and the answers compared."""
-    return pd.DataFrame([{
-        "context": f"{int(r['context'])} tokens", "step": r["step"],
-        "TTFT OFF (median)": fmt_value(r["off_ttft_median_s"], "s"),
-        "TTFT ON (median)": fmt_value(r["on_ttft_median_s"], "s"),
-        "ON tokens: own cache / pool": f"{r['on_local_hit_tokens']:.0f} / {r['on_external_hit_tokens']:.0f}",
-        **_paired_change(r),
-        "answers equal": _of(r["outputs_equal"], r["pairs_matched"]),
-    } for _, r in table.iterrows()])
-
-
-def sessions_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """Study B's sessions (per placement) as a person reads them: wall time per session OFF and ON, the
-    paired change, and what changed in the turns' TTFT and decode."""
-    return pd.DataFrame([{
-        "placement": r["placement"],
-        "session wall OFF (median)": fmt_value(r["off_wall_median_s"], "s"),
-        "session wall ON (median)": fmt_value(r["on_wall_median_s"], "s"),
-        **_paired_change(r),
-        "turn TTFT change": pct(r["turn_ttft_change_pct"]),
-        "decode change": pct(r["decode_change_pct"]),
-        "turns' answers equal": _of(r["outputs_equal"], r["turns_matched"]),
-    } for _, r in table.iterrows()])
-
-
-def windows_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """Study B's short concurrency windows as a person reads them: output tokens per second OFF and ON."""
-    return pd.DataFrame([{
-        "sessions at once": int(r["window"]), "placement": r["placement"],
-        "tokens/s OFF (median)": fmt_value(r["off_tokens_per_s_median"], ""),
-        "tokens/s ON (median)": fmt_value(r["on_tokens_per_s_median"], ""),
-        **_paired_change(r),
-        "turn TTFT OFF / ON (median)": f"{fmt_value(r['off_turn_ttft_median_s'], 's')} / "
-                                       f"{fmt_value(r['on_turn_ttft_median_s'], 's')}",
-    } for _, r in table.iterrows()])
-
-
-def crossover_for_reading(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """Where the pool pays (results/crossover.csv) as a person reads it: per context, the measured and
-    fitted prefill and reload and the read rate below which the reload stops paying; and, in a sentence,
-    the fit itself (the same on every row)."""
-    shown = pd.DataFrame([{
-        "context": f"{int(r['context'])} tokens",
-        "prefill (measured / fit)": f"{fmt_value(r['prefill_s'], 's')} / {fmt_value(r['prefill_fit_s'], 's')}",
-        "reload (measured / fit)": f"{fmt_value(r['reload_s'], 's')} / {fmt_value(r['reload_fit_s'], 's')}",
-        "speedup": "n/a" if pd.isna(r["speedup"]) else f"{r['speedup']:.3g}x",
-        "stops paying below": fmt_value(r["break_even_read_gbps"], "GB/s"),
-    } for _, r in table.iterrows()])
-    if table.empty or table["fit_read_gbps"].isna().all():
-        return shown, "No fit was made (results/crossover.md says why)."
-    first = table.iloc[0]
-    crossover = ("the reload beats the prefill at every measured context" if pd.isna(first["crossover_tokens"])
-                 or first["crossover_tokens"] <= 0 else f"the reload beats the prefill from "
-                 f"{first['crossover_tokens']:,.0f} tokens")
-    return shown, (f"Reload fit: {fmt_value(first['fit_overhead_s'], 's')} + bytes / "
-                   f"{fmt_value(first['fit_read_gbps'], 'GB/s')}; {crossover}.")
-
-
-def routers_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """results/routers.csv as a person reads it: per unit and phase, TTFT with its interval and where the
-    phase's prompt tokens came from."""
-    return pd.DataFrame([{
-        "cell": _cell_label(r["cell"]), "router": r["router"],
-        "phase": r["phase"] if r.get("group", "all") == "all" else f"{r['phase']} ({r['group']})",
-        "gate": "valid" if r["valid"] else "INVALID", "requests": int(r["requests"]),
-        "TTFT p50": _with_interval(r, "ttft_p50_s", "s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s"),
-        "TTFT p99": fmt_supported(r["ttft_p99_s"], "s", r.get("ttft_p99_basis"), None, None, None),
-        "tokens: own cache / pool / computed": " / ".join(fmt_value(r[c], "fraction") for c in
-                                                          ("local_cache_fraction", "pool_fraction",
-                                                           "computed_fraction")),
-        "moved": fmt_value(r["moved_fraction"], "fraction"),
-        "busiest replica": fmt_value(r["max_replica_share"], "fraction"),
-    } for _, r in table.iterrows()])
-
-
-def contexts_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """results/contexts.csv as a person reads it: per cell and length, the three TTFTs, the speedup, the
-    KV moved and where the pool stops paying."""
-    return pd.DataFrame([{
-        "cell": _cell_label(r["cell"]), "document": f"{int(r['context'])} tokens",
-        "gate": "valid" if r["valid"] else "INVALID",
-        "prefill": fmt_value(r["prefill_s"], "s"), "own cache": fmt_value(r["local_s"], "s"),
-        "pool reload": fmt_value(r["reload_s"], "s"),
-        "speedup": "n/a" if pd.isna(r["speedup"]) else f"{r['speedup']:.3g}x",
-        "KV moved": fmt_value(r["kv_bytes"] / 1e6, "MB"),
-        "stops paying below": fmt_value(r["break_even_read_gbps"], "GB/s"),
-        "crossover": "n/a" if pd.isna(r["crossover_tokens"]) else f"{r['crossover_tokens']:,.0f} tokens",
-    } for _, r in table.iterrows()])
-
-
-def pool_servers_for_reading(table: pd.DataFrame) -> pd.DataFrame:
-    """What each pool server counted per phase, one line of counters per server: the counters differ by
-    backend, so they are listed by name rather than spread over columns most rows leave empty."""
-    fixed = {"cell", "phase", "server"}
-    return pd.DataFrame([{
-        "cell": _cell_label(r["cell"]), "phase": r["phase"], "server": int(r["server"]),
-        "counters over the phase": ", ".join(f"{name} {value:.4g}" for name, value in r.items()
-                                             if name not in fixed and pd.notna(value)),
-    } for _, r in table.iterrows()])
-
-
 def verdict(cells: pd.DataFrame, failed: list[str], counted: list[str], studyb: dict | None = None) -> dict:
     """The page's first line, from the run's gate (kvpool.report.gate.judge: ``failed`` holds a line per
     failure, ``counted`` the units beyond the cells it rests on): valid only where the gate will pass."""
@@ -395,15 +204,13 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records (``files`` and
     ``ceilings``, the paths the rule declares: see ``collect``)."""
-    from kvpool.report import figures
-
     results = collect(cells, files, ceilings, config)
     tables, figs = Path(tables_dir), Path(figures_dir)
     tables.mkdir(parents=True, exist_ok=True)
     table1 = pd.read_csv(cell_table, keep_default_na=False, na_values=[""])
     table1["valid"] = table1["valid"].astype(bool)
     table2 = pd.read_csv(tier_table).merge(table1[["cell", "valid"]], on="cell") if tier_table else pd.DataFrame()
-    head = summary.headline(pd.read_csv(table1_csv))
+    head = headline(pd.read_csv(table1_csv))
     servers = pool_server_table(cells, files)
     for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
         frame.to_csv(tables / f"{name}.csv", index=False)
@@ -459,7 +266,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
         "caveats": caveats(results),
         "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
         "pool_server_html": _html(pool_servers_for_reading(servers)) if len(servers) else "",
-        "load_html": _html(summary.load_for_reading(levels)) if len(levels) else "",
+        "load_html": _html(load_for_reading(levels)) if len(levels) else "",
         "peer_html": _peer_html(peer) if peer else "",
         "routers": _routers_section(routers) if routers else None,
         "contexts": _contexts_section(contexts) if contexts else None,
@@ -474,8 +281,6 @@ def _studyb_section(files: dict) -> dict:
     """Study B's part of the page (``files``: its validity.json, locality.csv, sessions summary,
     figures folder, windows table, crossover table and its figure's folder): the verdict, the tables
     and the figures."""
-    from kvpool.studies.studyb import gate_failures
-
     gate = read_json(files["validity"])
     # the page's columns; the CSVs hold every one, observations included
     locality = pd.read_csv(files["locality"])[
@@ -517,8 +322,6 @@ def _kv_bytes_html(path: Path | None) -> str:
 
 def _routers_section(routers_csv: str) -> dict:
     """The report's routers section: the table of results/routers.csv and its figures beside it."""
-    from kvpool.report.figures import ROUTER_FIGURES
-
     folder = Path(routers_csv).with_suffix("")  # run_router_table's figures folder
     return {"html": _html(routers_for_reading(pd.read_csv(routers_csv))),
             "figures": [{"png": str(folder / f"{stem}.png"), "title": title}
@@ -527,8 +330,6 @@ def _routers_section(routers_csv: str) -> dict:
 
 def _breakdown_section(breakdown_csv: str) -> dict:
     """The report's TTFT breakdown: each unit's medians (kvpool.report.breakdown) and its figure beside it."""
-    from kvpool.report import breakdown
-
     rows = pd.read_csv(breakdown_csv)
     table = breakdown.summary(rows, ["cell", "source"]) if len(rows) else pd.DataFrame()
     return {"html": _html(breakdown.for_reading(table)) if len(table) else "<p>No request carried its replica's own "
@@ -538,8 +339,6 @@ def _breakdown_section(breakdown_csv: str) -> dict:
 
 def _capacity_section(capacity_csv: str) -> dict:
     """The report's pool-capacity section: results/capacity.csv and its figure beside it."""
-    from kvpool.studies import capacity
-
     folder = Path(capacity_csv).with_suffix("")  # run_capacity_table's figures folder
     table = pd.read_csv(capacity_csv)
     return {"html": _html(capacity.for_reading(table)), "intro": capacity.INTRODUCTION,
@@ -549,15 +348,12 @@ def _capacity_section(capacity_csv: str) -> dict:
 
 def _contexts_section(contexts_csv: str) -> dict:
     """The report's document-length section: results/contexts.csv and its figure beside it."""
-
     folder = Path(contexts_csv).with_suffix("")  # run_contexts_table's figures folder
     return {"html": _html(contexts_for_reading(pd.read_csv(contexts_csv))),
             "figure": str(folder / "contexts.png")}
 
 
 def _peer_html(peer_csv: str) -> str:
-    from kvpool.studies.peer import peer_for_reading
-
     table = pd.read_csv(peer_csv, dtype={"replica": str})
     return _html(peer_for_reading(table)) if len(table) else ""
 

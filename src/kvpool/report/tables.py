@@ -11,9 +11,8 @@ import pandas as pd
 
 from kvpool.cells import Cell
 from kvpool.report.format import fmt_supported, fmt_value
-from kvpool.report.load import load_for_reading  # noqa: F401 (kvpool.report.page reads it here)
 from kvpool.settings import reads
-from kvpool.studies.tables import headline, table1_of, table2_of  # noqa: F401 (headline: kvpool.report.page's)
+from kvpool.studies.tables import table1_of, table2_of
 
 
 def table1_markdown(table: pd.DataFrame) -> str:

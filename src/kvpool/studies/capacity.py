@@ -55,14 +55,8 @@ from kvpool.measure import provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import CapacityRecord, read_records
-from kvpool.measure.timed import (
-    REPO,
-    checked_ports,
-    new_plan,
-    run_unit,
-    timed_fleet,
-    write_unit,
-)
+from kvpool.measure.timed import REPO, run_unit, timed_fleet, write_unit
+from kvpool.measure.unit_plan import checked_ports, new_plan
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.stats import mean_ci, proportion_ci, reported_percentile

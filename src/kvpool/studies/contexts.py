@@ -29,14 +29,13 @@ from kvpool.measure.records import ChainRecord, read_records
 from kvpool.measure.timed import (
     REPO,
     chain_fleet,
-    checked_ports,
     drop_pool,
-    new_plan,
     recompute_in_splits,
     recording_sends,
     run_unit,
     write_unit,
 )
+from kvpool.measure.unit_plan import checked_ports, new_plan
 from kvpool.measure.validity import cold_reads, with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import crossover, studyb

@@ -30,11 +30,9 @@ from kvpool.cells import Cell, pool_root
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.cross_router import followup_route
-from kvpool.engine.fleet import (
-    PoolServer,
-    running_servers,
-)
+from kvpool.engine.fleet import running_servers
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
+from kvpool.engine.processes import PoolServer
 from kvpool.measure import kvbytes, provenance, records, validity
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json, write_json
@@ -49,7 +47,6 @@ from kvpool.measure.reuse_checks import (
 )
 from kvpool.measure.timed import (
     REPO,
-    checked_ports,
     drop_pool,
     external_window,
     replica_error,
@@ -61,6 +58,7 @@ from kvpool.measure.timed import (
     times_window,
     write_unit,
 )
+from kvpool.measure.unit_plan import checked_ports
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import peer
 from kvpool.studies.peer import PEER_LEVEL, replay_with_vllm_bench

@@ -29,10 +29,8 @@ import pandas as pd
 
 from kvpool.cells import Cell
 from kvpool.engine.client import new_session
-from kvpool.engine.fleet import (
-    Replica,
-)
 from kvpool.engine.plan import BASE_ENV, SERVED_MODEL_NAME
+from kvpool.engine.processes import Replica
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records

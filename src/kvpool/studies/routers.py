@@ -41,25 +41,24 @@ from kvpool.cells import Cell, run_pools
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, new_session
 from kvpool.engine.cross_router import next_replica, round_robin
-from kvpool.engine.fleet import Replica
 from kvpool.engine.plan import batch_invariant
+from kvpool.engine.processes import Replica
 from kvpool.measure import provenance, records, validity
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import RoutedRecord, read_records
 from kvpool.measure.timed import (
     REPO,
-    checked_ports,
     counter_window,
     drop_pool,
     measured_request,
-    new_plan,
     request_row,
     run_unit,
     scrape_serving,
     timed_fleet,
     write_unit,
 )
+from kvpool.measure.unit_plan import checked_ports, new_plan
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.stats import reported_percentile
 from kvpool.studies.load import Level, outputs_check, send_level

@@ -31,18 +31,15 @@ from kvpool.measure.records import read_records
 from kvpool.measure.reuse_checks import restore_pool
 from kvpool.measure.timed import (
     REPO,
-    checked_ports,
     drop_pool,
-    fresh_pool,
-    new_plan,
     phase_summary,
     pool_digests,
     reference_phase,
-    reference_replica,
     refuse_failed_reference,
     run_sampled_phase,
     server_settings,
 )
+from kvpool.measure.unit_plan import checked_ports, fresh_pool, new_plan, reference_replica
 from kvpool.settings import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads, step_settings
 from kvpool.studies.study_a_phases import populate_phase, reuse_phase
 

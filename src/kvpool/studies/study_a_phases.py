@@ -14,7 +14,7 @@ from tqdm import tqdm
 from kvpool.engine import external
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.cross_router import followup_route, populate_route
-from kvpool.engine.fleet import PoolServer, Replica
+from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import records
 from kvpool.measure.records import RequestRecord
 from kvpool.measure.reference import followups

@@ -33,16 +33,8 @@ from kvpool.measure.files import read_json, write_json
 from kvpool.measure.records import ChainRecord, read_records
 from kvpool.measure.reference import payload_sha256
 from kvpool.measure.reuse_checks import outputs_check
-from kvpool.measure.timed import (
-    REPO,
-    chain_fleet,
-    checked_ports,
-    new_plan,
-    recompute_in_splits,
-    recording_sends,
-    unit_pool,
-    with_retrievals,
-)
+from kvpool.measure.timed import REPO, chain_fleet, recompute_in_splits, recording_sends, with_retrievals
+from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 
