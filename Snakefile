@@ -34,7 +34,7 @@ if not MEASURED_ONLY:
     include: "workflow/rules/populate.smk"
     include: "workflow/rules/drop.smk"
     include: "workflow/rules/reuse.smk"
-    include: "workflow/rules/memory_pool.smk"
+    include: "workflow/rules/cell.smk"
     include: "workflow/rules/ceiling.smk"
     include: "workflow/rules/load.smk"
     include: "workflow/rules/routers.smk"

@@ -24,32 +24,30 @@ def test_the_copied_prerequisites_are_not_built_again(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for rule in ("model", "prompts", "reference"):
         assert f"rule {rule}:" not in out.stdout, out.stdout[-3000:]
-    assert "rule populate:" in out.stdout
+    assert "rule cell:" in out.stdout  # populate, drop and reuse on the cell's one fleet
 
 
 @pytest.mark.usefixtures("prepared")
 def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
-    """kill -9 of one replica in reuse: the phase ends, every row is kept (and archived), the cell is
-    invalid with the replica's exit as the reason, and nothing of the fleet is left running."""
+    """kill -9 of one replica in reuse (the cell's one fleet, after the drop): the phase ends, every row is
+    kept (and archived), the cell is invalid with the replica's exit as the reason, and nothing of the fleet
+    is left running."""
     shared_only = tmp_path / "shared-only.yaml"
     shared_only.write_text("arms: [shared]\n")
     configs = (CONFIGS / "e2e.yaml", shared_only)
     target = CELL.format(backend="lmcache-fs", arm="shared")  # relative to the working directory
     cell = tmp_path / target
-    populated = subprocess.run(snakemake_argv(tmp_path, f"{target}/populate.csv", *configs), capture_output=True,
-                               text=True, timeout=1800)
-    assert populated.returncode == 0, populated.stderr[-4000:]
-    reuse = subprocess.Popen(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    log = tmp_path / "logs" / "reuse" / (target.removeprefix("results/cells/") + ".log")
-    wait_for_line(reuse, log, "reuse")
+    run = subprocess.Popen(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "logs" / "cell" / (target.removeprefix("results/cells/") + ".log")
+    wait_for_line(run, log, "reuse", line="after the drop")
     port = yaml.safe_load((cell / "plan.yaml").read_text())["replicas"][1]["port"]
     (victim,) = [p for p in psutil.process_iter(["cmdline"])
                  if "vllm.entrypoints" in " ".join(p.info["cmdline"] or []) and f"--port {port}" in " ".join(
                      p.info["cmdline"])]
     victim.kill()
-    output = reuse.communicate(timeout=1200)[0]
-    assert reuse.returncode == 0, output[-4000:]  # the phase and the gate's inputs finish; the cell is invalid
+    output = run.communicate(timeout=1200)[0]
+    assert run.returncode == 0, output[-4000:]  # the phase and the gate's inputs finish; the cell is invalid
     rows = pd.read_csv(cell / "reuse.csv")
     assert len(rows) == 4 and list(rows["doc_id"]) == [0, 1, 2, 3]
     served_by_victim = rows["serve_replica"] == 1
@@ -62,14 +60,9 @@ def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     assert not validity["valid"] and validity["checks"]["zero_errors"]["value"] == failed.sum()
     assert "exited with code -9" in validity["checks"]["zero_errors"]["examples"][0]
     assert replicas_running_in(tmp_path) == []
-    # measuring the cell's reuse again would read the chunks this reuse stored: refused, before any fleet starts
-    again = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs) + ["--forcerun", "reuse"],
-                           capture_output=True, text=True, timeout=600)
-    assert again.returncode != 0
-    reuse_log = log.read_text()
-    assert "more than populate left" in reuse_log and "--forcerun populate" in reuse_log
-    assert "started: pid" not in reuse_log  # the log is this refused run's: no replica was started
-    assert len(list((cell / "runs").glob("*-reuse.csv"))) == 1  # the measured rows are still there
+    # one fleet from populate to the last follow-up: the populate it measured is the same fleet's
+    populate = json.loads((cell / "populate.json").read_text())
+    assert populate["stores_settled"]["files"] >= 4 * 2048 // 256
 
 
 def _as_in_a_terminal():
@@ -80,7 +73,8 @@ def _as_in_a_terminal():
 
 
 def _interrupt_at(workdir, target, configs, phase, send, line="fleet of 2 healthy"):
-    """Start snakemake on ``target``; once ``phase``'s log has ``line``, ``send`` it a signal; wait."""
+    """Start snakemake on ``target``; once the log of the rule ``phase`` has ``line``, ``send`` it a signal;
+    wait."""
     proc = subprocess.Popen(snakemake_argv(workdir, target, *configs), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=_as_in_a_terminal)
@@ -96,52 +90,42 @@ def _interrupt_at(workdir, target, configs, phase, send, line="fleet of 2 health
 @pytest.mark.parametrize("in_populate, in_reuse", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM)],
                          ids=["term-populate-int-reuse", "int-populate-term-reuse"])
 @pytest.mark.full
-def test_interrupted_phases_resume_on_the_pool_populate_left_and_an_injected_fault_fails_the_cell(
+def test_an_interrupted_cell_leaves_no_replica_and_is_measured_whole_again_and_an_injected_fault_fails_it(
         tmp_path, in_populate, in_reuse):
-    """SIGTERM (a service manager's stop) or Ctrl-C (SIGINT), each to the whole process group, in
-    populate once its fleet is healthy and in reuse while its fleet starts: no replica is left, a
-    resumed populate completes the pool, and the resumed reuse measures the pool exactly as populate
-    left it. (Four CPU follow-ups take about a second once the fleet is healthy, so reuse is signalled
-    once its second replica's process exists, where the signal always lands in the phase; populate,
-    which may finish first, is judged on either outcome.) Then (once) the fault-injection run
-    option corrupts a stored chunk between populate and reuse, and the cell fails: the gate checks
-    that reuse read the bytes populate stored. (SIGTERM to snakemake alone lets the running job finish
-    and starts no other: Snakemake's graceful exit.)"""
+    """SIGTERM (a service manager's stop) or Ctrl-C (SIGINT), each to the whole process group, to the
+    cell's one job: in populate once its fleet is healthy, and (run again) in reuse after the drop. No
+    replica is left, the interrupted job's populate records are kept under runs/, and the run after them
+    measures the cell whole on an emptied pool: valid, reuse reading exactly what its populate stored.
+    Then (once) the fault-injection run option corrupts a stored chunk between populate and reuse, and the
+    cell fails: the gate checks that reuse read the bytes populate stored."""
     shared_only = tmp_path / "shared-only.yaml"
     shared_only.write_text("arms: [shared]\n")
     configs = (CONFIGS / "e2e.yaml", shared_only)
     target = CELL.format(backend="lmcache-fs", arm="shared")
     cell = tmp_path / target
-    returncode, output = _interrupt_at(tmp_path, f"{target}/populate.csv", configs, "populate",
-                                                 lambda proc: os.killpg(proc.pid, in_populate))
-    if (cell / "populate.csv").exists():  # the four documents were in before the signal: a whole populate
-        assert len(pd.read_csv(cell / "populate.csv")) == 4 and (cell / "populate-digests.csv").exists()
-    else:
-        assert returncode != 0, output[-3000:]
-    resumed = subprocess.run(snakemake_argv(tmp_path, f"{target}/populate.csv", *configs), capture_output=True,
-                             text=True, timeout=1800)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    returncode, output = _interrupt_at(tmp_path, f"{target}/validity.json", configs, "reuse",
-                                                 lambda proc: os.killpg(proc.pid, in_reuse), line="replica 1 started")
+    # the cell's one job: populate once its fleet is healthy, then (run again) reuse after the drop
+    returncode, output = _interrupt_at(tmp_path, f"{target}/validity.json", configs, "cell",
+                                       lambda proc: os.killpg(proc.pid, in_populate))
+    assert returncode != 0 and not (cell / "populate.csv").exists(), output[-3000:]
+    returncode, output = _interrupt_at(tmp_path, f"{target}/validity.json", configs, "cell",
+                                       lambda proc: os.killpg(proc.pid, in_reuse), line="after the drop")
     assert returncode != 0 and not (cell / "reuse.csv").exists(), output[-3000:]
+    assert list((cell / "runs").glob("*-populate.csv"))  # the interrupted job's populate, kept
     resumed = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), capture_output=True,
                              text=True, timeout=1800)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]  # the interrupted reuse stored nothing: measured again
+    assert resumed.returncode == 0, resumed.stderr[-4000:]  # populated again on an emptied pool, then measured
     validity = json.loads((cell / "validity.json").read_text())
     assert validity["valid"], validity
     assert validity["checks"]["pool_unchanged"]["value"]["changed"] == 0
     if in_populate == signal.SIGINT:
         return  # the injected fault needs one more populate; once is enough
 
-    repopulated = subprocess.run(snakemake_argv(tmp_path, f"{target}/populate.csv", *configs)
-                                 + ["--forcerun", "populate"], capture_output=True, text=True, timeout=1800)
-    assert repopulated.returncode == 0, repopulated.stderr[-4000:]
     # the run option fault_injection.corrupt_stored_chunk flips bytes of the largest pool file after
-    # populate, before the drop (only the drop and what follows it re-run): the gate must catch it
+    # populate, before the drop: the gate must catch it
     fault = tmp_path / "fault.yaml"
     fault.write_text("fault_injection: {corrupt_stored_chunk: true}\n")
-    measured = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs, fault),
-                              capture_output=True, text=True, timeout=1800)
+    measured = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs, fault)
+                              + ["--forcerun", "cell"], capture_output=True, text=True, timeout=1800)
     assert measured.returncode == 0, measured.stderr[-4000:]
     pool_dir = Path(yaml.safe_load((cell / "plan.yaml").read_text())["replicas"][0]["pool_dir"])
     corrupted = Path(json.loads((cell / "drop.json").read_text())["fault_injection"]["file"])
@@ -229,10 +213,10 @@ def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_g
 
     proc = subprocess.Popen(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    log = tmp_path / "logs" / "populate" / (target.removeprefix("results/cells/") + ".log")
+    log = tmp_path / "logs" / "cell" / (target.removeprefix("results/cells/") + ".log")
     try:
         # after the preflight (its probe must be stored to pass), racing the documents' stores
-        wait_for_line(proc, log, "populate", line="preflight passed")
+        wait_for_line(proc, log, "cell", line="preflight passed")
         fill()
         output = proc.communicate(timeout=1800)[0]
     finally:
@@ -240,10 +224,10 @@ def test_a_tier_that_fills_up_during_populate_is_named_before_reuse_and_by_the_g
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=300)
     assert proc.returncode == 0, output[-4000:]  # measured to the end; the cell is invalid
-    populate_log = log.read_text()
-    assert "a pool write failed (is the tier full?)" in populate_log and "No space left on device" in populate_log
-    reuse_log = (tmp_path / "logs" / "reuse" / (target.removeprefix("results/cells/") + ".log")).read_text()
-    assert "started: pid" in reuse_log  # the cause was logged before reuse began
+    cell_log = log.read_text()
+    assert "a pool write failed (is the tier full?)" in cell_log and "No space left on device" in cell_log
+    # the cause was logged before reuse began
+    assert cell_log.index("a pool write failed (is the tier full?)") < cell_log.index("after the drop")
     validity = json.loads((tmp_path / target / "validity.json").read_text())
     check = validity["checks"]["pool_writes"]
     assert not validity["valid"] and not check["ok"] and check["value"] >= 1

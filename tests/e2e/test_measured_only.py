@@ -29,7 +29,7 @@ def test_measured_only_summarizes_a_brought_back_tree_as_the_run_did(study_run, 
         pd.testing.assert_frame_equal(pd.read_csv(tree / "results" / table), pd.read_csv(study_run / "results" / table),
                                       obj=table)
     assert (tree / "results" / "report.html").stat().st_size > 10_000
-    assert not (tree / "resources").exists() and not (tree / "logs" / "populate").exists()
+    assert not (tree / "resources").exists() and not (tree / "logs" / "cell").exists()
 
 
 def test_measured_only_summarizes_the_cells_a_cut_short_run_finished(study_run, tmp_path):

@@ -120,7 +120,7 @@ def test_adding_a_gpu_workers_value_re_runs_no_measured_cell(gpu_config):
     whatever the other cells are."""
     job = SimpleNamespace(backend="lmcache-mp", level="c32")
     before = {step: kvpool_settings.step_settings(step, gpu_config, job)
-              for step in (study_a.make_plan, study_a.run_memory_pool_cell, load.run_load_level)}
+              for step in (study_a.make_plan, study_a.run_cell, load.run_load_level)}
     gpu_config["lmcache_mp"]["gpu_workers"] = [None, 2]
     for step, settings in before.items():
         assert kvpool_settings.step_settings(step, gpu_config, job) == settings
@@ -170,7 +170,7 @@ def test_servers_per_replica_without_a_shared_drive_tier_is_refused(gpu_config):
 def test_adding_servers_per_replica_re_runs_no_measured_cell(gpu_config):
     job = SimpleNamespace(backend="lmcache-mp", level="c32")
     before = {step: kvpool_settings.step_settings(step, gpu_config, job)
-              for step in (study_a.make_plan, study_a.run_memory_pool_cell, load.run_load_level)}
+              for step in (study_a.make_plan, study_a.run_cell, load.run_load_level)}
     gpu_config["lmcache_mp"]["servers"] = ["one", "per-replica"]
     for step, settings in before.items():
         assert kvpool_settings.step_settings(step, gpu_config, job) == settings
@@ -385,15 +385,16 @@ def test_the_real_lmcache_server_starts_reports_and_stops(gpu_config, tmp_path):
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
-def test_the_mp_gpu_config_plans_one_job_per_memory_pool_cell():
+def test_the_mp_gpu_config_plans_one_job_per_memory_pool_cell_and_three_per_drive_cell():
     out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", "config/h200-mp.yaml",
                           "--directory", "/tmp/kvpool-dry-mp", "-s", str(REPO / "Snakefile")],
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
                 if len(line.split()) == 2 and line.split()[1].isdigit())
-    # ram cells: populate, drop and reuse around one set of servers; disk cells: the three rules
-    assert (jobs["memory_pool_cell"], jobs["populate"], jobs["drop"], jobs["reuse"]) == ("2", "2", "2", "2")
+    # ram cells: populate, drop and reuse on one fleet around one set of servers; disk cells: the three rules,
+    # each phase's fleet and server its own (the reuse must find the server's L1 empty)
+    assert (jobs["cell"], jobs["populate"], jobs["drop"], jobs["reuse"]) == ("2", "2", "2", "2")
 
 
 @pytest.mark.parametrize("name", ["h200x2-mp-load", "h200-mp-load"])
@@ -406,7 +407,7 @@ def test_the_gpu_load_config_measures_its_memory_pool_cells_at_every_level(name,
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
                 if len(line.split()) == 2 and line.split()[1].isdigit())
-    assert (jobs["memory_pool_cell"], jobs["load_level"], jobs["load_table"]) == ("2", "6", "1")
+    assert (jobs["cell"], jobs["load_level"], jobs["load_table"]) == ("2", "6", "1")
 
 
 def test_the_readme_rerun_command_reruns_one_cell(tmp_path):
@@ -422,7 +423,8 @@ def test_the_readme_rerun_command_reruns_one_cell(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = dict(line.split() for line in out.stdout.split("Job stats:")[1].splitlines()[3:]
                 if len(line.split()) == 2 and line.split()[1].isdigit())
-    assert jobs["populate"] == jobs["reuse"] == jobs["validity"] == "1" and "report" not in jobs
+    # the cell's populate, drop and reuse on its one fleet: one job, then its gate
+    assert jobs["cell"] == jobs["validity"] == "1" and "report" not in jobs
 
 
 def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_path):
@@ -475,12 +477,12 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
                 "power": out["populate-power"], "digests": out["populate-digests.csv"]}
     reuse = {"csv": out["reuse.csv"], "meta": out["reuse.json"], "drive": out["reuse-drive"],
              "power": out["reuse-power"], "digests": out["pool-digests.csv"]}
-    logs = {name: str(tmp_path / "logs" / name) for name in ("servers", "populate", "reuse")}
+    logs = {name: str(tmp_path / "logs" / name) for name in ("servers", "replicas", "populate", "reuse")}
     plan_path, prompts_path = str(folder / "plan.yaml"), str(tmp_path / "prompts.jsonl")
     if tier == "ram":  # only the sections the rule hands its script, as Snakemake would
         declared = {key: gpu_config[key] for key in kvpool_settings.MEMORY_POOL_CELL_SETTINGS}
-        study_a.run_memory_pool_cell(declared, cell, plan_path, prompts_path, populate=populate,
-                                     drop_out=out["drop.json"], reuse=reuse, log_dirs=logs)
+        study_a.run_cell(declared, cell, plan_path, prompts_path, populate=populate, drop_out=out["drop.json"],
+                         reuse=reuse, log_dirs=logs)
     else:  # the three rules: each phase starts (and stops) its own servers, whose logs sit with its replicas'
         study_a.run_populate(gpu_config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
                              json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],

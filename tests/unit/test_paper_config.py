@@ -15,9 +15,9 @@ def test_paper_config_dry_run_plans_the_whole_matrix(tmp_path):
          "--configfile", str(REPO / "config" / "paper.yaml")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout + result.stderr
-    # 2 backends x 2 arms x 3 chunk sizes x 2 tiers = 24 cells; no model is built for a named model
-    assert re.search(r"^populate\s+24$", out, re.M), out[-2000:]
-    assert re.search(r"^reuse\s+24$", out, re.M)
+    # 2 backends x 2 arms x 3 chunk sizes x 2 tiers = 24 cells, each one job on one fleet (populate, drop,
+    # reuse); no model is built for a named model
+    assert re.search(r"^cell\s+24$", out, re.M), out[-2000:]
     assert not re.search(r"^model\s+\d+$", out, re.M)
     assert "backend~lmcache-fs/arm~shared/chunk~2048/tier~qlc/plan.yaml" in out
 
@@ -29,9 +29,9 @@ def test_tier_compare_target_builds_only_what_it_needs(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    for rule in ("populate", "reuse", "telemetry", "ceiling", "tier_compare"):
+    for rule in ("cell", "telemetry", "ceiling", "tier_compare"):  # cell: populate, drop and reuse on one fleet
         assert re.search(rf"^{rule}\s+\d+$", out, re.M), rule
-    assert re.search(r"^populate\s+1$", out, re.M)  # the shared arm only
+    assert re.search(r"^cell\s+1$", out, re.M)  # the shared arm only
     for rule in ("reference", "validity", "table1", "report"):
         assert not re.search(rf"^{rule}\s+\d+$", out, re.M), rule
 
@@ -52,7 +52,7 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
          "--configfile", str(REPO / "config" / name)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert re.search(r"^populate\s+4$", out, re.M)  # 2 arms x 2 tiers (ram, disk)
+    assert re.search(r"^cell\s+4$", out, re.M)  # 2 arms x 2 tiers (ram, disk), each cell's phases on one fleet
     assert re.search(r"^model\s+1$", out, re.M)     # the random model is built (on the GPU)
     # keep_pools: false: a tier holds one cell's pool, so its isolated cell populates after the
     # shared cell's reuse has removed that pool
@@ -88,9 +88,8 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
          "--configfile", str(REPO / "config" / name)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     config = load(REPO / "config" / name, REPO)
-    # 2 arms x the ram tier: the MP server's L1 runs both phases in one job
-    assert re.search(rf"^{'memory_pool_cell' if config['backends'] == ['lmcache-mp'] else 'populate'}\s+2$",
-                     result.stdout, re.M)
+    # 2 arms x the ram tier: each cell's phases in one job on one fleet (an MP server's L1 around it)
+    assert re.search(r"^cell\s+2$", result.stdout, re.M)
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
     assert config["workload"]["doc_tokens"] == doc_tokens and list(config["tiers"]) == ["ram"]
     assert problems(config, tmp_path, check_paths=False) == []
@@ -118,7 +117,7 @@ def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path, name,
          str(tmp_path), "--configfile", str(REPO / "config" / name)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^studyb_block\s+4$", result.stdout, re.M) and not re.search(r"^(populate|memory_pool_cell)\s",
+    assert re.search(r"^studyb_block\s+4$", result.stdout, re.M) and not re.search(r"^(populate|cell)\s",
                                                                                    result.stdout, re.M)
     config = load(REPO / "config" / name, REPO)
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))

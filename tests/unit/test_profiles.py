@@ -27,14 +27,14 @@ def test_a_profile_plans_every_timed_phase_of_the_matrix(tmp_path, profile, extr
     result = dry_run(tmp_path, profile, *extra)
     assert result.returncode == 0, result.stderr[-4000:]
     said = result.stdout + result.stderr
-    for rule in ("populate", "drop", "reuse", "validity", "gate"):
+    for rule in ("cell", "validity", "gate"):  # a cell's populate, drop and reuse: one job on one fleet
         assert f"rule {rule}:" in said or f"localrule {rule}:" in said, rule
     assert "This was a dry-run" in said
 
 
 def test_the_slurm_profile_gives_every_timed_phase_a_node_of_its_own():
     profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
-    timed = ("populate", "drop", "reuse", "memory_pool_cell", "load_level", "studyb_block", "reference", "ceiling")
+    timed = ("populate", "drop", "reuse", "cell", "load_level", "studyb_block", "reference", "ceiling")
     for rule in timed:
         assert "--exclusive" in profile["set-resources"][rule]["slurm_extra"], rule
     # the fleet token of the default profile still keeps timed phases apart; squeue needs no accounting

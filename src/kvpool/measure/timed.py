@@ -6,6 +6,7 @@ and written."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,7 +25,7 @@ from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.plan import plan_gpus, plan_pool_dirs
-from kvpool.engine.pool_files import drop_from_page_cache
+from kvpool.engine.pool_files import drop_from_page_cache, pool_files
 from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import kvbytes, logs, records
 from kvpool.measure import reference as split_reference
@@ -229,14 +230,16 @@ def server_settings(cfg: dict, plan: dict) -> dict:
 
 
 @contextmanager
-def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer] | None = None):
+def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer] | None = None,
+                 replicas_stop: bool = True):
     """The cell's LMCache MP servers for one phase, and what they did in it (``record``, filled on exit).
 
     Servers handed in (a memory pool, which lives only as long as its server) keep running; otherwise
     the phase starts its own and stops them. Before the record is taken, every L2 store a server
     accepted has reached the drive, so a server stopped afterwards loses nothing. A server that outlives
     the phase has also let go of its stopped replicas' GPU memory (``released``), which the next phase's
-    fleet needs; one that does not within ``release_timeout_s`` stops the unit with the reason.
+    fleet needs; one that does not within ``release_timeout_s`` stops the unit with the reason. Where the
+    replicas outlive the phase too (``replicas_stop`` false), there is nothing to let go of yet.
     """
     handed_in = servers is not None
     record: dict = {}
@@ -267,7 +270,7 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
                 continue
             record[str(server.index)] = {"drain": drain, "metrics": mp.metrics_delta(after, before[server.index]),
                                          "l1_bytes": after.get(server.pool_bytes_metric)}
-            if handed_in:
+            if handed_in and replicas_stop:
                 record[str(server.index)]["released"] = server.await_released(settings["release_timeout_s"])
 
 
@@ -287,6 +290,35 @@ async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica) -
     if body.strip().startswith("{") and not json.loads(body).get("success", True):
         return f"replica {replica.index}: /reset_prefix_cache reported no success (blocks still held)"
     return ""
+
+
+def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: float = 0.5,
+                   timeout_s: float = 60.0) -> dict:
+    """Wait for the pool to stop changing: LMCache stores a request's chunks after its answer (its remote
+    backend puts them asynchronously), so on a fleet that keeps running after populate the last stores may
+    still be on their way. Settled is two reads ``poll_s`` apart that agree, with no temp file among the
+    pool's files (the chunk files' names and sizes, and each server's pool bytes); at ``timeout_s`` the last
+    read stands, and the gate's checks of what populate stored judge it. Returns what was waited for."""
+    def read() -> tuple[dict, tuple]:
+        files = {}
+        for path in pool_files(dirs):
+            with contextlib.suppress(FileNotFoundError):  # a temp file renamed as it is listed
+                files[str(path)] = path.stat().st_size
+        return files, tuple(server.metrics().get(server.pool_bytes_metric) for server in servers or [])
+
+    started = time.monotonic()
+    last = read()
+    while time.monotonic() - started < timeout_s:
+        time.sleep(poll_s)
+        now = read()
+        if now == last and not any(name.endswith(".tmp") for name in now[0]):
+            break
+        last = now
+    else:
+        log.warning("the pool was still changing after %.0f s of waiting for populate's stores", timeout_s)
+    files, held = last
+    return {"settled": time.monotonic() - started < timeout_s, "waited_s": round(time.monotonic() - started, 3),
+            "files": len(files), "bytes": sum(files.values()), "server_pool_bytes": list(held)}
 
 
 def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
@@ -388,12 +420,16 @@ class TimedFleet:
 
 
 @contextmanager
-def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] | None = None):
+def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] | None = None,
+                replicas: list[Replica] | None = None):
     """Every unit kind's fleet: the plan's pool servers (started here and stopped after, unless
     ``servers`` run already), then the replicas, healthy, as a ``TimedFleet``; everything this started is
-    stopped however the unit ends."""
-    with pool_servers(plan, log_dir, cfg, servers) as (plan, servers, pool_record):
-        with running_fleet(plan, log_dir, cfg["engine"]["startup_timeout_s"]) as replicas:
+    stopped however the unit ends. ``replicas`` that run already (a cell's one fleet from populate through
+    its follow-ups, kvpool.studies.study_a.run_cell) are used and left running."""
+    with pool_servers(plan, log_dir, cfg, servers, replicas_stop=replicas is None) as (plan, servers, pool_record):
+        running = nullcontext(replicas) if replicas is not None else running_fleet(
+            plan, log_dir, cfg["engine"]["startup_timeout_s"])
+        with running as replicas:
             # what each replica runs by its own word, for the gate to hold against the plan
             yield TimedFleet(plan, replicas, servers, cfg, pool_record,
                              served={str(replica.index): replica.served() for replica in replicas})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pandas as pd
@@ -14,7 +15,7 @@ import yaml
 from kvpool.cells import Cell, backend_of, is_memory_pool, pool_root, run_pools, tier_root
 from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine import pool_files as pool
-from kvpool.engine.fleet import running_servers
+from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.model import engine_kv_bytes_per_token, vocabulary
 from kvpool.engine.plan import (
     fleet_plan,
@@ -38,6 +39,7 @@ from kvpool.measure.timed import (
     refuse_failed_reference,
     run_sampled_phase,
     server_settings,
+    settled_stores,
 )
 from kvpool.measure.unit_plan import checked_ports, fresh_pool, new_plan, reference_replica
 from kvpool.settings import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads, step_settings
@@ -90,31 +92,41 @@ def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> Non
                      "versions": provenance.versions()})
 
 
+def prepared(config: dict, cell: Cell, plan: dict, servers=None) -> dict:
+    """The cell's plan made ready before any fleet of it starts: its configured ports checked (a busy one
+    fails here, before the cell's old pool is cleared) and its own pool folder emptied; an external fleet's
+    pool is refused where it is used already."""
+    if plan.get("external"):
+        _refuse_a_used_external_pool(plan)
+        return plan
+    plan = checked_ports(plan, servers)
+    fresh_pool(pool_root(config, cell), plan)  # only this cell's own folder is ever removed
+    return plan
+
+
 @reads(*PHASE_SETTINGS)
 def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
                  drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, servers=None,
-                 plan: dict | None = None) -> None:
-    """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
+                 plan: dict | None = None, replicas=None) -> None:
+    """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already,
+    ``replicas`` when the cell's one fleet does (its plan prepared before it started: ``prepared``).
 
     Once the fleet has stopped (nothing more is stored), every pool file is hashed into ``digests_csv``:
     the validity gate checks that reuse read exactly these bytes.
     """
     plan = plan or yaml.safe_load(Path(plan_path).read_text())
-    if plan.get("external"):
-        _refuse_a_used_external_pool(plan)
-    else:
-        # a configured port that is busy fails here, before the cell's old pool is cleared
-        plan = checked_ports(plan, servers)
-        fresh_pool(pool_root(config, cell), plan)  # only this cell's own folder is ever removed
+    if replicas is None:
+        plan = prepared(config, cell, plan, servers)
     workload = prompts.read_workload(Path(prompts_path))
     probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
     frame, meta = run_sampled_phase(
         plan,
         lambda disks: populate_phase(plan, workload, config, probe, Path(log_dir), disks, servers,
-                                      expect_shared=cell.arm == "shared"),
+                                      expect_shared=cell.arm == "shared", replicas=replicas),
         drive_csv, power_csv, log_dir)
     records.write_records(frame, csv_out, "populate")
     dirs = plan_pool_dirs(plan)
+    meta["stores_settled"] = settled_stores(dirs, servers)  # before the pool is measured and hashed
     if plan.get("memory_pool"):  # no files: the pool is what the servers hold in memory
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
         measure = redis_pool.POOL_BYTES if cell.backend == redis_pool.BACKEND else mp.L1_BYTES
@@ -196,8 +208,10 @@ def prefill_replicas(populate_csv: str, workload: list[dict], cell: Cell) -> dic
 @reads(*PHASE_SETTINGS)
 def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, populate_csv: str,
               populate_digests: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, digests_csv: str,
-              log_dir: str, servers=None, plan: dict | None = None, remove_pool: bool | None = None) -> None:
-    """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already.
+              log_dir: str, servers=None, plan: dict | None = None, remove_pool: bool | None = None,
+              replicas=None) -> None:
+    """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already,
+    ``replicas`` when the cell's one fleet does.
 
     It measures only a pool exactly as populate left it: reuse adds chunks to a pool (follow-up
     chunks, and the isolated arm's recomputed documents), so a pool holding more files than populate
@@ -229,7 +243,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     files = not plan.get("memory_pool") and not plan.get("external")
     frame, meta = run_sampled_phase(
         plan, lambda disks: reuse_phase(plan, workload, prefill, config, Path(log_dir), disks, servers,
-                                         between_reloads if files else None),
+                                         between_reloads if files else None, replicas=replicas),
         drive_csv, power_csv, log_dir)
     if drops:
         meta["drops_between_reloads"] = drops
@@ -249,26 +263,45 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     records.write_meta(meta, json_out)
 
 
+def one_fleet(config: dict, cell: Cell) -> bool:
+    """Whether ``cell`` runs populate, drop and reuse on one fleet (``run_cell``), as Study A ran a cell. Not
+    an lmcache-mp cell on a drive tier: its reuse must read the drive, so its server starts again with an
+    empty L1 between the phases, and the replicas, which register with it, start again with it."""
+    return not (cell.backend == mp.BACKEND and not is_memory_pool(config, cell))
+
+
 @reads(*MEMORY_POOL_CELL_SETTINGS)
-def run_memory_pool_cell(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate: dict, drop_out: str,
-                         reuse: dict, log_dirs: dict) -> None:
-    """Populate, drop and reuse of an lmcache-mp cell on a memory tier, around one set of servers: the
-    pool is their L1, so it lives exactly as long as they do. Each phase still starts its own fleet.
+def run_cell(config: dict, cell: Cell, plan_path: str, prompts_path: str, populate: dict, drop_out: str,
+             reuse: dict, log_dirs: dict, remove_pool: bool | None = None) -> None:
+    """Populate, drop and reuse of a cell on ONE fleet, as Study A ran a cell: its replicas (and the pool's
+    servers, for a pool held in their memory, which lives exactly as long as they do) start once, the
+    documents are prefilled, the pool is synced and dropped from the page cache, and every follow-up goes to a
+    replica that never prefilled its document. That replica's own cache cannot hold a document it never saw,
+    and each follow-up's local-cache-hit counter proves it (validity's own_cache_unused), so no fresh fleet
+    is needed between the phases.
 
     ``populate`` and ``reuse`` map the phase's output names (csv, meta, drive, power, digests) to
-    paths; ``log_dirs`` maps populate, reuse and servers to log folders.
+    paths; ``log_dirs`` maps servers and replicas to log folders.
     """
+    if not one_fleet(config, cell):
+        raise ValueError(f"{cell.name} needs a fresh server and fleet for its reuse (one_fleet): run its populate, "
+                         "drop and reuse rules")
     plan = yaml.safe_load(Path(plan_path).read_text())
-    timeout_s = server_settings(config, plan)["startup_timeout_s"]
-    with running_servers(plan, Path(log_dirs["servers"]), timeout_s) as (plan, servers):
-        run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
-                     json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
-                     digests_csv=populate["digests"], log_dir=log_dirs["populate"], servers=servers, plan=plan)
-        run_drop(config, plan_path, drop_out)
-        run_reuse(config, cell, plan_path=plan_path, prompts_path=prompts_path, populate_csv=populate["csv"],
-                  populate_digests=populate["digests"], csv_out=reuse["csv"], json_out=reuse["meta"],
-                  drive_csv=reuse["drive"], power_csv=reuse["power"], digests_csv=reuse["digests"],
-                  log_dir=log_dirs["reuse"], servers=servers, plan=plan)
+    servers_ready = running_servers(plan, Path(log_dirs["servers"]), server_settings(config, plan)[
+        "startup_timeout_s"]) if plan.get("servers") else nullcontext((plan, None))
+    with servers_ready as (plan, servers):
+        plan = prepared(config, cell, plan, servers)
+        with running_fleet(plan, Path(log_dirs["replicas"]), config["engine"]["startup_timeout_s"]) as replicas:
+            run_populate(config, cell, plan_path=plan_path, prompts_path=prompts_path, csv_out=populate["csv"],
+                         json_out=populate["meta"], drive_csv=populate["drive"], power_csv=populate["power"],
+                         digests_csv=populate["digests"], log_dir=log_dirs["replicas"], servers=servers, plan=plan,
+                         replicas=replicas)
+            run_drop(config, plan_path, drop_out)
+            run_reuse(config, cell, plan_path=plan_path, prompts_path=prompts_path, populate_csv=populate["csv"],
+                      populate_digests=populate["digests"], csv_out=reuse["csv"], json_out=reuse["meta"],
+                      drive_csv=reuse["drive"], power_csv=reuse["power"], digests_csv=reuse["digests"],
+                      log_dir=log_dirs["replicas"], servers=servers, plan=plan, remove_pool=remove_pool,
+                      replicas=replicas)
 
 
 @reads("engine", "workload", "hash_keys", "chunk_sizes")

@@ -92,15 +92,16 @@ async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) 
 
 
 def populate_phase(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
-             disks: list[str], servers: list[PoolServer] | None = None, *, expect_shared: bool):
-    """Start the fleet (and its pool servers unless ``servers`` run already), run the preflight (replica 1
-    must find replica 0's probe when ``expect_shared``, must not otherwise), send each document once
-    round robin, stop the fleet.
+                   disks: list[str], servers: list[PoolServer] | None = None, *, expect_shared: bool,
+                   replicas: list[Replica] | None = None):
+    """Start the fleet (and its pool servers unless ``servers`` run already; none where the cell's one fleet
+    runs, ``replicas``), run the preflight (replica 1 must find replica 0's probe when ``expect_shared``,
+    must not otherwise), send each document once round robin, stop what it started.
 
     Returns the per-document records, the phase's meta data and its telemetry sampler.
     """
     route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
-    with timed_fleet(plan, cfg, log_dir, servers) as fleet:
+    with timed_fleet(plan, cfg, log_dir, servers, replicas) as fleet:
         # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
         endpoints = [external.describe(r.url) for r in fleet.replicas] if plan.get("external") else None
         with fleet.window("populate", disks):
@@ -143,14 +144,14 @@ async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) 
 
 
 def reuse_phase(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str],
-          servers: list[PoolServer] | None = None, between_reloads=None):
-    """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty),
-    drop the pool from the page cache again, send every follow-up to a replica that did not prefill
-    its document, one at a time, and stop the fleet. Before each of a document's later follow-ups the
-    serving replica's prefix cache is emptied and ``between_reloads`` runs (a pool of files restored
-    and dropped again)."""
+                servers: list[PoolServer] | None = None, between_reloads=None, replicas: list[Replica] | None = None):
+    """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty), or use
+    the cell's one fleet (``replicas``), drop the pool from the page cache again, send every follow-up to a
+    replica that did not prefill its document, one at a time, and stop what it started. Before each of a
+    document's later follow-ups the serving replica's prefix cache is emptied and ``between_reloads`` runs (a
+    pool of files restored and dropped again)."""
     route = followup_route(prefill, len(plan["replicas"]))
-    with timed_fleet(plan, cfg, log_dir, servers) as fleet:
+    with timed_fleet(plan, cfg, log_dir, servers, replicas) as fleet:
         # Starting the fleet may have touched the pool; the drop must hold right before the reads.
         drop = drop_pool(fleet.plan, cfg["drop_caches"])
         with fleet.window("reuse", disks):
