@@ -246,3 +246,15 @@ def test_the_page_reads_the_files_its_rule_declares_and_refuses_a_list_short_of_
     files["telemetry"] = files["telemetry"][:-1]
     with pytest.raises(ValueError, match=rf"one telemetry file per cell \({len(CELLS)} cells\)"):
         collect(CELLS, files, [], {})
+
+
+def test_the_page_opens_on_one_sentence_with_the_headline_its_scope_and_the_gate(built):
+    """Under the title, before the verdict: the fixture's valid pair (4 follow-ups an arm: a ratio with no
+    interval, said so), the engine, model and machine of its manifests, and the gate that failed."""
+    html = (built / "report.html").read_text()
+    lede = re.search(r'</h1>\n<p class="lede">([^<]*)</p>\n<p class="verdict', html)
+    assert lede, html[:2000]
+    sentence = lede.group(1)
+    assert sentence.startswith("Shared pool (lmcache-fs, chunk 256, tier disk): TTFT p50 ")
+    assert "x, no interval (fewer than 5 samples an arm), n = 4 per arm; " in sentence
+    assert "-parameter random Llama, on " in sentence and f"gate: INVALID ({INVALID}: " in sentence

@@ -27,6 +27,7 @@ from kvpool.measure.validity import failures
 from kvpool.report import breakdown, capacity, figures
 from kvpool.report.figures import ROUTER_FIGURES
 from kvpool.report.gate import judge
+from kvpool.report.lede import first_sentence, scope_words
 from kvpool.report.load import load_for_reading
 from kvpool.report.peer import peer_for_reading
 from kvpool.report.reading import (
@@ -210,7 +211,8 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
     table1 = pd.read_csv(cell_table, keep_default_na=False, na_values=[""])
     table1["valid"] = table1["valid"].astype(bool)
     table2 = pd.read_csv(tier_table).merge(table1[["cell", "valid"]], on="cell") if tier_table else pd.DataFrame()
-    head = headline(pd.read_csv(table1_csv))
+    table1_long = pd.read_csv(table1_csv)
+    head = headline(table1_long)
     servers = pool_server_table(cells, files)
     for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
         frame.to_csv(tables / f"{name}.csv", index=False)
@@ -253,6 +255,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
                                 kv_bytes if kv_bytes and Path(kv_bytes).exists() else None, load,
                                 studyb["validity"] if studyb else None, peer, routers, contexts, capacity)
     render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
+        "lede": first_sentence(table1_long, scope_words(config, manifest), failed),
         "verdict": verdict(results.cells, failed, counted, studyb_part),
         "headline_figure": drawn["fig1_ttft_p50"],
         "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
