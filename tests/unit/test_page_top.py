@@ -4,11 +4,14 @@ a maximum folded out of its tables, and the load table split into what a reader 
 import numpy as np
 import pandas as pd
 import pytest
+from support import REPO
 
 from kvpool.cells import Cell
 from kvpool.engine.model import random_model_parameters
 from kvpool.report.lede import first_sentence, hardware_words, model_words, scope_words
-from kvpool.studies.tables import cell_row, table1
+from kvpool.report.load import LOAD_COMPARED, load_for_reading, load_markdown, load_split
+from kvpool.report.reading import cells_for_reading, fold_maxima, headline_for_reading, only_maxima
+from kvpool.studies.tables import cell_row, headline, table1
 
 CONFIG = {"warm_s": 3.0, "slo_s": 5.0, "workload": {"doc_tokens": 1000}}
 POWER = {"mean_power_w": None, "gpu_energy_j": None, "replicas": {"0": {"cpu_s": 4.0}}}
@@ -90,3 +93,42 @@ def test_the_scope_names_engine_model_and_hardware_from_config_and_manifest(conf
 ])
 def test_the_random_models_parameters_are_counted_from_its_spec(spec, parameters):
     assert random_model_parameters(spec) == parameters
+
+
+def test_percentiles_that_are_only_maxima_fold_out_of_the_headline_and_table_1():
+    """8 follow-ups an arm: a p50, but a p95 and a p99 only the largest of 8 in both arms; those columns leave
+    the tables a reader compares and come back, collapsed, named by their basis."""
+    per_cell, ttft = cells([("lmcache-fs", 256, "disk", 8, True), ("lmcache-fs", 256, "ram", 8, True)])
+    head = headline(table1(per_cell, ttft))
+    shown, folded, summary = fold_maxima(headline_for_reading(head), {"TTFT p99": head["ttft_p99_basis"]}, ["setting"])
+    assert "TTFT p99" not in shown and list(folded.columns) == ["setting", "TTFT p99"]
+    assert list(shown.columns) == ["setting", "TTFT p50", "follow-ups (isolated / shared)", "wall clock"]
+    assert folded["TTFT p99"].str.endswith("(max of 8 / max of 8)").all()
+    assert summary.startswith("TTFT p99: max of 8 each, too few samples")
+    shown, folded, summary = fold_maxima(cells_for_reading(per_cell), {
+        f"TTFT p{q}": per_cell[f"ttft_p{q}_basis"] for q in (95, 99)}, ["cell"])
+    assert {"TTFT p50", "n"} <= set(shown) and not {"TTFT p95", "TTFT p99"} & set(shown)
+    assert list(folded.columns) == ["cell", "TTFT p95", "TTFT p99"] and len(folded) == 4
+    assert summary.startswith("TTFT p95, p99: max of 8 each")
+
+
+def test_a_percentile_measured_anywhere_stays_in_the_table():
+    """40 follow-ups make a p95 (20 or more), not a p99; and one arm's percentile keeps the column."""
+    per_cell, ttft = cells([("lmcache-fs", 256, "disk", 40, True)])
+    shown, folded, _ = fold_maxima(cells_for_reading(per_cell), {
+        f"TTFT p{q}": per_cell[f"ttft_p{q}_basis"] for q in (95, 99)}, ["cell"])
+    assert "TTFT p95" in shown and list(folded.columns) == ["cell", "TTFT p99"]
+    assert only_maxima("max of 8 / max of 8") and not only_maxima("p99 / max of 8") and not only_maxima(None)
+    unchanged = headline_for_reading(headline(table1(per_cell, ttft)))
+    assert fold_maxima(unchanged, {"TTFT p99": pd.Series(["p99 / max of 40"])}, ["setting"])[0] is unchanged
+
+
+def test_the_load_table_splits_into_what_a_reader_compares_and_the_detail():
+    table = pd.read_csv(REPO / "docs" / "results" / "h200-mp-load" / "results" / "load.csv")
+    shown = load_for_reading(table)
+    compared, detail = load_split(shown)
+    assert list(compared.columns) == LOAD_COMPARED
+    assert list(detail.columns[:2]) == ["cell", "level"] and len(detail) == len(compared) == len(table)
+    assert set(compared.columns) | set(detail.columns) == set(shown.columns)
+    assert not (set(compared.columns) & set(detail.columns)) - {"cell", "level"}
+    assert load_markdown(table) == shown.to_markdown(index=False) + "\n"  # results/load.md keeps every column

@@ -258,3 +258,15 @@ def test_the_page_opens_on_one_sentence_with_the_headline_its_scope_and_the_gate
     assert sentence.startswith("Shared pool (lmcache-fs, chunk 256, tier disk): TTFT p50 ")
     assert "x, no interval (fewer than 5 samples an arm), n = 4 per arm; " in sentence
     assert "-parameter random Llama, on " in sentence and f"gate: INVALID ({INVALID}: " in sentence
+
+
+def test_percentiles_that_are_only_maxima_are_folded_away_on_the_page(built):
+    """4 follow-ups an arm: the headline's p99 and Table 1's p95 and p99 are the largest of 4 in every row, so
+    they sit collapsed under their tables, named so, not in the columns a reader compares."""
+    html = (built / "report.html").read_text()
+    head = html[html.index("<h3>Isolated / shared"):html.index('id="summary"')]
+    assert "<th>TTFT p50</th>" in head and "<details><summary>TTFT p99: max of 4 each" in head
+    assert head.index("<th>TTFT p99</th>") > head.index("<details>")
+    table1 = html[html.index('id="table1"'):html.index('id="table2"')]
+    assert "<details><summary>TTFT p95, p99: max of 4 each" in table1
+    assert table1.index("<th>TTFT p95</th>") > table1.index("<details>")

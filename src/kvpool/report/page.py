@@ -28,12 +28,13 @@ from kvpool.report import breakdown, capacity, figures
 from kvpool.report.figures import ROUTER_FIGURES
 from kvpool.report.gate import judge
 from kvpool.report.lede import first_sentence, scope_words
-from kvpool.report.load import load_for_reading
+from kvpool.report.load import load_for_reading, load_split
 from kvpool.report.peer import peer_for_reading
 from kvpool.report.reading import (
     cells_for_reading,
     contexts_for_reading,
     crossover_for_reading,
+    fold_maxima,
     headline_for_reading,
     kv_bytes_for_reading,
     locality_for_reading,
@@ -262,14 +263,17 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
         "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
         "hardware": manifest.get("hardware", {}), "config": config, "tiers": results.tiers,
         "cells": results.cells.to_dict("records"),
-        "headline_html": _html(headline_for_reading(head)),
-        "table1_html": _html(cells_for_reading(table1)),
+        "headline_html": _folded_html(*fold_maxima(headline_for_reading(head), {"TTFT p99": head["ttft_p99_basis"]},
+                                                   ["setting"])),
+        "table1_html": _folded_html(*fold_maxima(cells_for_reading(table1), {
+            f"TTFT p{q}": table1.get(f"ttft_p{q}_basis") for q in (95, 99)}, ["cell"])),
         "table2_html": _html(tiers_for_reading(table2)) if len(table2) else _html(table2),
         "study_figures": [drawn[s] for s, _ in study[1:]], "extra_figures": [drawn[s] for s, _ in extra],
         "caveats": caveats(results),
         "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
         "pool_server_html": _html(pool_servers_for_reading(servers)) if len(servers) else "",
-        "load_html": _html(load_for_reading(levels)) if len(levels) else "",
+        "load_html": _folded_html(*load_split(load_for_reading(levels)), "Every other column: the tail, "
+                                  "the answers, the output, errors, the drive and the power") if len(levels) else "",
         "peer_html": _peer_html(peer) if peer else "",
         "routers": _routers_section(routers) if routers else None,
         "contexts": _contexts_section(contexts) if contexts else None,
@@ -359,6 +363,13 @@ def _contexts_section(contexts_csv: str) -> dict:
 def _peer_html(peer_csv: str) -> str:
     table = pd.read_csv(peer_csv, dtype={"replica": str})
     return _html(peer_for_reading(table)) if len(table) else ""
+
+
+def _folded_html(shown: pd.DataFrame, folded: pd.DataFrame, summary: str) -> str:
+    """A table as read, and below it, collapsed, the columns folded out of it (none: the table alone)."""
+    if folded.empty:
+        return _html(shown)
+    return f"{_html(shown)}<details><summary>{html.escape(summary)}</summary>{_html(folded)}</details>"
 
 
 def _html(frame: pd.DataFrame) -> str:
