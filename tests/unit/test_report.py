@@ -270,3 +270,19 @@ def test_percentiles_that_are_only_maxima_are_folded_away_on_the_page(built):
     table1 = html[html.index('id="table1"'):html.index('id="table2"')]
     assert "<details><summary>TTFT p95, p99: max of 4 each" in table1
     assert table1.index("<th>TTFT p95</th>") > table1.index("<details>")
+
+
+def test_a_figure_the_page_captions_is_drawn_without_its_title(built):
+    """The report's own figures carry their title once, in the caption (the plot keeps it as a label);
+    figures another rule draws keep it in the plot, and the page gives them no caption."""
+    from kvpool.report.figures import ttft_p50, untitled
+
+    plot = ttft_p50(pd.read_csv(built / "report" / "tables" / "table1.csv"))
+    drawn = untitled(plot)
+    assert drawn.theme.themeables["plot_title"].is_blank() and not plot.theme.themeables["plot_title"].is_blank()
+    assert drawn.labels.get("title", None) == plot.labels.get("title", None)
+    html = (built / "report.html").read_text()
+    assert html.count("<figcaption>") == len(re.findall(r'<img src="data:image/png;base64,[^"]*" alt="(?:Figure|TTFT|'
+                                                        r'Timeline|Energy|Reload)', html))
+    section = html[html.index('id="breakdown"'):html.index('id="figures"')]
+    assert "<img" in section and "<figcaption>" not in section

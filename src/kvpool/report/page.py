@@ -249,7 +249,8 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
             under_load.append(("load_reload_rate", figures.load_reload_rate(levels, ceilings)))
     drawn = {}
     for stem, plot in study + extra + under_load:
-        drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
+        # the page captions these with their titles: drawn without them, so the title is read once
+        drawn[stem] = {**figures.save(figures.untitled(plot), figs, stem), "title": plot.labels.get("title", stem)}
     manifest = results.manifest
     studyb_part = _studyb_section(studyb) if studyb else None
     failed, counted, *_ = judge(results.cells[["cell", "valid", "reasons"]],
