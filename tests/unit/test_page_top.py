@@ -60,8 +60,22 @@ def test_an_invalid_pair_gives_no_ratio_and_the_gates_reason():
     sentence = first_sentence(table1(per_cell, ttft), SCOPE, failed)
     assert sentence == (f"No setting has both its isolated and its shared cell valid, so no ratio is given ({SCOPE}); "
                         "gate: INVALID (backend~lmcache-fs/arm~shared/chunk~256/tier~disk: pool hits 0% < 90%; "
-                        "1 more failure(s) below).")
+                        "1 more failure below).")
     assert "x [" not in sentence
+
+
+def test_a_shared_arm_alone_gives_its_median_and_says_there_is_no_ratio():
+    per_cell, ttft = cells([("lmcache-fs", 256, "disk", 8, True)])
+    shared = per_cell[per_cell["arm"] == "shared"]
+    table = table1(shared, ttft)
+    row = table.set_index("metric").loc["ttft_p50_s"]
+    assert first_sentence(table, SCOPE, []) == (
+        f"Shared pool (lmcache-fs, chunk 256, tier disk): TTFT p50 {row['shared']:.3g} s [{row['shared_ci_low']:.3g}, "
+        f"{row['shared_ci_high']:.3g}] (n = 8); no isolated arm was measured, so no ratio is given; {SCOPE}; "
+        "gate: VALID.")
+    shared = shared.assign(valid=False)
+    assert first_sentence(table1(shared, ttft), SCOPE, ["x: y"]).startswith(
+        "This run measured no setting in both arms, so no ratio is given (")
 
 
 def test_several_settings_lead_with_the_first_valid_and_count_the_rest():
@@ -69,7 +83,7 @@ def test_several_settings_lead_with_the_first_valid_and_count_the_rest():
                             ("lmcache-fs", 256, "ram", 8, True), ("lmcache-fs", 1024, "ram", 8, True)])
     sentence = first_sentence(table1(per_cell, ttft), SCOPE, ["  backend~lmcache-fs/arm~shared/chunk~256/tier~disk: x"])
     assert sentence.startswith("Shared pool (lmcache-fs, chunk 1024, tier disk): TTFT p50 ")
-    assert "(n = 8 per arm); 2 more valid setting(s) in the table below; " in sentence
+    assert "(n = 8 per arm); 2 more valid settings in the table below; " in sentence
     assert sentence.endswith("gate: INVALID (backend~lmcache-fs/arm~shared/chunk~256/tier~disk: x).")
 
 

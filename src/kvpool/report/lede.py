@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvpool.engine.model import random_model_parameters
-from kvpool.report.format import fmt_value
+from kvpool.report.format import fmt_interval, fmt_value
 from kvpool.stats import MIN_RATIO_SAMPLES
 from kvpool.studies.tables import headline
 
@@ -57,11 +57,15 @@ def scope_words(config: dict, manifest: dict) -> str:
             f"on {hardware_words(manifest.get('hardware', {}))}")
 
 
+def _plural(n: int, words: str) -> str:
+    return f"{n} {words}" + ("s" if n != 1 else "")
+
+
 def _gate_words(failed: list[str]) -> str:
     if not failed:
         return "gate: VALID"
     first = failed[0].strip()
-    more = f"; {len(failed) - 1} more failure(s) below" if len(failed) > 1 else ""
+    more = f"; {_plural(len(failed) - 1, 'more failure')} below" if len(failed) > 1 else ""
     return f"gate: INVALID ({first}{more})"
 
 
@@ -89,14 +93,22 @@ def first_sentence(table: pd.DataFrame, scope: str, failed: list[str]) -> str:
     head = headline(table)
     if head.empty:
         paired = table.dropna(subset=["isolated_valid", "shared_valid"]) if len(table) else table
-        what = ("No setting has both its isolated and its shared cell valid, so no ratio is given" if len(paired)
-                else "This run measured no setting in both arms, so no ratio is given")
-        return f"{what} ({scope}); {_gate_words(failed)}."
+        alone = table[(table["metric"] == "ttft_p50_s") & table["isolated_valid"].isna()
+                      & table["shared_valid"].astype(str).eq("True")] if len(table) else table
+        if len(paired) or alone.empty:
+            what = ("No setting has both its isolated and its shared cell valid" if len(paired)
+                    else "This run measured no setting in both arms")
+            return f"{what}, so no ratio is given ({scope}); {_gate_words(failed)}."
+        first = alone.iloc[0]
+        shown = fmt_value(first["shared"], "s") + fmt_interval(first["shared_ci_low"], first["shared_ci_high"])
+        return (f"Shared pool ({first['backend']}, chunk {first['chunk']}, tier {first['tier']}): TTFT p50 {shown} "
+                f"(n = {int(first['shared_n'])}); no isolated arm was measured, so no ratio is given; {scope}; "
+                f"{_gate_words(failed)}.")
     lead = head.iloc[0]
     rows = table[(table["backend"] == lead["backend"]) & (table["chunk"] == lead["chunk"])
                  & (table["tier"] == lead["tier"])]
     p50 = rows.set_index("metric").loc["ttft_p50_s"]
-    more = f"; {len(head) - 1} more valid setting(s) in the table below" if len(head) > 1 else ""
+    more = f"; {_plural(len(head) - 1, 'more valid setting')} in the table below" if len(head) > 1 else ""
     return (f"Shared pool ({lead['backend']}, chunk {lead['chunk']}, tier {lead['tier']}): TTFT p50 "
             f"{fmt_value(p50['shared'], 's')} against {fmt_value(p50['isolated'], 's')} isolated, "
             f"{_ratio(p50)}{more}; {scope}; {_gate_words(failed)}.")
