@@ -246,3 +246,43 @@ def test_the_page_reads_the_files_its_rule_declares_and_refuses_a_list_short_of_
     files["telemetry"] = files["telemetry"][:-1]
     with pytest.raises(ValueError, match=rf"one telemetry file per cell \({len(CELLS)} cells\)"):
         collect(CELLS, files, [], {})
+
+
+def test_the_page_opens_on_one_sentence_with_the_headline_its_scope_and_the_gate(built):
+    """Under the title, before the verdict: the fixture's valid pair (4 follow-ups an arm: a ratio with no
+    interval, said so), the engine, model and machine of its manifests, and the gate that failed."""
+    html = (built / "report.html").read_text()
+    lede = re.search(r'</h1>\n<p class="lede">([^<]*)</p>\n<p class="verdict', html)
+    assert lede, html[:2000]
+    sentence = lede.group(1)
+    assert sentence.startswith("Shared pool (lmcache-fs, chunk 256, tier disk): TTFT p50 ")
+    assert "x, no interval (fewer than 5 samples an arm), n = 4 per arm; " in sentence
+    assert "-parameter random Llama, on " in sentence and f"gate: INVALID ({INVALID}: " in sentence
+
+
+def test_percentiles_that_are_only_maxima_are_folded_away_on_the_page(built):
+    """4 follow-ups an arm: the headline's p99 and Table 1's p95 and p99 are the largest of 4 in every row, so
+    they sit collapsed under their tables, named so, not in the columns a reader compares."""
+    html = (built / "report.html").read_text()
+    head = html[html.index("<h3>Isolated / shared"):html.index('id="summary"')]
+    assert "<th>TTFT p50</th>" in head and "<details><summary>TTFT p99: max of 4 each" in head
+    assert head.index("<th>TTFT p99</th>") > head.index("<details>")
+    table1 = html[html.index('id="table1"'):html.index('id="table2"')]
+    assert "<details><summary>TTFT p95, p99: max of 4 each" in table1
+    assert table1.index("<th>TTFT p95</th>") > table1.index("<details>")
+
+
+def test_a_figure_the_page_captions_is_drawn_without_its_title(built):
+    """The report's own figures carry their title once, in the caption (the plot keeps it as a label);
+    figures another rule draws keep it in the plot, and the page gives them no caption."""
+    from kvpool.report.figures import ttft_p50, untitled
+
+    plot = ttft_p50(pd.read_csv(built / "report" / "tables" / "table1.csv"))
+    drawn = untitled(plot)
+    assert drawn.theme.themeables["plot_title"].is_blank() and not plot.theme.themeables["plot_title"].is_blank()
+    assert drawn.labels.get("title", None) == plot.labels.get("title", None)
+    html = (built / "report.html").read_text()
+    assert html.count("<figcaption>") == len(re.findall(r'<img src="data:image/png;base64,[^"]*" alt="(?:Figure|TTFT|'
+                                                        r'Timeline|Energy|Reload)', html))
+    section = html[html.index('id="breakdown"'):html.index('id="figures"')]
+    assert "<img" in section and "<figcaption>" not in section

@@ -37,6 +37,17 @@ def kv_bytes_per_token(spec: dict, dtype: str) -> int:
     return 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * element
 
 
+def random_model_parameters(spec: dict) -> int:
+    """Parameters of the random Llama that :func:`build_random_model` writes for ``spec``, counted from
+    its sizes: untied embedding and output head over the tokenizer's words and special tokens, per layer
+    the attention projections, the gated MLP and two norms, and the final norm."""
+    vocab, hidden, heads, kv_heads, head_dim = (len(SPECIAL_TOKENS) + spec["vocab_words"], spec["hidden"],
+                                                spec["heads"], spec["kv_heads"], spec["head_dim"])
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    layer = attention + 3 * hidden * spec["intermediate"] + 2 * hidden
+    return 2 * vocab * hidden + spec["layers"] * layer + hidden
+
+
 def kv_bytes_per_token_of(model_dir: Path, dtype: str) -> int | None:
     """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V,
     every layer); None when there is no such file or it lacks the sizes."""

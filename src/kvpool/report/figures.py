@@ -11,6 +11,7 @@ import pandas as pd
 from plotnine import (
     aes,
     annotate,
+    element_blank,
     element_text,
     facet_grid,
     facet_wrap,
@@ -179,6 +180,12 @@ def save(plot, folder: Path, stem: str) -> dict:
     plot.save(paths["png"], dpi=110, verbose=False)
     plot.save(paths["svg"], verbose=False)
     return paths
+
+
+def untitled(plot):
+    """``plot`` without its title drawn: for a figure the page captions with that title (kept in its labels),
+    so a reader meets it once."""
+    return plot + theme(plot_title=element_blank())
 
 
 def placeholder_note(title: str, text: str):

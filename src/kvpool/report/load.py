@@ -46,6 +46,18 @@ def load_for_reading(load: pd.DataFrame) -> pd.DataFrame:
     } for _, row in load.iterrows()])
 
 
+# What a reader compares across cells and levels (the gate, the rate achieved, TTFT p50 with its interval,
+# goodput and the pool's reload rate); the rest of the load table's columns are the detail
+LOAD_COMPARED = ["cell", "level", "gate", "achieved", "TTFT p50", "goodput", "KV loaded"]
+
+
+def load_split(shown: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The load table as read (:func:`load_for_reading`) in two: the columns of :data:`LOAD_COMPARED`, and
+    every other column beside the cell and level that name its row."""
+    compared = [column for column in LOAD_COMPARED if column in shown]
+    return shown[compared], shown[["cell", "level"] + [column for column in shown if column not in compared]]
+
+
 def load_markdown(table: pd.DataFrame) -> str:
     """The load table as a person reads it (:func:`load_for_reading`), in Markdown."""
     if table.empty:

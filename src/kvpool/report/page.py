@@ -27,12 +27,14 @@ from kvpool.measure.validity import failures
 from kvpool.report import breakdown, capacity, figures
 from kvpool.report.figures import ROUTER_FIGURES
 from kvpool.report.gate import judge
-from kvpool.report.load import load_for_reading
+from kvpool.report.lede import first_sentence, scope_words
+from kvpool.report.load import load_for_reading, load_split
 from kvpool.report.peer import peer_for_reading
 from kvpool.report.reading import (
     cells_for_reading,
     contexts_for_reading,
     crossover_for_reading,
+    fold_maxima,
     headline_for_reading,
     kv_bytes_for_reading,
     locality_for_reading,
@@ -210,7 +212,8 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
     table1 = pd.read_csv(cell_table, keep_default_na=False, na_values=[""])
     table1["valid"] = table1["valid"].astype(bool)
     table2 = pd.read_csv(tier_table).merge(table1[["cell", "valid"]], on="cell") if tier_table else pd.DataFrame()
-    head = headline(pd.read_csv(table1_csv))
+    table1_long = pd.read_csv(table1_csv)
+    head = headline(table1_long)
     servers = pool_server_table(cells, files)
     for name, frame in (("table1", table1), ("table2", table2), ("headline", head), ("pool_server", servers)):
         frame.to_csv(tables / f"{name}.csv", index=False)
@@ -246,27 +249,32 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
             under_load.append(("load_reload_rate", figures.load_reload_rate(levels, ceilings)))
     drawn = {}
     for stem, plot in study + extra + under_load:
-        drawn[stem] = {**figures.save(plot, figs, stem), "title": plot.labels.get("title", stem)}
+        # the page captions these with their titles: drawn without them, so the title is read once
+        drawn[stem] = {**figures.save(figures.untitled(plot), figs, stem), "title": plot.labels.get("title", stem)}
     manifest = results.manifest
     studyb_part = _studyb_section(studyb) if studyb else None
     failed, counted, *_ = judge(results.cells[["cell", "valid", "reasons"]],
                                 kv_bytes if kv_bytes and Path(kv_bytes).exists() else None, load,
                                 studyb["validity"] if studyb else None, peer, routers, contexts, capacity)
     render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
+        "lede": first_sentence(table1_long, scope_words(config, manifest), failed),
         "verdict": verdict(results.cells, failed, counted, studyb_part),
         "headline_figure": drawn["fig1_ttft_p50"],
         "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git": manifest.get("git", {}), "versions": {k: v for k, v in manifest.get("versions", {}).items() if v},
         "hardware": manifest.get("hardware", {}), "config": config, "tiers": results.tiers,
         "cells": results.cells.to_dict("records"),
-        "headline_html": _html(headline_for_reading(head)),
-        "table1_html": _html(cells_for_reading(table1)),
+        "headline_html": _folded_html(*fold_maxima(headline_for_reading(head), {"TTFT p99": head["ttft_p99_basis"]},
+                                                   ["setting"])),
+        "table1_html": _folded_html(*fold_maxima(cells_for_reading(table1), {
+            f"TTFT p{q}": table1.get(f"ttft_p{q}_basis") for q in (95, 99)}, ["cell"])),
         "table2_html": _html(tiers_for_reading(table2)) if len(table2) else _html(table2),
         "study_figures": [drawn[s] for s, _ in study[1:]], "extra_figures": [drawn[s] for s, _ in extra],
         "caveats": caveats(results),
         "kv_bytes_html": _kv_bytes_html(Path(kv_bytes) if kv_bytes else None),
         "pool_server_html": _html(pool_servers_for_reading(servers)) if len(servers) else "",
-        "load_html": _html(load_for_reading(levels)) if len(levels) else "",
+        "load_html": _folded_html(*load_split(load_for_reading(levels)), "Every other column: the tail, "
+                                  "the answers, the output, errors, the drive and the power") if len(levels) else "",
         "peer_html": _peer_html(peer) if peer else "",
         "routers": _routers_section(routers) if routers else None,
         "contexts": _contexts_section(contexts) if contexts else None,
@@ -356,6 +364,13 @@ def _contexts_section(contexts_csv: str) -> dict:
 def _peer_html(peer_csv: str) -> str:
     table = pd.read_csv(peer_csv, dtype={"replica": str})
     return _html(peer_for_reading(table)) if len(table) else ""
+
+
+def _folded_html(shown: pd.DataFrame, folded: pd.DataFrame, summary: str) -> str:
+    """A table as read, and below it, collapsed, the columns folded out of it (none: the table alone)."""
+    if folded.empty:
+        return _html(shown)
+    return f"{_html(shown)}<details><summary>{html.escape(summary)}</summary>{_html(folded)}</details>"
 
 
 def _html(frame: pd.DataFrame) -> str:

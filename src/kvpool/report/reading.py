@@ -56,6 +56,29 @@ def headline_for_reading(head: pd.DataFrame) -> pd.DataFrame:
                         columns=["setting", "TTFT p50", "follow-ups (isolated / shared)", "TTFT p99", "wall clock"])
 
 
+def only_maxima(basis) -> bool:
+    """Whether a percentile's basis names only maxima ("max of 8", or an arm each: "max of 8 / max of 8"):
+    too few samples for the percentile anywhere in it."""
+    return isinstance(basis, str) and all(part.strip().startswith("max of") for part in basis.split(" / "))
+
+
+def fold_maxima(shown: pd.DataFrame, bases: dict[str, pd.Series | None], keys: list[str]
+                ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """Fold out of a table as read (``shown``) the percentile columns that hold only maxima on every row
+    (``bases``: each column's basis, row for row): the table a reader compares, the folded columns beside
+    the ``keys`` that name a row (empty where nothing folds), and a line that says what they are."""
+    folded = [column for column, basis in bases.items()
+              if column in shown and basis is not None and len(basis) and basis.map(only_maxima).all()]
+    if not folded:
+        return shown, pd.DataFrame(), ""
+    counts = sorted({part.strip() for column in folded for basis in bases[column] for part in basis.split(" / ")},
+                    key=lambda part: int(part.removeprefix("max of").strip() or 0))
+    each = f"{counts[0]} each" if len(counts) == 1 else f"{counts[0]} to {counts[-1].removeprefix('max of ')}"
+    names = folded[0] + "".join(", " + column.removeprefix("TTFT ") for column in folded[1:])
+    return (shown.drop(columns=folded), shown[keys + folded],
+            f"{names}: {each}, too few samples for the percentile (the largest sample shown)")
+
+
 def kv_bytes_for_reading(table: pd.DataFrame) -> pd.DataFrame:
     """The byte-level comparisons as a person reads them: agreement as "equal of keys", and whether the
     comparison must agree bit for bit."""
