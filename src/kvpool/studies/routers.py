@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from kvpool.cells import Cell, run_pools
+from kvpool.cells import Arm, Cell, run_pools
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, new_session
 from kvpool.engine.cross_router import next_replica, round_robin
@@ -161,7 +161,7 @@ def checks(arm: str, rows: pd.DataFrame, windows: dict[str, dict], drop: dict, l
     result["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)
     moved = single[(~single["seen_before"].astype(bool)) & (single["phase"] != "first")]
     pooled = moved["external_hit_tokens"].fillna(0) / doc_tokens
-    if arm == "shared":
+    if arm == Arm.SHARED:
         worst = float(pooled.min()) if len(pooled) else None
         result["pool_hits"] = check(worst is None or worst >= min_hit_fraction, worst, min_hit_fraction)
     else:
