@@ -79,8 +79,10 @@ class Cell:
     def keys(self, arm: bool = True) -> dict:
         """The columns that name the cell in every table: its folder, backend (with its server settings),
         arm (unless ``arm`` is False), chunk size and tier."""
-        return ({"cell": self.name, "backend": self.label, "arm": self.arm, "chunk": self.chunk, "tier": self.tier}
-                if arm else {"cell": self.name, "backend": self.label, "chunk": self.chunk, "tier": self.tier})
+        keys = {"cell": self.name, "backend": self.label, "arm": self.arm, "chunk": self.chunk, "tier": self.tier}
+        if not arm:
+            del keys["arm"]
+        return keys
 
     @property
     def label(self) -> str:

@@ -366,7 +366,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
     p50, p99 = reported_percentile(ttft, 50), reported_percentile(ttft, 99)
     mean_low, mean_high = mean_ci(ttft)
     power = (meta.get("summary") or {}).get("power") or {}
-    return {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "fraction": fraction,
+    return {**cell.keys(arm=False), "fraction": fraction,
             "policy": meta["policy"], "valid": bool(meta["valid"]), "requests": len(window),
             "errors": len(asked) - len(window),
             "hit_rate": hits / len(window) if len(window) else np.nan,

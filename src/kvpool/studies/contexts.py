@@ -129,7 +129,7 @@ def unit_row(cell: Cell, tokens: int, rows: pd.DataFrame, valid: bool, drive_rea
         return float(chains[chains["step"].isin(steps)]["ttft_s"].median())
 
     cross = chains[chains["step"] == "cross"]
-    return {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "context": tokens,
+    return {**cell.keys(arm=False), "context": tokens,
             "prompt_tokens": int(chains["prompt_tokens"].median()), "valid": valid,
             "chains": int((chains["step"] == "cold").sum()), "prefill_s": median(["cold"]),
             "local_s": median(LOCAL_STEPS), "reload_s": median(["cross"]),

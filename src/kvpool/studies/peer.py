@@ -198,7 +198,7 @@ def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool,
     in percent."""
     ours = kvpool.loc[kvpool["error"].fillna("") == "", "ttft_s"].astype(float)
     theirs = vllm.loc[vllm["error"].fillna("") == "", "ttft_s"].astype(float)
-    row = {"cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+    row = {**cell.keys(),
            "replica": replica, "requests": len(vllm), "valid": bool(kvpool_valid and vllm_valid)}
     for q in (50, 99):
         mine, vllm_found = reported_percentile(ours, q), reported_percentile(theirs, q)

@@ -208,7 +208,7 @@ def phase_row(cell, router: str, phase: str, rows: pd.DataFrame, sources: dict, 
     total = sum(v for v in sources.values() if v is not None) or np.nan
     per_replica = rows["serve_replica"].value_counts()
     return {
-        "cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+        **cell.keys(),
         "router": router, "phase": phase, "group": group, "valid": valid, "requests": len(rows), "ttft_n": len(ttft),
         "ttft_p50_s": p50["value"], "ttft_p50_ci_low_s": p50["ci_low"], "ttft_p50_ci_high_s": p50["ci_high"],
         "ttft_p99_s": p99["value"], "ttft_p99_basis": p99["basis"],

@@ -71,7 +71,7 @@ def cell_row(cell: Cell, records: pd.DataFrame, wall_s: float, power: dict, vali
                           mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
     ttft = records.loc[records["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
     n = len(records)
-    row = {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
+    row = {**cell.keys(arm=False), "arm": cell.arm,  # the arm last, as cells.csv has it
            "valid": validity["valid"], "reasons": "; ".join(failures(validity)), "ttft_n": len(ttft)}
     for q in PERCENTILES:
         found = reported_percentile(ttft, q)
@@ -256,7 +256,7 @@ def tier_row(cell: Cell, reuse_summary: dict, records: pd.DataFrame, drive: pd.D
     bootstrap 95% intervals from the reuse phase's raw samples (``drive``: its iostat rows), the same
     series the telemetry reduced: r_await over samples with reads, queue depth summed over the tier's
     disks per tick."""
-    row = {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier,
+    row = {**cell.keys(arm=False),
            **tier_signals(reuse_summary, records, ceiling, per_token), "ceiling_method": ceiling.get("method")}
     reuse = drive[drive["phase"] == "reuse"] if len(drive) else drive
     r_await = reuse.loc[reuse["r_per_s"] > 0, "r_await_ms"] if len(reuse) else pd.Series(dtype=float)
