@@ -51,7 +51,7 @@ from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.plan import plan_gpus
 from kvpool.engine.pool_files import is_memory_backed
 from kvpool.engine.pool_views import FilePool, mp_l1_size_gib, pool_of, sized_pool_folder
-from kvpool.measure import provenance, records
+from kvpool.measure import legacy, provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import CapacityRecord, read_records
@@ -223,7 +223,7 @@ def held_kv_bytes(pool: dict) -> int:
     """The most KV the limited server held, of what was read (a unit's ``pool`` record): right after the
     cap, at the end, and the most any read saw while the limit held (``peak_kv_bytes``: an MP server's
     every read, from populate on; units recorded before it have none)."""
-    return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"], pool.get("peak_kv_bytes", 0))
+    return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"], legacy.capacity_pool(pool)["peak_kv_bytes"])
 
 
 def silent_misses(rows: pd.DataFrame) -> int:
@@ -349,8 +349,7 @@ def store_marks(populated: list[dict], default: int) -> dict[int, int]:
     """Each document's eviction count as populate began storing it (its populate row's ``evicted_before``),
     or ``default`` where the row has none (units recorded before populate read it: populate ran with no
     limit, so nothing was evicted before its end)."""
-    return {row["doc_id"]: default if pd.isna(row.get("evicted_before", np.nan)) else int(row["evicted_before"])
-            for row in populated}
+    return {row["doc_id"]: legacy.evicted_before(row, default) for row in populated}
 
 
 
@@ -391,7 +390,7 @@ def follow_up_energy(window: pd.DataFrame, power: dict) -> dict:
     server's evictions between requests (units recorded before requests read their own), with no
     interval; none without a GPU counter."""
 
-    own = window["gpu_energy_j"].astype(float).dropna() if "gpu_energy_j" in window else pd.Series(dtype=float)
+    own = legacy.capacity_requests(window)["gpu_energy_j"].astype(float).dropna()
     if len(own):
         low, high = mean_ci(own)
         return {"energy_per_request_j": float(own.mean()), "energy_per_request_ci_low_j": low,

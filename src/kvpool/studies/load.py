@@ -33,7 +33,7 @@ from kvpool.engine.cross_router import followup_route
 from kvpool.engine.fleet import running_servers
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
 from kvpool.engine.processes import PoolServer
-from kvpool.measure import kvbytes, provenance, records, validity
+from kvpool.measure import kvbytes, legacy, provenance, records, validity
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json, write_json
 from kvpool.measure.records import LevelRecord, read_records
@@ -108,10 +108,9 @@ def load_chain(config: dict, cell: Cell | None = None) -> list[Level]:
     that phase first when ``peer.enabled`` and the cell's arm is one of ``peer.arms``, then the load
     levels in config order, so that a level added later builds only itself. The last unit removes the
     pool when pools are not kept. Without ``cell``: every unit any cell runs."""
-    replay = config["peer"]
-    replayed = replay["enabled"] and (cell is None or cell.arm in replay.get("arms", (Arm.SHARED, Arm.ISOLATED)))
-    # a config recorded before peer.orders replayed in ascending order
-    orders = replay.get("orders", peer.ORDERS[:1]) if replayed else []
+    replay = legacy.peer_replay(config["peer"], peer.ORDERS[0])
+    replayed = replay["enabled"] and (cell is None or cell.arm in replay["arms"])
+    orders = replay["orders"] if replayed else []
     return [Level("peer", 1, order) for order in orders] + levels(config)
 
 

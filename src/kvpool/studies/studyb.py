@@ -27,7 +27,7 @@ from kvpool.engine import metrics
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
 from kvpool.engine.pool_files import corrupt, pool_files
-from kvpool.measure import provenance, records
+from kvpool.measure import legacy, provenance, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.checks import FAILED, check, not_applicable, status, verdict
 from kvpool.measure.files import read_json, write_json
@@ -54,9 +54,7 @@ CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("lo
 
 def resolved(config: dict) -> dict:
     """``study_b`` with its pool named (backend, tier, chunk) and checked against the matrix."""
-    study = dict(config["study_b"])
-    study.setdefault("windows", [])  # records of runs from before the windows had none
-    study.setdefault("window_turns", 4)
+    study = legacy.study_b(config["study_b"])
     sharing = [backend for backend in config["backends"] if backend != Backend.LOCAL_DISK]
     study["backend"] = study["backend"] or (sharing[0] if sharing else Backend.LOCAL_DISK.value)
     study["tier"] = study["tier"] or ("ram" if "ram" in config["tiers"] else next(iter(config["tiers"])))
