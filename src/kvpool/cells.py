@@ -13,12 +13,30 @@ import hashlib
 import itertools
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
+
+class Arm(StrEnum):
+    """A cell's arm: its replicas on one shared pool, each on a pool of its own, or no KV connector at all
+    (vLLM's own prefix cache only: Study B's OFF blocks, kvpool.engine.plan)."""
+    SHARED = "shared"
+    ISOLATED = "isolated"
+    OFF = "off"
+
+
+class Backend(StrEnum):
+    """The KV pools kvpool measures (the config's ``backends``)."""
+    FS = "lmcache-fs"
+    LOCAL_DISK = "lmcache-local-disk"
+    MP = "lmcache-mp"
+    REDIS = "lmcache-redis"
+
+
 CELL_PATTERN = "backend~{backend}/arm~{arm}/chunk~{chunk}/tier~{tier}"
-MP_BACKEND = "lmcache-mp"
-REDIS_BACKEND = "lmcache-redis"
-BACKENDS = ("lmcache-fs", "lmcache-local-disk", MP_BACKEND, REDIS_BACKEND)
+MP_BACKEND = Backend.MP
+REDIS_BACKEND = Backend.REDIS
+BACKENDS = tuple(Backend)
 # An lmcache-mp cell's backend folder with its server settings: lmcache-mp, lmcache-mp+gpu_workers=N,
 # lmcache-mp+servers=per-replica, or both in that order.
 GPU_WORKERS = "+gpu_workers="
@@ -48,6 +66,24 @@ class Cell:
     # tier's; a RAM L1 is one server's and cannot be shared by several).
     servers: str = ONE_SERVER
 
+    def __post_init__(self):
+        # The fields stay plain str, not the enums': plans and configs holding them are written with
+        # yaml.safe_dump, which cannot represent a StrEnum. An unknown arm or backend is refused here.
+        for field, kind in (("backend", Backend), ("arm", Arm)):
+            value = getattr(self, field)
+            if value not in set(kind):
+                raise ValueError(f"{value!r} is not a{'n' if field == 'arm' else ''} {field} kvpool knows "
+                                 f"({', '.join(kind)})")
+            object.__setattr__(self, field, str(kind(value).value))
+
+    def keys(self, arm: bool = True) -> dict:
+        """The columns that name the cell in every table: its folder, backend (with its server settings),
+        arm (unless ``arm`` is False), chunk size and tier."""
+        keys = {"cell": self.name, "backend": self.label, "arm": self.arm, "chunk": self.chunk, "tier": self.tier}
+        if not arm:
+            del keys["arm"]
+        return keys
+
     @property
     def label(self) -> str:
         """The backend with its server settings, as the cell's folder and the tables' backend column name it."""
@@ -58,7 +94,7 @@ class Cell:
     def server_per_replica(self) -> bool:
         """Whether each replica has a pool server of its own: the isolated arm's, or a shared pool's with
         ``servers: per-replica``."""
-        return self.arm == "isolated" or self.servers == SERVER_PER_REPLICA
+        return self.arm == Arm.ISOLATED or self.servers == SERVER_PER_REPLICA
 
     @property
     def name(self) -> str:
@@ -106,7 +142,7 @@ def cells(config: dict) -> list[Cell]:
 def _server_settings(config: dict, backend: str, arm: str, tier: str) -> list[str]:
     """The ``lmcache_mp.servers`` values a cell is formed for: all of them for a shared MP pool on a drive
     tier, the one server otherwise."""
-    if backend != MP_BACKEND or arm != "shared" or tier in config["lmcache_mp"]["memory_tiers"]:
+    if backend != MP_BACKEND or arm != Arm.SHARED or tier in config["lmcache_mp"]["memory_tiers"]:
         return [ONE_SERVER]
     return list(config["lmcache_mp"]["servers"])
 
@@ -166,6 +202,6 @@ def pool_dirs(config: dict, cell: Cell, workdir: Path | None = None, root: Path 
     """Pool directory per replica: one shared by all, or one each in the isolated arm (under ``root``,
     by default the cell's own folder)."""
     root = root or pool_root(config, cell, workdir)
-    if cell.arm == "shared":
-        return [root / "shared"] * config["replicas"]
+    if cell.arm == Arm.SHARED:
+        return [root / Arm.SHARED.value] * config["replicas"]
     return [root / f"replica-{i}" for i in range(config["replicas"])]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from kvpool.cells import cells, is_memory_pool, pool_dirs, run_pools, tier_root
+from kvpool.cells import Arm, Backend, cells, is_memory_pool, pool_dirs, run_pools, tier_root
 from kvpool.engine import external, mp, pool_url, redis_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
@@ -173,15 +173,15 @@ def _followup_problems(config: dict) -> list[str]:
     reason = None
     if external.is_external(config):
         reason = "an external fleet's prefix caches and pool are not kvpool's to empty between reloads"
-    elif "lmcache-local-disk" in config["backends"]:
+    elif Backend.LOCAL_DISK in config["backends"]:
         reason = ("lmcache-local-disk keeps the serving replica's own stores in its index, so a document's "
                   "second follow-up would find what its first stored")
     else:
         for cell in cells(config):
-            if cell.backend == mp.BACKEND and not is_memory_pool(config, cell):
+            if cell.backend == Backend.MP and not is_memory_pool(config, cell):
                 reason = (f"{cell.name}: the MP server's L1 keeps what a reload brought up from the drive, so a "
                           "later reload of the document would not read the drive")
-            elif cell.arm == "isolated" and is_memory_pool(config, cell):
+            elif cell.arm == Arm.ISOLATED and is_memory_pool(config, cell):
                 reason = (f"{cell.name}: an isolated arm's serving replica stores the document in its own "
                           "server during its first follow-up, which no reset can empty, so later follow-ups "
                           "would hit it")
@@ -253,7 +253,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
                      f"{config['random_model']['max_positions']}")
     for chunk in config["chunk_sizes"]:
         loadable = (workload["doc_tokens"] // chunk) * chunk
-        if "shared" in config["arms"] and loadable < config["min_hit_fraction"] * workload["doc_tokens"]:
+        if Arm.SHARED in config["arms"] and loadable < config["min_hit_fraction"] * workload["doc_tokens"]:
             found.append(f"with chunk size {chunk} at most {loadable} of {workload['doc_tokens']} document tokens "
                          f"can come from the pool, below min_hit_fraction {config['min_hit_fraction']}; "
                          f"use doc_tokens that are (close to) a multiple of the chunk size")
@@ -289,7 +289,7 @@ def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
     if per_token is None:
         return None
     workload = config["workload"]
-    stored = workload["doc_tokens"] * (2 if arm == "isolated" else 1) + workload["followup_tokens"]
+    stored = workload["doc_tokens"] * (2 if arm == Arm.ISOLATED else 1) + workload["followup_tokens"]
     return workload["documents"] * stored * per_token
 
 

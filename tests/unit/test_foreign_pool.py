@@ -13,7 +13,7 @@ import pytest
 from support import REPO
 from support.records import DOC, STORED_CHUNKS, frames
 
-from kvpool.cells import Cell
+from kvpool.cells import Backend, Cell
 from kvpool.config import problems
 from kvpool.engine import pool_url
 from kvpool.engine.plan import fleet_plan
@@ -21,7 +21,7 @@ from kvpool.measure.files import read_json
 from kvpool.measure.validity import evaluate, failures
 from kvpool.studies import study_a
 
-FS, DISK = pool_url.FS_BACKEND, pool_url.LOCAL_DISK_BACKEND
+FS, DISK = Backend.FS, Backend.LOCAL_DISK
 COMMITTED = REPO / "docs" / "results" / "h200-mp"
 DISK_CELL = Cell("lmcache-mp", "shared", 256, "disk")
 

@@ -8,7 +8,7 @@ from kvpool.measure import runlock
 from kvpool.report import breakdown, tables
 from kvpool.report import contexts as contexts_report, crossover as crossover_report
 from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb
-from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Cell, cells, is_memory_pool, measured, pool_predecessor
+from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Arm, Cell, cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.report import load as load_report, studyb as studyb_report
 from kvpool.engine.model import RANDOM_MODEL_DIR
@@ -44,7 +44,7 @@ if MEASURED_ONLY and (_otherwise := study_a.judged_otherwise(config, CELLS, Path
 CEILING_TIERS = [
     tier for tier in config["tiers"] if not MEASURED_ONLY or Path(f"results/tiers/{tier}/ceiling.json").exists()
 ]
-COMPARED = [cell for cell in CELLS if cell.arm == "shared" and cell.tier in CEILING_TIERS]
+COMPARED = [cell for cell in CELLS if cell.arm == Arm.SHARED and cell.tier in CEILING_TIERS]
 TIER_COMPARE = "results/tier_compare.csv" if COMPARED else []  # an input, or none
 TIER_TABLE = "results/tier_table.csv" if COMPARED else []
 CONDA_ENV = f"../../envs/{'gpu' if config['engine']['kind'] == 'vllm' else 'cpu'}.yaml"

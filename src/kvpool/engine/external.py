@@ -15,6 +15,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.cells import Backend
+
 MODE = "external"
 # What restores or restarts a fleet between units, which kvpool cannot do to a deployed one.
 LAUNCH_ONLY = {
@@ -95,7 +97,7 @@ def problems(config: dict) -> list[str]:
     if len(config["backends"]) != 1 or len(config["chunk_sizes"]) != 1:
         found.append("an external fleet runs one backend at one chunk size (it cannot be reconfigured): "
                      f"backends lists {config['backends']}, chunk_sizes {config['chunk_sizes']}; give the fleet's own")
-    if served := sorted(set(config["backends"]) & {"lmcache-mp", "lmcache-redis"}):
+    if served := sorted(set(config["backends"]) & {Backend.MP, Backend.REDIS}):
         found.append(f"backends: {served[0]} is a pool of servers that kvpool starts per cell; an external fleet's "
                      "cells are measured on in-process pools (lmcache-fs, lmcache-local-disk)")
     if len(config["tiers"]) != 1:

@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cells import MP_BACKEND as BACKEND
-from kvpool.cells import SERVER_PER_REPLICA, Cell
+from kvpool.cells import SERVER_PER_REPLICA, Arm, Cell
 from kvpool.engine.model import engine_kv_bytes_per_token
 
 CONNECTOR = "LMCacheMPConnector"
@@ -95,7 +95,7 @@ def problems(config: dict) -> list[str]:
     settings = config["lmcache_mp"]
     if SERVER_PER_REPLICA in settings["servers"]:
         drives = [tier for tier in config["tiers"] if tier not in settings["memory_tiers"]]
-        if "shared" not in config["arms"] or not drives:
+        if Arm.SHARED not in config["arms"] or not drives:
             found.append(f"lmcache_mp.servers {SERVER_PER_REPLICA} needs the shared arm on a drive tier (a tier not in "
                          f"lmcache_mp.memory_tiers {settings['memory_tiers']}): several servers share a pool through "
                          "one L2 folder, and a RAM L1 is one server's (the isolated arm has a server per replica "

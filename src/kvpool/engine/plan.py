@@ -12,14 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from kvpool.cells import Cell, is_memory_pool, pool_dirs
+from kvpool.cells import Arm, Backend, Cell, is_memory_pool, pool_dirs
 from kvpool.engine import external, mp, pool_url, redis_pool
 
 SERVED_MODEL_NAME = "kvpool-model"
-OFF_ARM = "off"  # no KV connector: the fleet's only cache is vLLM's own prefix cache
 CPU_CONNECTOR_MODULE = "kvpool.cpu_connector"
 # Backends whose pool is held by servers the pipeline starts, and the ports each server takes.
-SERVER_BACKENDS = {mp.BACKEND: 2, redis_pool.BACKEND: 1}
+SERVER_BACKENDS = {Backend.MP: 2, Backend.REDIS: 1}
 # Set on every replica: no hub, no telemetry, and nothing that differs between replicas.
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
 
@@ -28,16 +27,16 @@ def lmcache_config(config: dict, cell: Cell, pool_dir: Path, server_url: str | N
     """LMCache settings for one replica of ``cell``; the pool path (or, for lmcache-redis, its server's
     ``server_url``) is the arm's only difference."""
     settings = {"chunk_size": cell.chunk, "local_cpu": False}
-    if cell.backend == redis_pool.BACKEND:
+    if cell.backend == Backend.REDIS:
         if server_url is None:
             raise ValueError(f"{cell.name}: an lmcache-redis replica needs its server's url")
         settings.update(remote_url=server_url, remote_serde="naive")
-    elif cell.backend == pool_url.FS_BACKEND:
+    elif cell.backend == Backend.FS:
         # fs:// checks the directory on every lookup, so chunks written by any replica are found.
         settings.update(_pool_setting(cell, pool_dir), remote_serde="naive")
-    elif cell.backend == mp.BACKEND:
+    elif cell.backend == Backend.MP:
         raise ValueError("the lmcache-mp backend is configured on its server (mp.server_argv), not per replica")
-    elif cell.backend == pool_url.LOCAL_DISK_BACKEND:
+    elif cell.backend == Backend.LOCAL_DISK:
         # The study's literal setting; its index lives in each replica's memory.
         settings.update(_pool_setting(cell, pool_dir), max_local_disk_size=_disk_budget_gb(config))
     else:
@@ -172,7 +171,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     places = placements(engine, replicas, available_cores)
     dev_mode = dev_mode or config["workload"].get("followups_per_document", 1) > 1
     util = _gpu_memory_share(engine)
-    off = cell.arm == OFF_ARM
+    off = cell.arm == Arm.OFF
     dirs = [None] * replicas if off else pool_dirs(config, cell, root=pool_root)
     servers = _servers(config, cell, dirs, server_ports or []) if cell.backend in SERVER_BACKENDS and not off else []
     entries = []
@@ -185,7 +184,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
             transfer = None
             entry.update(lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
-        elif cell.backend == mp.BACKEND:
+        elif cell.backend == Backend.MP:
             transfer = mp.kv_transfer_config(server["host"], server["port"])
             shutdown_timeout_s = mp.REPLICA_SHUTDOWN_TIMEOUT_S
             entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
@@ -230,7 +229,7 @@ def server_port_count(cell: Cell, replicas: int) -> int:
     """Ports ``cell``'s pool servers take: an MP server a ZMQ and an HTTP port, a Redis server one; one
     server for the shared arm, one per replica for the isolated arm and for a shared MP pool of
     ``servers: per-replica``, none for other backends."""
-    if cell.backend not in SERVER_BACKENDS or cell.arm == OFF_ARM:
+    if cell.backend not in SERVER_BACKENDS or cell.arm == Arm.OFF:
         return 0
     return (replicas if cell.server_per_replica else 1) * SERVER_BACKENDS[cell.backend]
 
@@ -242,7 +241,7 @@ def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> li
     if len(ports) != server_port_count(cell, len(dirs)):
         raise ValueError(f"{cell.name} needs {server_port_count(cell, len(dirs))} server ports, got {len(ports)}")
     host = config["engine"]["host"]
-    if cell.backend == redis_pool.BACKEND:
+    if cell.backend == Backend.REDIS:
         return [{"index": index, "kind": "redis", "host": host, "port": ports[index], "http_port": None,
                  "workdir": str(dirs[index]), "env": dict(BASE_ENV),
                  "argv": redis_pool.server_argv(config, host, ports[index], dirs[index])} for index in range(count)]

@@ -19,25 +19,26 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlparse
 
-FS_BACKEND, LOCAL_DISK_BACKEND = "lmcache-fs", "lmcache-local-disk"
+from kvpool.cells import Backend
+
 # The backends whose replicas are given their pool's folder inside an LMCache setting (an MP server's L2
 # folder is a JSON string and a Redis server's --dir an argument of its own: both are taken verbatim).
-FOLDER_BACKENDS = (FS_BACKEND, LOCAL_DISK_BACKEND)
+FOLDER_BACKENDS = (Backend.FS, Backend.LOCAL_DISK)
 
 
 def setting(backend: str, folder: Path | str) -> tuple[str, str]:
     """The LMCache config key and value that give ``backend`` its pool ``folder``."""
-    if backend == FS_BACKEND:
+    if backend == Backend.FS:
         # the port is not used by the fs connector, but parse_remote_url requires one
         return "remote_url", f"fs://localhost:0{folder}/"
-    if backend == LOCAL_DISK_BACKEND:
+    if backend == Backend.LOCAL_DISK:
         return "local_disk", f"file://{folder}/"
     raise ValueError(f"{backend} is not configured with a folder in its URL")
 
 
 def folders_read(backend: str, value: str) -> list[str]:
     """The folders LMCache keeps ``backend``'s pool in, given its setting ``value``."""
-    if backend == FS_BACKEND:
+    if backend == Backend.FS:
         path = urlparse(value).path
         return [part.strip() for part in path.split(",")] if "," in path else [path]
     return [part.strip().removeprefix("file://") for part in value.split(",") if part.strip()]

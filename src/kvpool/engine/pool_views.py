@@ -20,11 +20,9 @@ import os
 import time
 from pathlib import Path
 
-from kvpool.cells import MP_BACKEND, REDIS_BACKEND
+from kvpool.cells import Backend
 from kvpool.engine import mp, redis_pool, sized_pool
 from kvpool.engine.plan import plan_pool_dirs
-
-FILE_BACKEND = "lmcache-fs"
 
 
 class PoolView:
@@ -114,7 +112,7 @@ class RedisPool(ServerPool):
     """A Redis server as a capacity unit reads and limits it: its KV held and keys evicted, capped after
     populate by ``maxmemory``."""
 
-    backend = REDIS_BACKEND
+    backend = Backend.REDIS
 
     def __init__(self, conn):
         self.conn, self.peak_kv_bytes = conn, 0  # the most KV a read saw
@@ -161,7 +159,7 @@ class MPPool(ServerPool):
     """An LMCache MP server's L1 as a capacity unit reads it, from the server's Prometheus counters: the
     KV held (L1 bytes in use) and the chunks evicted. Its limit is its L1 size, set at its start."""
 
-    backend = MP_BACKEND
+    backend = Backend.MP
 
     HELD, EVICTED, WRITTEN = mp.L1_BYTES, "lmcache_mp_l1_evicted_chunks_total", "lmcache_mp_l1_write_chunks_total"
     TICKS = "lmcache_mp_l1_eviction_loop_ticks_total"
@@ -219,7 +217,7 @@ class FilePool(PoolView):
     held (the chunk files' bytes; LMCache writes a temp file and renames it once whole), and which chunk
     files each document's populate left. Nothing is evicted: a store that finds it full fails."""
 
-    backend = FILE_BACKEND
+    backend = Backend.FS
     SUFFIX, TEMP = ".data", ".tmp"
 
     def __init__(self, folder: Path, mounted: dict, doc_chunks: int):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvpool.cells import Arm
 from kvpool.engine.pool_files import pool_files
 
 DIGEST_COLUMNS = ["copy", "key", "bytes", "blake2b", "stored_in"]
@@ -154,8 +155,8 @@ def kv_bytes_table(digests: dict[tuple[str, int, str, str], pd.DataFrame], confi
                 "backend": backend, "chunk": chunk, "tier": tier, "comparison": NOT_APPLICABLE, "keys": 0,
                 "equal": 0, "differ": 0, "bit_exact_expected": False, "example_key": "",
                 "meaning": not_applicable[(backend, chunk, tier)]}]))
-        elif {"shared", "isolated"} <= arms.keys():
-            frame = compare_arms(arms["shared"], arms["isolated"], followup_bit_exact(config, chunk))
+        elif {Arm.SHARED, Arm.ISOLATED} <= arms.keys():
+            frame = compare_arms(arms[Arm.SHARED], arms[Arm.ISOLATED], followup_bit_exact(config, chunk))
             frames.append(frame.assign(backend=backend, chunk=chunk, tier=tier))
     columns = ["backend", "chunk", "tier", "comparison", "keys", "equal", "differ", "bit_exact_expected",
                "example_key", "meaning"]

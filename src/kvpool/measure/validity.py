@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvpool.cells import Arm
 from kvpool.measure import reference as split_reference
 from kvpool.measure.checks import check, failures, not_applicable, verdict  # noqa: F401 (failures: re-exported)
 from kvpool.measure.checks import not_verified as unverified
@@ -184,7 +185,7 @@ def evaluate(cell_arm: str, config: dict, populate: pd.DataFrame, reuse: pd.Data
     checks["cold_reads"] = cold_reads(drop_before_reuse, config["max_resident_fraction"], reload_drops)
     if (unused := own_cache_unused(reuse)) is not None:
         checks["own_cache_unused"] = unused
-    if cell_arm == "shared":
+    if cell_arm == Arm.SHARED:
         worst = float(fractions.min()) if len(fractions) else 0.0
         checks["pool_hits"] = check(worst >= config["min_hit_fraction"], worst, config["min_hit_fraction"])
         # populate stored the documents' whole chunks and nothing else: a follow-up that loaded more

@@ -32,9 +32,10 @@ from plotnine import (
     theme_bw,
 )
 
-from kvpool.studies.studyb import CHAIN
+from kvpool.cells import Arm
+from kvpool.studies.studyb import CHAIN, OFF, ON
 
-ARM_COLOURS = {"shared": "#1b9e77", "isolated": "#d95f02"}
+ARM_COLOURS = {Arm.SHARED: "#1b9e77", Arm.ISOLATED: "#d95f02"}
 FAINT_INVALID = {"valid": 1.0, "INVALID": 0.35}
 
 
@@ -243,23 +244,23 @@ def load_reload_rate(load: pd.DataFrame, ceilings: pd.DataFrame):
     replicas loaded (hit tokens x KV bytes per token, the only rate a memory pool shows), beside the
     tier's measured ceiling (dashed) where there is one: where the curves flatten below the line, the
     reload path, not the drive, saturates."""
-    data = _load_frame(load[(load["level_kind"] == "concurrency") & (load["arm"] == "shared")])
+    data = _load_frame(load[(load["level_kind"] == "concurrency") & (load["arm"] == Arm.SHARED)])
     long = pd.concat([data.assign(measure="drive read", gb_per_s=data["drive_read_gb_per_s"]),
                       data.assign(measure="KV loaded", gb_per_s=data.get("loaded_gb_per_s", float("nan")))])
     long = long[long["gb_per_s"].notna()]
     plot = (ggplot(long, aes("level_value", "gb_per_s", linetype="measure", group="series + measure"))
-            + geom_line(colour=ARM_COLOURS["shared"]) + geom_point(colour=ARM_COLOURS["shared"])
+            + geom_line(colour=ARM_COLOURS[Arm.SHARED]) + geom_point(colour=ARM_COLOURS[Arm.SHARED])
             + facet_wrap("~setting")
             + labs(title="Reload rate against follow-ups in flight (dashed: the tier's measured ceiling)",
                    x="follow-ups in flight", y="GB/s during the level", linetype="")
             + theme_bw() + theme(figure_size=(8, 4), plot_title=element_text(size=11)))
-    lines = _load_frame(ceilings.assign(arm="shared", valid=True)).dropna(subset=["ceiling_read_gb_per_s"])
+    lines = _load_frame(ceilings.assign(arm=Arm.SHARED.value, valid=True)).dropna(subset=["ceiling_read_gb_per_s"])
     if len(lines):
         plot += geom_hline(aes(yintercept="ceiling_read_gb_per_s"), data=lines, linetype="dashed")
     return plot
 
 
-STUDYB_COLOURS = {"off": "#7570b3", "on": "#1b9e77"}
+STUDYB_COLOURS = {OFF: "#7570b3", ON: "#1b9e77"}
 
 
 def locality(rows: pd.DataFrame):
@@ -313,7 +314,7 @@ def crossover(frame, fit):
     grid = np.geomspace(frame["context"].min() / 2, frame["context"].max() * 2, 60)
     lines = pd.concat([pd.DataFrame({"context": grid, "ttft_s": fit.prefill_s(grid), "path": "prefill"}),
                        pd.DataFrame({"context": grid, "ttft_s": fit.reload_s(grid), "path": "reload"})])
-    colours = {"prefill": STUDYB_COLOURS["off"], "reload": STUDYB_COLOURS["on"]}
+    colours = {"prefill": STUDYB_COLOURS[OFF], "reload": STUDYB_COLOURS[ON]}
     return (ggplot(points, aes("context", "ttft_s", colour="path"))
             + geom_point(size=2.5) + geom_line(data=lines[lines["ttft_s"] > 0])
             + scale_x_log10() + scale_y_log10() + scale_colour_manual(values=colours)

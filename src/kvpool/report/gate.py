@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.measure import kvbytes, validity
+from kvpool.measure import kvbytes, legacy, validity
 from kvpool.measure.checks import NOT_APPLICABLE, NOT_VERIFIED, status, tally
 from kvpool.measure.files import read_json
 from kvpool.studies.peer import ORDERS, cell_rows, level_name
@@ -26,8 +26,7 @@ def run_validity_table(validity_jsons: list[str], out: str) -> None:
         counts = tally(record["checks"])
         rows.append({"cell": record["cell"], "valid": record["valid"], "checks_passed": counts["passed"],
                      "checks_failed": counts["failed"], "reasons": "; ".join(validity.failures(record)),
-                     # records from before statuses kept an external fleet's unverified checks apart
-                     "not_verified": "; ".join([*record.get("not_verified", {}), *named[NOT_VERIFIED]]),
+                     "not_verified": "; ".join([*legacy.kept_apart_unverified(record), *named[NOT_VERIFIED]]),
                      "not_applicable": "; ".join(named[NOT_APPLICABLE])})
     pd.DataFrame(rows, columns=VALIDITY_COLUMNS).to_csv(out, index=False)
 

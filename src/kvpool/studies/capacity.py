@@ -44,14 +44,14 @@ import numpy as np
 import pandas as pd
 import psutil
 
-from kvpool.cells import MP_BACKEND, REDIS_BACKEND, Cell, is_memory_pool, run_pools, tier_root
+from kvpool.cells import Arm, Backend, Cell, is_memory_pool, run_pools, tier_root
 from kvpool.cells import cells as matrix_cells
 from kvpool.engine import external, prompts, sized_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.plan import plan_gpus
 from kvpool.engine.pool_files import is_memory_backed
-from kvpool.engine.pool_views import FILE_BACKEND, FilePool, mp_l1_size_gib, pool_of, sized_pool_folder
-from kvpool.measure import provenance, records
+from kvpool.engine.pool_views import FilePool, mp_l1_size_gib, pool_of, sized_pool_folder
+from kvpool.measure import legacy, provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import CapacityRecord, read_records
@@ -64,7 +64,7 @@ from kvpool.studies.capacity_requests import Asking, draws, request_energy
 
 log = logging.getLogger(__name__)
 
-BACKENDS = (REDIS_BACKEND, MP_BACKEND, FILE_BACKEND)
+BACKENDS = (Backend.REDIS, Backend.MP, Backend.FS)
 FILE_POLICY = "none: a full filesystem fails new stores"
 FILE_REFUSALS = "the pool's filesystem, sized to the capacity"  # what refuses a pool of files' stores by design
 COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "errors", "hit_rate",
@@ -88,7 +88,7 @@ def cells(config: dict) -> list[Cell]:
     """The shared cells whose pool can be given a size limit: a server's memory (a Redis server, an MP
     server's L1 on a memory tier), or a folder of files on a filesystem of the capacity's size."""
     return [cell for cell in matrix_cells(config)
-            if cell.arm == "shared" and (is_memory_pool(config, cell) or cell.backend == FILE_BACKEND)]
+            if cell.arm == Arm.SHARED and (is_memory_pool(config, cell) or cell.backend == Backend.FS)]
 
 
 def units(config: dict) -> list[tuple[Cell, float]]:
@@ -115,8 +115,8 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
         return []
     found, limited = [], cells(config)
     if not limited:
-        found.append(f"capacity.fractions needs a shared {REDIS_BACKEND} or {FILE_BACKEND} cell, or a shared "
-                     f"{MP_BACKEND} cell on a memory tier (lmcache_mp.memory_tiers): an MP server's L2 folder on a "
+        found.append(f"capacity.fractions needs a shared {Backend.REDIS} or {Backend.FS} cell, or a shared "
+                     f"{Backend.MP} cell on a memory tier (lmcache_mp.memory_tiers): an MP server's L2 folder on a "
                      "drive tier has no limit here")
     if external.is_external(config):
         found.append("capacity.fractions needs kvpool's own fleet and pool server (it limits the server and empties "
@@ -145,7 +145,7 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
     """What this host lacks for the units: the RAM a server's pool or a tmpfs pool takes, the free space a
     drive tier's sized pool needs, root and the tools to mount a pool of files."""
     found = []
-    files = {cell.tier: tier_root(config, cell.tier) for cell in limited if cell.backend == FILE_BACKEND}
+    files = {cell.tier: tier_root(config, cell.tier) for cell in limited if cell.backend == Backend.FS}
     if files:
         found += sized_pool.problems(files)
     # a Redis server holds the whole working set once (populate runs with no limit), an MP server's L1 and a
@@ -155,12 +155,12 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
     for cell in limited:
         whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
         largest = max(asked) * whole
-        if cell.backend == FILE_BACKEND and not is_memory_backed(files[cell.tier]):
+        if cell.backend == Backend.FS and not is_memory_backed(files[cell.tier]):
             continue
         held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
-                      if cell.backend == REDIS_BACKEND else
+                      if cell.backend == Backend.REDIS else
                       (largest, f"at capacity {max(asked):g} is the MP server's L1 (host RAM)")
-                      if cell.backend == MP_BACKEND else
+                      if cell.backend == Backend.MP else
                       (largest, f"at capacity {max(asked):g} is a tmpfs on tier {cell.tier} (host RAM)"))
         if held > ram / 2:
             found.append(f"capacity.fractions: the working set's KV ({held:,.0f} bytes) {when}, and this host has "
@@ -179,7 +179,7 @@ def drive_tier_images(config: dict, tier: str) -> list[int]:
     if not asked or per_token is None or is_memory_backed(root):
         return []
     return [sized_pool.image_bytes(capacity_bytes(config, cell.chunk, max(asked), per_token))
-            for cell in cells(config) if cell.backend == FILE_BACKEND and cell.tier == tier]
+            for cell in cells(config) if cell.backend == Backend.FS and cell.tier == tier]
 
 
 def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
@@ -223,7 +223,7 @@ def held_kv_bytes(pool: dict) -> int:
     """The most KV the limited server held, of what was read (a unit's ``pool`` record): right after the
     cap, at the end, and the most any read saw while the limit held (``peak_kv_bytes``: an MP server's
     every read, from populate on; units recorded before it have none)."""
-    return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"], pool.get("peak_kv_bytes", 0))
+    return max(pool["capped"]["kv_bytes"], pool["end"]["kv_bytes"], legacy.capacity_pool(pool)["peak_kv_bytes"])
 
 
 def silent_misses(rows: pd.DataFrame) -> int:
@@ -248,7 +248,7 @@ def _unit_sections(config: dict, wildcards=None) -> dict:
     """A unit reads its own fraction from its path, not capacity.fractions: a new fraction leaves the measured
     units as they are. An MP unit reads its server's settings too."""
     found = {"capacity": {key: value for key, value in config["capacity"].items() if key != "fractions"}}
-    if wildcards is not None and Cell.from_wildcards(wildcards).backend == MP_BACKEND:
+    if wildcards is not None and Cell.from_wildcards(wildcards).backend == Backend.MP:
         found["lmcache_mp"] = config["lmcache_mp"]
     return found
 
@@ -256,7 +256,7 @@ def _unit_sections(config: dict, wildcards=None) -> dict:
 def limited_config(config: dict, cell: Cell, limit: int) -> dict:
     """The config a unit's plan is made from: an MP server's L1 sized to the capacity (``limit`` bytes,
     ``mp_l1_size_gib``); a Redis server is capped after populate, so its config is as it was."""
-    if cell.backend != MP_BACKEND:
+    if cell.backend != Backend.MP:
         return config
     return {**config, "lmcache_mp": {**config["lmcache_mp"], "l1_size_gib": mp_l1_size_gib(limit)}}
 
@@ -264,9 +264,9 @@ def limited_config(config: dict, cell: Cell, limit: int) -> dict:
 def eviction_policy(config: dict, cell: Cell) -> str:
     """The pool's eviction policy: Redis's ``maxmemory-policy`` (``capacity.policy``), the MP server's
     ``--eviction-policy`` (``lmcache_mp.eviction_policy``), or none for a pool of files."""
-    if cell.backend == FILE_BACKEND:
+    if cell.backend == Backend.FS:
         return FILE_POLICY
-    return config["lmcache_mp"]["eviction_policy"] if cell.backend == MP_BACKEND else config["capacity"]["policy"]
+    return config["lmcache_mp"]["eviction_policy"] if cell.backend == Backend.MP else config["capacity"]["policy"]
 
 
 @reads(*PHASE_SETTINGS, "min_hit_fraction", "hash_keys", "lmcache", "lmcache_redis", "random_model",
@@ -285,7 +285,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
                                   dev_mode=settings["reset_own_cache"],
                                   load_failure_policy=settings["kv_load_failure_policy"]))
     workload = prompts.read_workload(Path(prompts_path))
-    if cell.backend == FILE_BACKEND:
+    if cell.backend == Backend.FS:
         sized_pool.release_stale(root)
     frame, meta = run_unit(
         config, plan, root,
@@ -349,8 +349,7 @@ def store_marks(populated: list[dict], default: int) -> dict[int, int]:
     """Each document's eviction count as populate began storing it (its populate row's ``evicted_before``),
     or ``default`` where the row has none (units recorded before populate read it: populate ran with no
     limit, so nothing was evicted before its end)."""
-    return {row["doc_id"]: default if pd.isna(row.get("evicted_before", np.nan)) else int(row["evicted_before"])
-            for row in populated}
+    return {row["doc_id"]: legacy.evicted_before(row, default) for row in populated}
 
 
 
@@ -366,7 +365,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
     p50, p99 = reported_percentile(ttft, 50), reported_percentile(ttft, 99)
     mean_low, mean_high = mean_ci(ttft)
     power = (meta.get("summary") or {}).get("power") or {}
-    return {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "fraction": fraction,
+    return {**cell.keys(arm=False), "fraction": fraction,
             "policy": meta["policy"], "valid": bool(meta["valid"]), "requests": len(window),
             "errors": len(asked) - len(window),
             "hit_rate": hits / len(window) if len(window) else np.nan,
@@ -391,7 +390,7 @@ def follow_up_energy(window: pd.DataFrame, power: dict) -> dict:
     server's evictions between requests (units recorded before requests read their own), with no
     interval; none without a GPU counter."""
 
-    own = window["gpu_energy_j"].astype(float).dropna() if "gpu_energy_j" in window else pd.Series(dtype=float)
+    own = legacy.capacity_requests(window)["gpu_energy_j"].astype(float).dropna()
     if len(own):
         low, high = mean_ci(own)
         return {"energy_per_request_j": float(own.mean()), "energy_per_request_ci_low_j": low,

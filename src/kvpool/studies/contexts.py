@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.cells import Cell, run_pools
+from kvpool.cells import Arm, Backend, Cell, run_pools
 from kvpool.cells import cells as matrix_cells
 from kvpool.engine.model import vocabulary
 from kvpool.measure import provenance, records, reference
@@ -44,7 +44,7 @@ from kvpool.studies.studyb import run_block
 BLOCK = "contexts-on"  # the rows' block name: kvpool.studies.studyb's ON arm, the only one a unit runs
 LOCAL_STEPS = ("local-1", "local-2")
 # a local or external source that cannot deliver a cross-replica hit (no pool shared between replicas)
-NOT_SHARING = ("lmcache-local-disk",)
+NOT_SHARING = (Backend.LOCAL_DISK,)
 COLUMNS = ["cell", "backend", "chunk", "tier", "context", "prompt_tokens", "valid", "chains", "prefill_s", "local_s",
            "reload_s", "speedup", "loaded_tokens", "kv_bytes", "prefill_fit_s", "reload_fit_s",
            "break_even_read_gbps", "fit_read_gbps", "fit_overhead_s", "crossover_tokens", "drive_read_gb_per_s"]
@@ -56,7 +56,7 @@ def lengths(config: dict) -> list[int]:
 
 def cells(config: dict) -> list[Cell]:
     """The matrix's shared-pool cells a length sweep runs on: one per backend that shares, chunk and tier."""
-    return [cell for cell in matrix_cells(config) if cell.arm == "shared" and cell.backend not in NOT_SHARING]
+    return [cell for cell in matrix_cells(config) if cell.arm == Arm.SHARED and cell.backend not in NOT_SHARING]
 
 
 def units(config: dict) -> list[tuple[Cell, int]]:
@@ -129,7 +129,7 @@ def unit_row(cell: Cell, tokens: int, rows: pd.DataFrame, valid: bool, drive_rea
         return float(chains[chains["step"].isin(steps)]["ttft_s"].median())
 
     cross = chains[chains["step"] == "cross"]
-    return {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "context": tokens,
+    return {**cell.keys(arm=False), "context": tokens,
             "prompt_tokens": int(chains["prompt_tokens"].median()), "valid": valid,
             "chains": int((chains["step"] == "cold").sum()), "prefill_s": median(["cold"]),
             "local_s": median(LOCAL_STEPS), "reload_s": median(["cross"]),

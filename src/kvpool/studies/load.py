@@ -26,14 +26,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from kvpool.cells import Cell, pool_root
+from kvpool.cells import Arm, Cell, pool_root
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.cross_router import followup_route
 from kvpool.engine.fleet import running_servers
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
 from kvpool.engine.processes import PoolServer
-from kvpool.measure import kvbytes, provenance, records, validity
+from kvpool.measure import kvbytes, legacy, provenance, records, validity
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json, write_json
 from kvpool.measure.records import LevelRecord, read_records
@@ -108,10 +108,9 @@ def load_chain(config: dict, cell: Cell | None = None) -> list[Level]:
     that phase first when ``peer.enabled`` and the cell's arm is one of ``peer.arms``, then the load
     levels in config order, so that a level added later builds only itself. The last unit removes the
     pool when pools are not kept. Without ``cell``: every unit any cell runs."""
-    replay = config["peer"]
-    replayed = replay["enabled"] and (cell is None or cell.arm in replay.get("arms", ("shared", "isolated")))
-    # a config recorded before peer.orders replayed in ascending order
-    orders = replay.get("orders", peer.ORDERS[:1]) if replayed else []
+    replay = legacy.peer_replay(config["peer"], peer.ORDERS[0])
+    replayed = replay["enabled"] and (cell is None or cell.arm in replay["arms"])
+    orders = replay["orders"] if replayed else []
     return [Level("peer", 1, order) for order in orders] + levels(config)
 
 
@@ -169,7 +168,7 @@ def level_checks(arm: str, rows: pd.DataFrame, hits: dict, drop: dict, pool_rest
         "hit_attribution": check(hits["agree"], hits, "the two sums equal"),
     }
     checks["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)  # as the cell's gate
-    if arm == "shared":
+    if arm == Arm.SHARED:
         worst = float(fractions.min()) if len(fractions) else None
         checks["pool_hits"] = check(worst is not None and worst >= min_hit_fraction, worst, min_hit_fraction,
                                     answered=len(answered), requests=len(rows))
@@ -276,7 +275,7 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
     in_flight = in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
     if level.kind == "peer":  # vLLM's client reports no hits per request: the window's, against reuse's
         reused = read_records(str(Path(csv_out).parents[1] / "reuse.csv"))
-        expected = int(reused["external_hit_tokens"].fillna(0).sum()) if cell.arm == "shared" else 0
+        expected = int(reused["external_hit_tokens"].fillna(0).sum()) if cell.arm == Arm.SHARED else 0
         followups = {item["doc_id"]: len(item["followup"]) for item in workload}
         outputs = outputs_check(peer.with_reuse_splits(frame, reused), reference, in_flight,
                                      batch_invariant(config["engine"]))

@@ -24,7 +24,7 @@ def load_row(cell: Cell, level: str, records: pd.DataFrame, meta: dict, drive: d
     ttft, e2e = ok["ttft_s"].astype(float), ok["e2e_s"].astype(float)
     wall = meta["wall_s"]
     hit_tokens = float(ok["external_hit_tokens"].fillna(0).astype(float).sum())
-    row = {"cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+    row = {**cell.keys(),
            "level": level, "level_kind": "rate" if level.startswith("r") else "concurrency",
            "level_value": float(level[1:]), "valid": bool(valid), "requests": len(records), "ttft_n": len(ttft)}
     for q in PERCENTILES:

@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 import pandas as pd
 
-from kvpool.cells import Cell
+from kvpool.cells import Arm, Cell
 from kvpool.engine.client import new_session
 from kvpool.engine.plan import BASE_ENV, SERVED_MODEL_NAME
 from kvpool.engine.processes import Replica
@@ -172,7 +172,7 @@ def checks(arm: str, frame: pd.DataFrame, followup_tokens: dict[int, int], windo
         "pool_restored": pool_restored,
         "cold_reads": cold_reads,
     }
-    name = "pool_hits" if arm == "shared" else "isolation"
+    name = "pool_hits" if arm == Arm.SHARED else "isolation"
     found[name] = check(window_external == expected_external, window_external, expected_external,
                         used="the serving replicas' /metrics external-transfer deltas over the replay's window, "
                              "against the tokens kvpool's reuse phase loaded (shared) or none (isolated)")
@@ -198,7 +198,7 @@ def peer_row(cell, kvpool: pd.DataFrame, vllm: pd.DataFrame, kvpool_valid: bool,
     in percent."""
     ours = kvpool.loc[kvpool["error"].fillna("") == "", "ttft_s"].astype(float)
     theirs = vllm.loc[vllm["error"].fillna("") == "", "ttft_s"].astype(float)
-    row = {"cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+    row = {**cell.keys(),
            "replica": replica, "requests": len(vllm), "valid": bool(kvpool_valid and vllm_valid)}
     for q in (50, 99):
         mine, vllm_found = reported_percentile(ours, q), reported_percentile(theirs, q)

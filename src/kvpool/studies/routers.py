@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from kvpool.cells import Cell, run_pools
+from kvpool.cells import Arm, Cell, run_pools
 from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, new_session
 from kvpool.engine.cross_router import next_replica, round_robin
@@ -161,7 +161,7 @@ def checks(arm: str, rows: pd.DataFrame, windows: dict[str, dict], drop: dict, l
     result["cold_reads"] = validity.cold_reads(drop, max_resident_fraction)
     moved = single[(~single["seen_before"].astype(bool)) & (single["phase"] != "first")]
     pooled = moved["external_hit_tokens"].fillna(0) / doc_tokens
-    if arm == "shared":
+    if arm == Arm.SHARED:
         worst = float(pooled.min()) if len(pooled) else None
         result["pool_hits"] = check(worst is None or worst >= min_hit_fraction, worst, min_hit_fraction)
     else:
@@ -208,7 +208,7 @@ def phase_row(cell, router: str, phase: str, rows: pd.DataFrame, sources: dict, 
     total = sum(v for v in sources.values() if v is not None) or np.nan
     per_replica = rows["serve_replica"].value_counts()
     return {
-        "cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
+        **cell.keys(),
         "router": router, "phase": phase, "group": group, "valid": valid, "requests": len(rows), "ttft_n": len(ttft),
         "ttft_p50_s": p50["value"], "ttft_p50_ci_low_s": p50["ci_low"], "ttft_p50_ci_high_s": p50["ci_high"],
         "ttft_p99_s": p99["value"], "ttft_p99_basis": p99["basis"],

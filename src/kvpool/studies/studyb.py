@@ -15,18 +15,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import yaml
 
-from kvpool.cells import Cell, run_pools
+from kvpool.cells import Arm, Backend, Cell, run_pools
 from kvpool.engine import metrics
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
 from kvpool.engine.pool_files import corrupt, pool_files
-from kvpool.measure import provenance, records
+from kvpool.measure import legacy, provenance, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.checks import FAILED, check, not_applicable, status, verdict
 from kvpool.measure.files import read_json, write_json
@@ -38,7 +39,14 @@ from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 
-OFF, ON = "off", "on"
+
+class Block(StrEnum):
+    """A Study B block's arm: OFF, no KV connector (its cell's arm is Arm.OFF), or ON, the study's shared pool."""
+    OFF = "off"
+    ON = "on"
+
+
+OFF, ON = Block.OFF, Block.ON
 SEQUENCE = (OFF, ON, ON, OFF)
 # A chain's steps and the replica each goes to (A prefills, B never saw the document before "cross").
 CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("local-B", "B"))
@@ -46,11 +54,9 @@ CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("lo
 
 def resolved(config: dict) -> dict:
     """``study_b`` with its pool named (backend, tier, chunk) and checked against the matrix."""
-    study = dict(config["study_b"])
-    study.setdefault("windows", [])  # records of runs from before the windows had none
-    study.setdefault("window_turns", 4)
-    sharing = [backend for backend in config["backends"] if backend != "lmcache-local-disk"]
-    study["backend"] = study["backend"] or (sharing[0] if sharing else "lmcache-local-disk")
+    study = legacy.study_b(config["study_b"])
+    sharing = [backend for backend in config["backends"] if backend != Backend.LOCAL_DISK]
+    study["backend"] = study["backend"] or (sharing[0] if sharing else Backend.LOCAL_DISK.value)
     study["tier"] = study["tier"] or ("ram" if "ram" in config["tiers"] else next(iter(config["tiers"])))
     study["chunk"] = study["chunk"] or config["chunk_sizes"][0]
     if study["backend"] not in config["backends"]:
@@ -58,10 +64,10 @@ def resolved(config: dict) -> dict:
     if study["tier"] not in config["tiers"]:
         raise ValueError(f"study_b.tier {study['tier']!r} is not one of tiers {sorted(config['tiers'])}")
     # a step that injects no fault does not declare the setting
-    if config.get("fault_injection", {}).get("corrupt_stored_chunk") and study["backend"] != "lmcache-fs":
+    if config.get("fault_injection", {}).get("corrupt_stored_chunk") and study["backend"] != Backend.FS:
         raise ValueError(f"fault_injection.corrupt_stored_chunk needs study_b.backend lmcache-fs (a pool of files "
                          f"the replicas read), not {study['backend']}")
-    if study["backend"] == "lmcache-local-disk":
+    if study["backend"] == Backend.LOCAL_DISK:
         raise ValueError("study_b.backend lmcache-local-disk cannot share a pool between replicas: add lmcache-fs "
                          "or lmcache-mp to backends (study_b uses the first), or set study_b.enabled: false")
     partial = [c for c in study["contexts"] if c % study["chunk"]]
@@ -115,7 +121,7 @@ def block_pairs(names: list[str]) -> list[tuple[str, str]]:
 
 def block_cell(study: dict, arm: str) -> Cell:
     """The plan's cell of a block: the shared arm of the study's pool (ON), or no connector (OFF)."""
-    return Cell(study["backend"], "shared" if arm == ON else OFF, study["chunk"], study["tier"])
+    return Cell(study["backend"], Arm.SHARED if arm == ON else Arm.OFF, study["chunk"], study["tier"])
 
 
 PLANTED_LABELS = ("alpha", "bravo", "charlie")
@@ -429,7 +435,7 @@ def _known_answers(paths: list[str]) -> pd.DataFrame:
     for path in paths:
         rows = read_records(path)
         if "arm" in rows:  # a Study B block's requests: only an OFF block's ran without a pool
-            off = rows[(rows["arm"] == "off") & (rows["kind"] != "warmup")]
+            off = rows[(rows["arm"] == OFF) & (rows["kind"] != "warmup")]
             frames.append(split_reference.twin_rows(off.assign(key=off["payload_sha256"]), "off_block"))
         else:
             frames.append(split_reference.normalized(rows))

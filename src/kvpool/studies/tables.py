@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kvpool.cells import SERVERS, Cell
+from kvpool.cells import SERVERS, Arm, Cell
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.measure import link
 from kvpool.measure.files import read_frame_or_empty, read_json
@@ -33,6 +33,8 @@ TABLE1_ROWS = [
     ("mean_pool_hit_fraction", "fraction", False),
     ("followups", "count", False),
 ]
+# Table 1's two arms side by side, each value in a column named after its arm.
+TABLE1_ARMS = (Arm.ISOLATED, Arm.SHARED)
 TABLE1_COLUMNS = ["backend", "chunk", "tier", "metric", "unit", "isolated", "shared", "ratio",
                   "isolated_valid", "shared_valid", "isolated_ci_low", "isolated_ci_high", "shared_ci_low",
                   "shared_ci_high", "isolated_n", "shared_n", "isolated_basis", "shared_basis", "ratio_ci_low",
@@ -69,7 +71,7 @@ def cell_row(cell: Cell, records: pd.DataFrame, wall_s: float, power: dict, vali
                           mean_power_w=power["mean_power_w"], energy_j=power["gpu_energy_j"])
     ttft = records.loc[records["error"].fillna("") == "", "ttft_s"].to_numpy(dtype=float)
     n = len(records)
-    row = {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier, "arm": cell.arm,
+    row = {**cell.keys(arm=False), "arm": cell.arm,  # the arm last, as cells.csv has it
            "valid": validity["valid"], "reasons": "; ".join(failures(validity)), "ttft_n": len(ttft)}
     for q in PERCENTILES:
         found = reported_percentile(ttft, q)
@@ -112,29 +114,29 @@ def table1(cells: pd.DataFrame, ttft: dict[str, np.ndarray] | None = None) -> pd
     # a shared MP pool of a server per replica is compared with the isolated arm of its backend, whose
     # replicas have a server each already (no isolated cell carries the setting)
     isolated = {(row["backend"], row["chunk"], row["tier"]): row
-                for _, row in cells[cells["arm"] == "isolated"].iterrows()}
+                for _, row in cells[cells["arm"] == Arm.ISOLATED].iterrows()}
     for (backend, chunk, tier), group in cells.groupby(["backend", "chunk", "tier"], sort=False):
         arms = {row["arm"]: row for _, row in group.iterrows()}
         baseline = isolated.get((backend.partition(SERVERS)[0], chunk, tier))
-        if "isolated" not in arms and baseline is not None:
-            arms["isolated"] = baseline
+        if Arm.ISOLATED not in arms and baseline is not None:
+            arms[Arm.ISOLATED] = baseline
         for metric, unit, has_ratio in TABLE1_ROWS:
-            value = {arm: arms[arm][metric] if arm in arms else np.nan for arm in ("isolated", "shared")}
-            iso, sha = value["isolated"], value["shared"]
+            value = {arm: arms[arm][metric] if arm in arms else np.nan for arm in TABLE1_ARMS}
+            iso, sha = value[Arm.ISOLATED], value[Arm.SHARED]
             ratio = iso / sha if has_ratio and pd.notna(iso) and pd.notna(sha) and sha else np.nan
             row = {"backend": backend, "chunk": chunk, "tier": tier, "metric": metric, "unit": unit,
                    "isolated": iso, "shared": sha, "ratio": ratio,
-                   "isolated_valid": arms["isolated"]["valid"] if "isolated" in arms else None,
-                   "shared_valid": arms["shared"]["valid"] if "shared" in arms else None,
+                   "isolated_valid": arms[Arm.ISOLATED]["valid"] if Arm.ISOLATED in arms else None,
+                   "shared_valid": arms[Arm.SHARED]["valid"] if Arm.SHARED in arms else None,
                    "ratio_ci_low": np.nan, "ratio_ci_high": np.nan}
-            for arm in ("isolated", "shared"):
+            for arm in TABLE1_ARMS:
                 n, basis, low, high = _support(arms[arm], metric) if arm in arms else (None, "not run", np.nan,
                                                                                         np.nan)
                 row.update({f"{arm}_n": n, f"{arm}_basis": basis, f"{arm}_ci_low": low, f"{arm}_ci_high": high})
             if ttft is not None and metric.startswith("ttft_p") and pd.notna(ratio):
                 q = int(metric.removeprefix("ttft_p").removesuffix("_s"))
-                row["ratio_ci_low"], row["ratio_ci_high"] = ratio_ci(ttft[arms["isolated"]["cell"]],
-                                                                     ttft[arms["shared"]["cell"]], q)
+                row["ratio_ci_low"], row["ratio_ci_high"] = ratio_ci(ttft[arms[Arm.ISOLATED]["cell"]],
+                                                                     ttft[arms[Arm.SHARED]["cell"]], q)
             rows.append(row)
     return pd.DataFrame(rows, columns=TABLE1_COLUMNS)
 
@@ -254,7 +256,7 @@ def tier_row(cell: Cell, reuse_summary: dict, records: pd.DataFrame, drive: pd.D
     bootstrap 95% intervals from the reuse phase's raw samples (``drive``: its iostat rows), the same
     series the telemetry reduced: r_await over samples with reads, queue depth summed over the tier's
     disks per tick."""
-    row = {"cell": cell.name, "backend": cell.label, "chunk": cell.chunk, "tier": cell.tier,
+    row = {**cell.keys(arm=False),
            **tier_signals(reuse_summary, records, ceiling, per_token), "ceiling_method": ceiling.get("method")}
     reuse = drive[drive["phase"] == "reuse"] if len(drive) else drive
     r_await = reuse.loc[reuse["r_per_s"] > 0, "r_await_ms"] if len(reuse) else pd.Series(dtype=float)
