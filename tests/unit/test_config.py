@@ -145,11 +145,11 @@ def test_a_configfile_replaces_the_default_and_config_values_layer_on_it(tmp_pat
     import subprocess
     import sys
 
-    def populates(*args):
+    def populates(*args):  # the cells planned: each populates (and reuses) in one job on one fleet
         out = subprocess.run([sys.executable, "-m", "snakemake", "-n", *args], cwd=REPO, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
-        return int(re.search(r"^populate\s+(\d+)$", out.stdout, re.M).group(1))
+        return int(re.search(r"^cell\s+(\d+)$", out.stdout, re.M).group(1))
 
     standalone = yaml.safe_load((REPO / "tests" / "configs" / "e2e.yaml").read_text())
     standalone["arms"] = ["shared"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool.cells import MP_BACKEND, Cell, backend_of
+from kvpool.cells import MP_BACKEND, Arm, Cell, backend_of
 from kvpool.engine.plan import SERVER_BACKENDS
 from kvpool.measure import kvbytes
 from kvpool.measure.checks import skipped, tally
@@ -62,11 +62,6 @@ class Results:
     notes: list[str] = field(default_factory=list)
 
 
-def _cell_keys(cell: Cell, valid: bool) -> dict:
-    return {"cell": cell.name, "backend": cell.label, "arm": cell.arm, "chunk": cell.chunk, "tier": cell.tier,
-            "valid": valid}
-
-
 # What the page reads of each cell, as its rule declares the files (one list per name, in cell order)
 CELL_FILES = ("validity", "reuse", "reuse_meta", "populate_meta", "manifest", "telemetry", "drive", "power")
 
@@ -82,7 +77,7 @@ def collect(cells: list[Cell], files: dict[str, list[str]], ceilings: list[str],
     for i, cell in enumerate(cells):
         path = {name: files[name][i] for name in CELL_FILES}
         validity = read_json(path["validity"])
-        keys = _cell_keys(cell, validity["valid"])
+        keys = {**cell.keys(), "valid": validity["valid"]}
         records = read_records(path["reuse"])
         requests.append(records.assign(**keys))
         reuse_meta = read_json(path["reuse_meta"])
@@ -243,7 +238,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
         if (levels["level_kind"] == "rate").any():
             under_load.append(("load_goodput", figures.load_goodput(levels)))
         rates = levels.reindex(columns=["drive_read_gb_per_s", "loaded_gb_per_s"]).notna().any(axis=1)
-        if (rates & (levels["arm"] == "shared")).any():
+        if (rates & (levels["arm"] == Arm.SHARED)).any():
             ceilings = (table2[["backend", "chunk", "tier", "ceiling_read_gb_per_s"]].drop_duplicates() if len(table2)
                         else pd.DataFrame(columns=["backend", "chunk", "tier", "ceiling_read_gb_per_s"]))
             under_load.append(("load_reload_rate", figures.load_reload_rate(levels, ceilings)))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool.cells import Cell, backend_of, is_memory_pool, pool_root, run_pools, tier_root
+from kvpool.cells import Arm, Cell, backend_of, is_memory_pool, pool_root, run_pools, tier_root
 from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine import pool_files as pool
 from kvpool.engine.fleet import running_fleet, running_servers
@@ -122,7 +122,7 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
     frame, meta = run_sampled_phase(
         plan,
         lambda disks: populate_phase(plan, workload, config, probe, Path(log_dir), disks, servers,
-                                      expect_shared=cell.arm == "shared", replicas=replicas),
+                                      expect_shared=cell.arm == Arm.SHARED, replicas=replicas),
         drive_csv, power_csv, log_dir)
     records.write_records(frame, csv_out, "populate")
     dirs = plan_pool_dirs(plan)
