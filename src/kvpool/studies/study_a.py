@@ -248,7 +248,10 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     if drops:
         meta["drops_between_reloads"] = drops
     records.write_records(frame, csv_out, "reuse")
-    # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes
+    # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes; on the cell's
+    # one fleet, once the follow-ups' own stores have landed (the replicas are still up)
+    if replicas is not None:
+        meta["stores_settled"] = settled_stores(dirs, servers)
     digests = readable_digests(dirs, servers, stored, meta)
     digests.to_csv(digests_csv, index=False)
     log.info("pool digests: %d files, %d stored during reuse", len(digests),
