@@ -111,8 +111,10 @@ def test_an_interrupted_cell_leaves_no_replica_and_is_measured_whole_again_and_a
                                        lambda proc: os.killpg(proc.pid, in_reuse), line="after the drop")
     assert returncode != 0 and not (cell / "reuse.csv").exists(), output[-3000:]
     assert list((cell / "runs").glob("*-populate.csv"))  # the interrupted job's populate, kept
-    resumed = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs), capture_output=True,
-                             text=True, timeout=1800)
+    # as the README has it after an interruption: the cut-short job (whose populate files a Ctrl-C leaves
+    # marked incomplete) is measured again, whole
+    resumed = subprocess.run(snakemake_argv(tmp_path, f"{target}/validity.json", *configs)
+                             + ["--rerun-incomplete"], capture_output=True, text=True, timeout=1800)
     assert resumed.returncode == 0, resumed.stderr[-4000:]  # populated again on an emptied pool, then measured
     validity = json.loads((cell / "validity.json").read_text())
     assert validity["valid"], validity

@@ -77,6 +77,18 @@ def test_settled_stores_waits_for_a_server_s_pool_to_stop_growing(tmp_path):
     assert found["settled"] and found["server_pool_bytes"] == [30]
 
 
+class DeadServer(Server):
+    def metrics(self):
+        raise OSError("redis server 0: Connection refused")
+
+
+def test_settled_stores_does_not_wait_on_a_server_that_died(tmp_path):
+    """A pool server killed mid-phase is named by its phase's record; the wait reads it as gone, not as an
+    error that would lose the phase's measured rows."""
+    found = settled_stores([], [DeadServer([])], poll_s=0.05, timeout_s=5)
+    assert found["settled"] and found["server_pool_bytes"] == [None]
+
+
 def test_a_reuse_of_its_own_refuses_a_pool_warmed_by_an_earlier_reuse(config, tmp_path):
     """Where reuse is a job of its own (an MP cell on a drive), a pool holding more files than populate hashed
     was warmed by an earlier reuse: refused before any replica starts, naming the command that measures the

@@ -299,12 +299,18 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
     still be on their way. Settled is two reads ``poll_s`` apart that agree, with no temp file among the
     pool's files (the chunk files' names and sizes, and each server's pool bytes); at ``timeout_s`` the last
     read stands, and the gate's checks of what populate stored judge it. Returns what was waited for."""
+    def server_bytes(server: PoolServer) -> float | None:
+        try:
+            return server.metrics().get(server.pool_bytes_metric)
+        except OSError:  # a server that died: its phase record names it, and nothing more will land in it
+            return None
+
     def read() -> tuple[dict, tuple]:
         files = {}
         for path in pool_files(dirs):
             with contextlib.suppress(FileNotFoundError):  # a temp file renamed as it is listed
                 files[str(path)] = path.stat().st_size
-        return files, tuple(server.metrics().get(server.pool_bytes_metric) for server in servers or [])
+        return files, tuple(server_bytes(server) for server in servers or [])
 
     started = time.monotonic()
     last = read()
