@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
+# LMCache writes a chunk file under this suffix and renames it once whole: one still there is a store under way.
+TEMP_SUFFIX = ".tmp"
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from kvpool.cells import Backend
-from kvpool.engine import mp, redis_pool, sized_pool
+from kvpool.engine import mp, pool_files, redis_pool, sized_pool
 from kvpool.engine.plan import plan_pool_dirs
 
 
@@ -218,7 +218,7 @@ class FilePool(PoolView):
     files each document's populate left. Nothing is evicted: a store that finds it full fails."""
 
     backend = Backend.FS
-    SUFFIX, TEMP = ".data", ".tmp"
+    SUFFIX, TEMP = ".data", pool_files.TEMP_SUFFIX
 
     def __init__(self, folder: Path, mounted: dict, doc_chunks: int):
         self.folder, self.mounted, self.doc_chunks = Path(folder), mounted, doc_chunks

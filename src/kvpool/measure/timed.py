@@ -25,7 +25,7 @@ from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.plan import plan_gpus, plan_pool_dirs
-from kvpool.engine.pool_files import drop_from_page_cache, pool_files
+from kvpool.engine.pool_files import TEMP_SUFFIX, drop_from_page_cache, pool_files
 from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import kvbytes, logs, records
 from kvpool.measure import reference as split_reference
@@ -312,19 +312,18 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
                 files[str(path)] = path.stat().st_size
         return files, tuple(server_bytes(server) for server in servers or [])
 
-    started = time.monotonic()
+    started, settled = time.monotonic(), False
     last = read()
-    while time.monotonic() - started < timeout_s:
+    while not settled and time.monotonic() - started < timeout_s:
         time.sleep(poll_s)
         now = read()
-        if now == last and not any(name.endswith(".tmp") for name in now[0]):
-            break
+        settled = now == last and not any(name.endswith(TEMP_SUFFIX) for name in now[0])
         last = now
-    else:
-        log.warning("the pool was still changing after %.0f s of waiting for populate's stores", timeout_s)
+    if not settled:
+        log.warning("the pool was still changing after %.0f s of waiting for its stores", timeout_s)
     files, held = last
-    return {"settled": time.monotonic() - started < timeout_s, "waited_s": round(time.monotonic() - started, 3),
-            "files": len(files), "bytes": sum(files.values()), "server_pool_bytes": list(held)}
+    return {"settled": settled, "waited_s": round(time.monotonic() - started, 3), "files": len(files),
+            "bytes": sum(files.values()), "server_pool_bytes": list(held)}
 
 
 def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
