@@ -30,12 +30,16 @@ def test_study_b_blocks_run_off_on_on_off_and_the_pool_serves_only_cross_replica
         assert outputs["status"] == "passed" and outputs["value"]["equal"] == outputs["value"]["compared"] > 0
         # the windows' two sessions at once share batches: recorded as not verified
         assert meta["checks"]["window_outputs_match_recompute"]["status"] == "not_verified"
-    # block 2 took the OFF block's answers where its splits matched and computed the rest (the cross steps,
-    # the alternating turns that reused the pool) on a replica with no pool; block 3 found them all in block 2's
-    computed = pd.read_csv(study_run / STUDYB / "block~2-on" / "reference.csv")
-    assert {"off_block", "split"} <= set(computed["path"])
-    assert "reference:" in (study_run / "logs" / "studyb" / "block~2-on.log").read_text()
-    assert "reference:" not in (study_run / "logs" / "studyb" / "block~3-on.log").read_text()
+    # block 1 (OFF) computed the pool's splits the ON blocks would run in (the alternating turns on the other
+    # replica) on its own pool-less replicas; blocks 2 and 3 took those and the OFF block's answers, and
+    # started no reference replica: every split was predicted
+    predicted = pd.read_csv(study_run / STUDYB / "block~1-off" / "reference.csv")
+    assert len(predicted) and set(predicted["path"]) == {"predicted_on"}
+    assert (predicted["achieved_split"] == predicted["requested_split"]).all()
+    for block in ("2-on", "3-on"):
+        computed = pd.read_csv(study_run / STUDYB / f"block~{block}" / "reference.csv")
+        assert set(computed["path"]) == {"off_block", "predicted_on"}
+        assert "on a replica with no pool" not in (study_run / "logs" / "studyb" / f"block~{block}.log").read_text()
     locality = pd.read_csv(study_run / "results" / "locality.csv").set_index(["context", "step"])
     assert set(locality.index) == {(c, s) for c in (256, 1024) for s in ("cold", "local-1", "local-2", "cross",
                                                                          "local-B")}

@@ -440,13 +440,16 @@ def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] 
                              served={str(replica.index): replica.served() for replica in replicas})
 
 
-def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None):
+def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None,
+                after=None):
     """Study B's request path, shared by its blocks and the length units, on a ``timed_fleet``:
     ``await body(send, send_together, plan, replicas)``, timed. ``send`` sends one request at a time with
     its serving replica's /metrics deltas, ``send_together`` one among concurrent ones (its hits from the
     response's cached tokens); ``plan`` is the plan as the pool servers resolved it; ``sampled`` (a
     sampler's name and disks) samples the drives and power around the requests. Returns the body's rows,
-    the meta data (wall time, the servers' counters) and the sampler (None unless sampled)."""
+    the meta data (wall time, the servers' counters) and the sampler (None unless sampled). ``after``:
+    ``await after(session, replicas, rows)`` once the window has closed, before the fleet stops (untimed work
+    on the unit's replicas: an OFF block's reference computations)."""
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     with timed_fleet(plan, cfg, log_dir) as fleet:
         by_index = fleet.by_index
@@ -468,7 +471,14 @@ def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, 
 
         with fleet.window(*(sampled or ())):
             rows = asyncio.run(requests())
+        if after is not None:
+            asyncio.run(_after(after, fleet.replicas, rows))
     return rows, fleet.meta(), fleet.sampler
+
+
+async def _after(after, replicas: list[Replica], rows: list[dict]) -> None:
+    async with new_session() as session:
+        await after(session, replicas, rows)
 
 
 def recording_sends(send, prompts: dict[str, list[int]]):

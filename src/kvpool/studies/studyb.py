@@ -31,13 +31,14 @@ from kvpool.measure import legacy, provenance, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.checks import FAILED, check, not_applicable, status, verdict
 from kvpool.measure.files import read_json, write_json
-from kvpool.measure.records import ChainRecord, read_records
+from kvpool.measure.records import ChainRecord
 from kvpool.measure.reference import payload_sha256
 from kvpool.measure.reuse_checks import outputs_check
 from kvpool.measure.timed import REPO, chain_fleet, recompute_in_splits, recording_sends, with_retrievals
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, reads
+from kvpool.studies.studyb_reference import PREDICTED, known_answers, predicted_pool_splits
 
 
 class Block(StrEnum):
@@ -104,6 +105,11 @@ def blocks(study: dict) -> list[str]:
 
 def block_arm(name: str) -> str:
     return name.split("-", 1)[1]
+
+
+def block_position(name: str) -> int:
+    """Where block ``name`` stands in its OFF, ON, ON, OFF (0 to 3)."""
+    return (int(name.split("-", 1)[0]) - 1) % len(SEQUENCE)
 
 
 def block_pairs(names: list[str]) -> list[tuple[str, str]]:
@@ -407,14 +413,14 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
     workload = read_json(workload_path)
     with unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
-        rows, meta, sent = studyb_block(plan, block, workload, study, config, Path(log_dir))
+        rows, meta, sent, predicted = studyb_block(plan, block, workload, study, config, Path(log_dir))
     frame = with_retrievals(records.frame(ChainRecord, rows), Path(log_dir))
     records.write_records(frame, csv_out, f"studyb-{block}")
     invariant = batch_invariant(config["engine"])
-    compared = pd.DataFrame(columns=split_reference.COLUMNS)
+    compared = predicted
     if arm == ON:
         compared = recompute_in_splits(config, model, under_test(frame, invariant), sent,
-                                    _known_answers(known), Path(log_dir).parent / "reference")
+                                    known_answers(known, OFF), Path(log_dir).parent / "reference")
     compared.to_csv(reference_out, index=False)
     checks = block_checks(frame, arm, study, config["min_hit_fraction"], compared, invariant)
     gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
@@ -428,23 +434,11 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
                       result["threshold"])
 
 
-def _known_answers(paths: list[str]) -> pd.DataFrame:
-    """Pool-less answers recorded by earlier units, as reference rows: an OFF block's requests (each in
-    its own split) and any reference.csv."""
-    frames = []
-    for path in paths:
-        rows = read_records(path)
-        if "arm" in rows:  # a Study B block's requests: only an OFF block's ran without a pool
-            off = rows[(rows["arm"] == OFF) & (rows["kind"] != "warmup")]
-            frames.append(split_reference.twin_rows(off.assign(key=off["payload_sha256"]), "off_block"))
-        else:
-            frames.append(split_reference.normalized(rows))
-    return pd.concat(frames, ignore_index=True) if frames else split_reference.normalized(None)
-
-
 def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
     """One of Study B's blocks (kvpool.studies.studyb) on a fresh fleet and pool (chain_fleet). Returns the
-    rows and the block's meta data (wall time, the servers' counters, what fault injection corrupted)."""
+    rows, the block's meta data (wall time, the servers' counters, what fault injection corrupted), the
+    prompts sent by payload and, for an OFF block an ON block follows, the ON blocks' predicted pool splits
+    computed on its pool-less replicas once its window closed (kvpool.studies.studyb_reference)."""
     injected, before, prompts = [], set(), {}
     fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
 
@@ -466,8 +460,22 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
         return await run_block(send, block, workload, study, len(replicas), corrupt_first_chunk if fault else None,
                                send_together)
 
-    rows, meta, _ = chain_fleet(plan, cfg, log_dir, body)
+    predicted = []
+
+    async def reference_for_on_blocks(session, replicas, rows: list[dict]) -> None:
+        needed = predicted_pool_splits(records.frame(ChainRecord, rows), study["chunk"])
+        requests = split_reference.requests_for(needed, prompts)
+        if requests:
+            log.info("reference: %d predicted pool splits for the ON blocks, on this block's replica 0", len(requests))
+            predicted.extend(await split_reference.compute(session, replicas[0].url, requests,
+                                                           cfg["workload"]["output_tokens"],
+                                                           cfg["engine"]["request_timeout_s"]))
+            for row in predicted:
+                row["path"] = PREDICTED
+
+    after = reference_for_on_blocks if block_arm(block) == OFF and ON in SEQUENCE[block_position(block) + 1:] else None
+    rows, meta, _ = chain_fleet(plan, cfg, log_dir, body, after=after)
     meta = {"block": block, **meta}
     if fault:
         meta["fault_injection"] = injected
-    return rows, meta, prompts
+    return rows, meta, prompts, pd.DataFrame(predicted, columns=split_reference.COLUMNS)
