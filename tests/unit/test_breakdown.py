@@ -10,7 +10,7 @@ import pytest
 from support import REPO
 
 from kvpool.engine import metrics
-from kvpool.measure.timed import with_retrievals
+from kvpool.measure.unit import with_retrievals
 from kvpool.report import breakdown
 
 FIXTURES = REPO / "tests" / "fixtures" / "breakdown"

@@ -15,7 +15,7 @@ import pytest
 from kvpool.config import pool_bytes_per_cell, problems
 from kvpool.engine import pool_views, sized_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
-from kvpool.measure import timed
+from kvpool.measure import unit
 from kvpool.studies import capacity
 
 
@@ -193,12 +193,14 @@ def test_a_store_the_sized_pool_refuses_is_its_capacity_not_an_error(sized, monk
         def frames(self):
             return pd.DataFrame(), pd.DataFrame()
 
-    monkeypatch.setattr(timed, "tier_disks", lambda plan: ([], []))
-    monkeypatch.setattr(timed.logs, "new_lines_matching", lambda folder, start: ["[Errno 28] No space left on device"])
+    monkeypatch.setattr(unit, "tier_disks", lambda plan: ([], []))
+    monkeypatch.setattr(unit.logs, "new_lines_matching", lambda folder, start: ["[Errno 28] No space left on device"])
     meta = {"stores_refused_by": capacity.FILE_REFUSALS} if sized else {}
-    with caplog.at_level(logging.INFO, logger=timed.log.name):
-        _, found = timed.run_sampled_phase({}, lambda disks: (pd.DataFrame(), meta, Sampler()),
-                                           str(tmp_path / "drive.csv"), str(tmp_path / "power.csv"), str(tmp_path))
+    paths = unit.UnitPaths(str(tmp_path / "requests.csv"), str(tmp_path / "unit.json"), str(tmp_path / "drive.csv"),
+                           str(tmp_path / "power.csv"), str(tmp_path))
+    with caplog.at_level(logging.INFO, logger=unit.log.name):
+        measured = unit.run_unit({}, lambda disks: unit.UnitResult(pd.DataFrame(), meta, Sampler()), paths, "capacity")
+    found = measured.meta
     assert found["pool_write_errors"] == ["[Errno 28] No space left on device"]
     levels = {record.levelname for record in caplog.records if "No space left" in record.getMessage()}
     assert levels == ({"INFO"} if sized else {"ERROR"})

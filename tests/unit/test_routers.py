@@ -10,7 +10,7 @@ from support import passing_gate_inputs
 
 from kvpool.cells import Cell
 from kvpool.engine import prompts
-from kvpool.measure import timed
+from kvpool.measure import unit as unit_entry
 from kvpool.measure.files import write_json
 from kvpool.report import gate as run_gate
 from kvpool.report import page
@@ -199,7 +199,7 @@ def test_a_router_unit_that_fails_leaves_no_pool_on_the_tier(config, tmp_path, m
         raise RuntimeError("replica 1 exited with code -9")
 
     monkeypatch.setattr(prompts, "read_workload", lambda path: {})
-    monkeypatch.setattr(timed, "run_sampled_phase", dies)
+    monkeypatch.setattr(unit_entry, "_sampled", dies)
     unit = tmp_path / "router~cross"
     unit.mkdir()
     with pytest.raises(RuntimeError, match="exited with code -9"):

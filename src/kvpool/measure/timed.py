@@ -17,7 +17,6 @@ from pathlib import Path
 
 import aiohttp
 import pandas as pd
-import yaml
 from tqdm import tqdm
 
 from kvpool.engine import metrics, mp
@@ -27,30 +26,18 @@ from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.plan import plan_gpus, plan_pool_dirs
 from kvpool.engine.pool_files import TEMP_SUFFIX, drop_from_page_cache, pool_files
 from kvpool.engine.processes import PoolServer, Replica
-from kvpool.measure import kvbytes, logs, records
+from kvpool.measure import kvbytes, records
 from kvpool.measure import reference as split_reference
-from kvpool.measure.drive import block_devices, drive_health, iostat
-from kvpool.measure.files import read_frame_or_empty, write_json
+from kvpool.measure.drive import iostat
+from kvpool.measure.files import read_frame_or_empty
 from kvpool.measure.telemetry import Sampler, fleet_gpus_only, summarize_drive, summarize_power
-from kvpool.measure.unit_plan import reference_replica, unit_pool
+from kvpool.measure.unit import UnitResult
+from kvpool.measure.unit_plan import reference_replica
 
 log = logging.getLogger(__name__)
 
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def run_unit(config: dict, plan: dict, root: Path, measure, *, plan_out: str, manifest: dict, manifest_out: str,
-             drive_csv: str, power_csv: str, log_dir: str, csv_out: str, name: str) -> tuple[pd.DataFrame, dict]:
-    """One unit on a fleet and a pool of its own (a length unit, a router unit): its plan and manifest
-    written, ``measure(disks)`` run with telemetry on a fresh pool that is removed however the unit ends,
-    and its records archived under ``runs/`` and written to ``csv_out``."""
-    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
-    write_json(manifest_out, manifest)
-    with unit_pool(config, root, plan):
-        frame, meta = run_sampled_phase(plan, measure, drive_csv, power_csv, log_dir)
-    records.write_records(frame, csv_out, name)
-    return frame, meta
 
 
 def pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -69,51 +56,6 @@ def refuse_failed_reference(frame: pd.DataFrame) -> None:
             log.error("reference request %s, split %s, failed: %s", row.key, row.requested_split, row.error)
         raise RuntimeError(f"{len(failed)} of {len(frame)} reference requests failed, e.g. {failed['key'].iloc[0]} "
                            f"split {failed['requested_split'].iloc[0]}: {failed['error'].iloc[0]}")
-
-
-def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
-    """The whole disks behind a plan's pool directories, and how each directory resolved."""
-    resolved = [block_devices(d) for d in dict.fromkeys(plan_pool_dirs(plan))]
-    return sorted({disk for record in resolved for disk in record["disks"]}), resolved
-
-
-def run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: str) -> tuple:
-    """Run one timed phase with telemetry; record drive health before and after it, and the pool
-    writes that failed in it (a full tier shows only in the replicas' and servers' logs)."""
-    disks, resolved = tier_disks(plan)
-    health_before = [drive_health(d) for d in disks]
-    log_start = logs.log_sizes(Path(log_dir))
-    frame, meta, sampler = run(disks)
-    frame = with_retrievals(frame, Path(log_dir))
-    meta["pool_write_errors"] = logs.new_lines_matching(Path(log_dir), log_start)
-    # a phase whose pool refuses stores by design (a capacity unit's sized filesystem) names what refuses them
-    limit = meta.get("stores_refused_by")
-    for line in meta["pool_write_errors"]:
-        if limit:
-            log.info("%s refused a store (its limit): %s", limit, line)
-        else:
-            log.error("a pool write failed (is the tier full?): %s", line)
-    drive, power = sampler.frames()
-    drive.to_csv(drive_csv, index=False)
-    power.to_csv(power_csv, index=False)
-    meta["telemetry"] = {**sampler.meta, "devices": resolved, "health_before": health_before,
-                         "health_after": [drive_health(d) for d in disks]}
-    return frame, meta
-
-
-def with_retrievals(frame: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
-    """``frame`` with each request's LMCache retrieve (tokens and seconds) from its replicas' logs in
-    ``log_dir``, matched by the completion's id; left empty where nothing was logged (a backend whose
-    LMCache runs in a server of its own, a request that loaded nothing, a record without ids)."""
-    if frame.empty or "request_id" not in frame:
-        return frame
-    found: dict[str, dict] = {}
-    for path in sorted(Path(log_dir).glob("replica-*.log")):
-        found.update(metrics.lmcache_retrievals(path.read_text(errors="replace")))
-    frame = frame.copy()
-    for column in ("retrieved_tokens", "retrieve_s"):
-        frame[column] = frame["request_id"].map(lambda rid, column=column: (found.get(rid) or {}).get(column))
-    return frame
 
 
 def phase_summary(raw_drive: pd.DataFrame, power: pd.DataFrame, telemetry: dict, requests: int,
@@ -423,6 +365,10 @@ class TimedFleet:
             meta["pool_server"] = self.pool_record
         return meta
 
+    def result(self, frame: pd.DataFrame, **fields) -> UnitResult:
+        """The unit's records ``frame``, its meta data (``meta(**fields)``) and its window's sampler."""
+        return UnitResult(frame, self.meta(**fields), self.sampler)
+
 
 @contextmanager
 def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] | None = None,
@@ -441,13 +387,13 @@ def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] 
 
 
 def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None,
-                after=None):
+                after=None) -> UnitResult:
     """Study B's request path, shared by its blocks and the length units, on a ``timed_fleet``:
     ``await body(send, send_together, plan, replicas)``, timed. ``send`` sends one request at a time with
     its serving replica's /metrics deltas, ``send_together`` one among concurrent ones (its hits from the
     response's cached tokens); ``plan`` is the plan as the pool servers resolved it; ``sampled`` (a
-    sampler's name and disks) samples the drives and power around the requests. Returns the body's rows,
-    the meta data (wall time, the servers' counters) and the sampler (None unless sampled). ``after``:
+    sampler's name and disks) samples the drives and power around the requests. Returns the body's rows
+    as ChainRecords, the meta data (wall time, the servers' counters) and the sampler (None unless sampled). ``after``:
     ``await after(session, replicas, rows)`` once the window has closed, before the fleet stops (untimed work
     on the unit's replicas: an OFF block's reference computations)."""
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
@@ -473,7 +419,7 @@ def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, 
             rows = asyncio.run(requests())
         if after is not None:
             asyncio.run(_after(after, fleet.replicas, rows))
-    return rows, fleet.meta(), fleet.sampler
+    return fleet.result(records.frame(records.ChainRecord, rows))
 
 
 async def _after(after, replicas: list[Replica], rows: list[dict]) -> None:

@@ -55,8 +55,9 @@ from kvpool.measure import legacy, provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import CapacityRecord, read_records
-from kvpool.measure.timed import REPO, run_unit, timed_fleet, write_unit
-from kvpool.measure.unit_plan import checked_ports, new_plan
+from kvpool.measure.timed import REPO, timed_fleet, write_unit
+from kvpool.measure.unit import UnitPaths, run_unit
+from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.stats import mean_ci, proportion_ci, reported_percentile
@@ -287,13 +288,13 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     workload = prompts.read_workload(Path(prompts_path))
     if cell.backend == Backend.FS:
         sized_pool.release_stale(root)
-    frame, meta = run_unit(
-        config, plan, root,
-        lambda disks: capacity_unit(plan, workload, config, limit, eviction_policy(config, cell), Path(log_dir),
-                                    disks, doc_chunks=config["workload"]["doc_tokens"] // cell.chunk),
-        plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction),
-        manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
-        name=f"capacity-{unit_label(fraction)}")
+    paths = UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir, plan_out, manifest_out)
+    unit = run_unit(
+        plan, lambda disks: capacity_unit(plan, workload, config, limit, eviction_policy(config, cell), Path(log_dir),
+                                          disks, doc_chunks=config["workload"]["doc_tokens"] // cell.chunk),
+        paths, f"capacity-{unit_label(fraction)}", pool=unit_pool(config, root, plan),
+        manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction))
+    frame, meta = unit.frame, unit.meta
     checks = unit_checks(frame, held_kv_bytes(meta["pool"]), limit)
     gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],
                        cell.chunk)
@@ -338,11 +339,10 @@ def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, polic
     if isinstance(pool, FilePool):
         pool_record["documents_whole"] = sorted(whole)
         refused = {"stores_refused_by": FILE_REFUSALS}  # its limit at work, not a fault
-    meta = fleet.meta(pool=pool_record, policy=limits["policy"], **refused,
-                      popularity_exponent=settings["popularity_exponent"],
-                      kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
-                      warmup_requests=warmup, window_requests=len(sequence) - warmup)
-    return records.frame(CapacityRecord, rows), meta, fleet.sampler
+    return fleet.result(records.frame(CapacityRecord, rows), pool=pool_record, policy=limits["policy"], **refused,
+                        popularity_exponent=settings["popularity_exponent"],
+                        kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",
+                        warmup_requests=warmup, window_requests=len(sequence) - warmup)
 
 
 def store_marks(populated: list[dict], default: int) -> dict[int, int]:

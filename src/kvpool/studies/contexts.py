@@ -22,20 +22,20 @@ import pandas as pd
 from kvpool.cells import Arm, Backend, Cell, run_pools
 from kvpool.cells import cells as matrix_cells
 from kvpool.engine.model import vocabulary
-from kvpool.measure import provenance, records, reference
+from kvpool.measure import provenance, reference
 from kvpool.measure.checks import NOT_APPLICABLE, check, status, verdict
 from kvpool.measure.files import read_json
-from kvpool.measure.records import ChainRecord, read_records
+from kvpool.measure.records import read_records
 from kvpool.measure.timed import (
     REPO,
     chain_fleet,
     drop_pool,
     recompute_in_splits,
     recording_sends,
-    run_unit,
     write_unit,
 )
-from kvpool.measure.unit_plan import checked_ports, new_plan
+from kvpool.measure.unit import UnitPaths, run_unit
+from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import cold_reads, with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import crossover, studyb
@@ -187,11 +187,12 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     root = run_pools(config, cell.tier) / "contexts" / cell.name / f"doc~{tokens}"
     plan = checked_ports(new_plan(config, cell, model, Path(csv_out).parent, pool_root=root))
     workload = studyb.make_workload(vocabulary(model), study, config["replicas"])
-    frame, meta = run_unit(
-        config, plan, root, lambda disks: context_unit(plan, workload, study, config, Path(log_dir), disks),
-        plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens),
-        manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
-        name=f"doc-{tokens}")
+    unit = run_unit(
+        plan, lambda disks: context_unit(plan, workload, study, config, Path(log_dir), disks),
+        UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir, plan_out, manifest_out), f"doc-{tokens}",
+        pool=unit_pool(config, root, plan),
+        manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens))
+    frame, meta = unit.frame, unit.meta
     # the chains' answers against pool-less recomputes in their splits, computed now that the fleet stopped
     compared = recompute_in_splits(config, model, studyb.under_test(frame), meta.pop("prompts"),
                                 reference.normalized(None), Path(log_dir) / "reference")
@@ -224,5 +225,6 @@ def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Pa
 
         return await run_block(send, BLOCK, workload, study, len(replicas), before)
 
-    rows, meta, sampler = chain_fleet(plan, cfg, log_dir, body, sampled=("contexts", disks))
-    return records.frame(ChainRecord, rows), {"drops_before_cross": drops, "prompts": prompts, **meta}, sampler
+    unit = chain_fleet(plan, cfg, log_dir, body, sampled=("contexts", disks))
+    unit.meta = {"drops_before_cross": drops, "prompts": prompts, **unit.meta}
+    return unit

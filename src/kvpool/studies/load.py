@@ -51,13 +51,13 @@ from kvpool.measure.timed import (
     external_window,
     replica_error,
     request_row,
-    run_sampled_phase,
     scrape_serving,
     server_settings,
     timed_fleet,
     times_window,
     write_unit,
 )
+from kvpool.measure.unit import UnitPaths, run_unit
 from kvpool.measure.unit_plan import checked_ports
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import peer
@@ -226,17 +226,17 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
     unchanged = kvbytes.unchanged(stored, kvbytes.pool_digests(dirs, stored))
     log.info("%s %s: pool restored to populate's %d files (%d removed)", cell.name, level.name,
              restored["kept_files"], restored["removed_files"])
-    frame, meta = run_sampled_phase(
+    unit = run_unit(
         plan, lambda disks: load_level(plan, workload, prefill, config, Path(log_dir) / "replicas", disks,
-                                              level, out_dir=Path(csv_out).parent),
-        drive_csv, power_csv, log_dir)
+                                       level, out_dir=Path(csv_out).parent),
+        UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), f"load-{level.name}")
     restored = {**restored, "unchanged_before": unchanged}
     pool_ok = files_restored(unchanged)
     if remove_pool:  # the cell's last level: the tier holds one cell's pool at a time
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
-    _finish_level(config, cell, level, frame, meta, restored, pool_ok, remove_pool, csv_out, json_out, drive_csv,
-                  power_csv, plan, workload, reference)
+    _finish_level(config, cell, level, unit.frame, unit.meta, restored, pool_ok, remove_pool, csv_out, json_out,
+                  drive_csv, power_csv, plan, workload, reference)
 
 
 def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_path: str, prompts_path: str,
@@ -254,15 +254,15 @@ def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_pat
                      json_out=again["populate.json"], drive_csv=again["populate-drive.csv"],
                      power_csv=again["populate-power.csv"], digests_csv=again["populate-digests.csv"],
                      log_dir=str(logs_at / "populate"), servers=servers, plan=plan)
-        frame, meta = run_sampled_phase(
+        unit = run_unit(
             plan, lambda disks: load_level(plan, workload, prefill, config, logs_at / "replicas", disks,
-                                                  level, servers, out_dir=level_dir),
-            drive_csv, power_csv, log_dir)
+                                           level, servers, out_dir=level_dir),
+            UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), f"load-{level.name}")
     restored = repopulated(read_records(populate_csv), read_json(Path(populate_csv).with_suffix(".json")),
                                 read_records(again["populate.csv"]), read_json(again["populate.json"]))
     log.info("%s %s: memory pool populated again (%d bytes, the cell's populate held %d)", cell.name, level.name,
              restored["bytes"], restored["cell_bytes"])
-    _finish_level(config, cell, level, frame, meta, restored, memory_restored(restored), False, csv_out,
+    _finish_level(config, cell, level, unit.frame, unit.meta, restored, memory_restored(restored), False, csv_out,
                   json_out, drive_csv, power_csv, plan, workload, reference)
 
 
@@ -271,7 +271,6 @@ def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: di
                   plan: dict, workload: list[dict], reference: pd.DataFrame | None = None) -> None:
     """A level's rows, its gate (its answers against the split-matched ``reference``) and its telemetry
     summary."""
-    records.write_records(frame, csv_out, f"load-{level.name}")
     in_flight = in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
     if level.kind == "peer":  # vLLM's client reports no hits per request: the window's, against reuse's
         reused = read_records(str(Path(csv_out).parents[1] / "reuse.csv"))
@@ -344,12 +343,12 @@ def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: d
             else:
                 rows, started, finished, window, times = asyncio.run(_load(fleet.replicas, workload, route,
                                                                            prefill, cfg, level))
-    frame = records.frame(LevelRecord, rows)
     # the level's own span (its schedule, or vLLM's client's requests), narrower than the sampled window
-    meta = fleet.meta(level=level.name, drop_before_level=drop, wall_s=finished - started, started_at=started,
-                      finished_at=finished, window_external_tokens=window)
+    result = fleet.result(records.frame(LevelRecord, rows), level=level.name, drop_before_level=drop,
+                          wall_s=finished - started, started_at=started, finished_at=finished,
+                          window_external_tokens=window)
     if commands is not None:
-        meta["commands"] = commands
+        result.meta["commands"] = commands
     if times is not None:
-        meta["window_times"] = times
-    return frame, meta, fleet.sampler
+        result.meta["window_times"] = times
+    return result

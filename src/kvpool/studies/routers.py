@@ -53,12 +53,12 @@ from kvpool.measure.timed import (
     drop_pool,
     measured_request,
     request_row,
-    run_unit,
     scrape_serving,
     timed_fleet,
     write_unit,
 )
-from kvpool.measure.unit_plan import checked_ports, new_plan
+from kvpool.measure.unit import UnitPaths, run_unit
+from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.stats import reported_percentile
 from kvpool.studies.load import Level, outputs_check, send_level
@@ -257,11 +257,12 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
     root = router_pool_root(config, cell, router)
     plan = checked_ports(new_plan(config, cell, model, unit_dir, pool_root=root))
     workload = prompts.read_workload(Path(prompts_path))
-    frame, meta = run_unit(
-        config, plan, root, lambda disks: router_unit(plan, workload, router, config, Path(log_dir), disks),
-        plan_out=plan_out, manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, router=router),
-        manifest_out=manifest_out, drive_csv=drive_csv, power_csv=power_csv, log_dir=log_dir, csv_out=csv_out,
-        name=f"router-{router}")
+    unit = run_unit(
+        plan, lambda disks: router_unit(plan, workload, router, config, Path(log_dir), disks),
+        UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir, plan_out, manifest_out), f"router-{router}",
+        pool=unit_pool(config, root, plan),
+        manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
+    frame, meta = unit.frame, unit.meta
     gate = checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
                   config["workload"]["doc_tokens"], config["min_hit_fraction"], config["max_resident_fraction"],
                   read_records(reference_csv) if reference_csv else None, batch_invariant(config["engine"]),
@@ -356,6 +357,5 @@ def router_unit(plan: dict, workload: list[dict], router_name: str, cfg: dict, l
                 order = followup_order(doc_ids, settings["seed"] + 1)
                 rows += asyncio.run(_routed_one_at_a_time(by_index, router, "after-loss",
                                                           [(d, followups[d]) for d in order], tokens, seen, cfg))
-    frame = records.frame(RoutedRecord, rows)
-    meta = fleet.meta(router=router_name, drop_before_followups=drop, windows=windows, loss=loss)
-    return frame, meta, fleet.sampler
+    return fleet.result(records.frame(RoutedRecord, rows), router=router_name, drop_before_followups=drop,
+                        windows=windows, loss=loss)

@@ -37,10 +37,10 @@ from kvpool.measure.timed import (
     pool_digests,
     reference_phase,
     refuse_failed_reference,
-    run_sampled_phase,
     server_settings,
     settled_stores,
 )
+from kvpool.measure.unit import UnitPaths, run_unit
 from kvpool.measure.unit_plan import checked_ports, fresh_pool, new_plan, reference_replica
 from kvpool.settings import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads, step_settings
 from kvpool.studies.study_a_phases import populate_phase, reuse_phase
@@ -119,12 +119,10 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
         plan = prepared(config, cell, plan, servers)
     workload = prompts.read_workload(Path(prompts_path))
     probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
-    frame, meta = run_sampled_phase(
-        plan,
-        lambda disks: populate_phase(plan, workload, config, probe, Path(log_dir), disks, servers,
-                                      expect_shared=cell.arm == Arm.SHARED, replicas=replicas),
-        drive_csv, power_csv, log_dir)
-    records.write_records(frame, csv_out, "populate")
+    meta = run_unit(
+        plan, lambda disks: populate_phase(plan, workload, config, probe, Path(log_dir), disks, servers,
+                                           expect_shared=cell.arm == Arm.SHARED, replicas=replicas),
+        UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), "populate").meta
     dirs = plan_pool_dirs(plan)
     meta["stores_settled"] = settled_stores(dirs, servers)  # before the pool is measured and hashed
     if plan.get("memory_pool"):  # no files: the pool is what the servers hold in memory
@@ -241,13 +239,12 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
         drops.append(drop_pool(plan, config["drop_caches"]))
 
     files = not plan.get("memory_pool") and not plan.get("external")
-    frame, meta = run_sampled_phase(
+    meta = run_unit(
         plan, lambda disks: reuse_phase(plan, workload, prefill, config, Path(log_dir), disks, servers,
-                                         between_reloads if files else None, replicas=replicas),
-        drive_csv, power_csv, log_dir)
+                                        between_reloads if files else None, replicas=replicas),
+        UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), "reuse").meta
     if drops:
         meta["drops_between_reloads"] = drops
-    records.write_records(frame, csv_out, "reuse")
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes; on the cell's
     # one fleet, once the follow-ups' own stores have landed (the replicas are still up)
     if replicas is not None:

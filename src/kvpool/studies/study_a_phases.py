@@ -111,11 +111,10 @@ def populate_phase(plan: dict, workload: list[dict], cfg: dict, probe: tuple[lis
         if cfg["preflight_on_failure"] == "abort":
             raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
         log.error(message)
-    frame = records.frame(RequestRecord, rows)
-    meta = fleet.meta(preflight=preflight)
+    result = fleet.result(records.frame(RequestRecord, rows), preflight=preflight)
     if endpoints is not None:
-        meta["endpoints"] = endpoints
-    return frame, meta, fleet.sampler
+        result.meta["endpoints"] = endpoints
+    return result
 
 
 async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) -> tuple[list[dict], float, float]:
@@ -157,7 +156,6 @@ def reuse_phase(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: 
         with fleet.window("reuse", disks):
             rows, started, finished = asyncio.run(_reuse(fleet.replicas, workload, route, prefill, cfg,
                                                          between_reloads))
-    frame = records.frame(RequestRecord, rows)
     # the wall clock of the follow-ups themselves, from the first request to the last answer
-    meta = fleet.meta(drop_before_reuse=drop, wall_s=finished - started, started_at=started, finished_at=finished)
-    return frame, meta, fleet.sampler
+    return fleet.result(records.frame(RequestRecord, rows), drop_before_reuse=drop, wall_s=finished - started,
+                        started_at=started, finished_at=finished)

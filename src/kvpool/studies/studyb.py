@@ -34,7 +34,8 @@ from kvpool.measure.files import read_json, write_json
 from kvpool.measure.records import ChainRecord
 from kvpool.measure.reference import payload_sha256
 from kvpool.measure.reuse_checks import outputs_check
-from kvpool.measure.timed import REPO, chain_fleet, recompute_in_splits, recording_sends, with_retrievals
+from kvpool.measure.timed import REPO, chain_fleet, recompute_in_splits, recording_sends
+from kvpool.measure.unit import with_retrievals
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, reads
@@ -413,8 +414,8 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
     workload = read_json(workload_path)
     with unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
-        rows, meta, sent, predicted = studyb_block(plan, block, workload, study, config, Path(log_dir))
-    frame = with_retrievals(records.frame(ChainRecord, rows), Path(log_dir))
+        unit, sent, predicted = studyb_block(plan, block, workload, study, config, Path(log_dir))
+    frame, meta = with_retrievals(unit.frame, Path(log_dir)), unit.meta
     records.write_records(frame, csv_out, f"studyb-{block}")
     invariant = batch_invariant(config["engine"])
     compared = predicted
@@ -474,8 +475,8 @@ def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict,
                 row["path"] = PREDICTED
 
     after = reference_for_on_blocks if block_arm(block) == OFF and ON in SEQUENCE[block_position(block) + 1:] else None
-    rows, meta, _ = chain_fleet(plan, cfg, log_dir, body, after=after)
-    meta = {"block": block, **meta}
+    unit = chain_fleet(plan, cfg, log_dir, body, after=after)
+    unit.meta = {"block": block, **unit.meta}
     if fault:
-        meta["fault_injection"] = injected
-    return rows, meta, prompts, pd.DataFrame(predicted, columns=split_reference.COLUMNS)
+        unit.meta["fault_injection"] = injected
+    return unit, prompts, pd.DataFrame(predicted, columns=split_reference.COLUMNS)
