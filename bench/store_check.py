@@ -42,6 +42,7 @@ from kvpool.engine.client import new_session
 from kvpool.engine.fleet import running_fleet
 from kvpool.engine.model import RANDOM_MODEL_DIR
 from kvpool.engine.plan import fleet_plan
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.pool_files import pool_files
 from kvpool.engine.ports import free_ports
 from kvpool.engine.prompts import read_workload
@@ -61,7 +62,7 @@ def variant(text: str) -> tuple[str, dict]:
     return name, parsed
 
 
-def single_replica_plan(config: dict, workdir: Path, name: str, settings: dict, pool_root: Path) -> dict:
+def single_replica_plan(config: dict, workdir: Path, name: str, settings: dict, pool_root: Path) -> Plan:
     """kvpool's launch plan for one replica of the config's engine, its own pool under ``pool_root``."""
     config = copy.deepcopy(config)
     config["replicas"] = 1
@@ -76,9 +77,9 @@ def single_replica_plan(config: dict, workdir: Path, name: str, settings: dict, 
     model = config["engine"]["model"] or str(workdir / RANDOM_MODEL_DIR)
     cell_dir = workdir / "results" / "store-check" / name
     cell_dir.mkdir(parents=True, exist_ok=True)
-    plan = fleet_plan(config, cell, model, cell_dir, free_ports(config["engine"]["host"], 1), "free")
-    plan["replicas"][0]["env"]["VLLM_SERVER_DEV_MODE"] = "1"  # for POST /reset_prefix_cache
-    Path(plan["replicas"][0]["pool_dir"]).mkdir(parents=True, exist_ok=True)
+    plan = fleet_plan(config, cell, model, cell_dir, free_ports(config["engine"]["host"], 1), "free",
+                      dev_mode=True)  # for POST /reset_prefix_cache
+    Path(plan.replicas[0].pool_dir).mkdir(parents=True, exist_ok=True)
     return plan
 
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 from snakemake.utils import validate
 from support.committed import assert_same_gate
 
 from kvpool.cells import Cell, cells
+from kvpool.engine.plan_types import read_plan
 from kvpool.measure import kvbytes
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
@@ -133,26 +133,26 @@ def test_the_disk_tiers_pool_files_agree_bit_for_bit_across_the_arms():
 
 
 def test_the_plan_ran_one_server_on_loopback_with_an_l1_for_the_whole_pool():
-    plan = yaml.safe_load((folder(SHARED_RAM) / "plan.yaml").read_text())
-    (server,) = plan["servers"]
-    assert server["host"] == "127.0.0.1" and server["l2_dir"] is None and server["l1_size_gib"] == 28.7
-    assert {json.loads(r["argv"][r["argv"].index("--kv-transfer-config") + 1])["kv_connector"]
-            for r in plan["replicas"]} == {"LMCacheMPConnector"}
-    disk = yaml.safe_load((folder(SHARED_DISK) / "plan.yaml").read_text())
-    (server,) = disk["servers"]
-    adapter = json.loads(server["argv"][server["argv"].index("--l2-adapter") + 1])
-    assert adapter == {"type": "fs", "base_path": server["l2_dir"], "use_odirect": False}
+    plan = read_plan(folder(SHARED_RAM) / "plan.yaml")
+    (server,) = plan.servers
+    assert server.host == "127.0.0.1" and server.l2_dir is None and server.l1_size_gib == 28.7
+    assert {json.loads(r.argv[r.argv.index("--kv-transfer-config") + 1])["kv_connector"]
+            for r in plan.replicas} == {"LMCacheMPConnector"}
+    disk = read_plan(folder(SHARED_DISK) / "plan.yaml")
+    (server,) = disk.servers
+    adapter = json.loads(server.argv[server.argv.index("--l2-adapter") + 1])
+    assert adapter == {"type": "fs", "base_path": server.l2_dir, "use_odirect": False}
 
 
 @pytest.mark.parametrize("run", RUNS[1:], ids=by_name)
 def test_the_long_context_runs_put_one_replica_on_each_gpu_and_one_server_per_replica_when_isolated(run):
     for arm, servers in (("shared", [0, 0]), ("isolated", [0, 1])):
-        plan = yaml.safe_load((run.cell_dir(Cell("lmcache-mp", arm, 256, "ram")) / "plan.yaml").read_text())
-        assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]] == ["0", "1"]
-        assert [r["server"] for r in plan["replicas"]] == servers
+        plan = read_plan(run.cell_dir(Cell("lmcache-mp", arm, 256, "ram")) / "plan.yaml")
+        assert [r.env["CUDA_VISIBLE_DEVICES"] for r in plan.replicas] == ["0", "1"]
+        assert [r.server for r in plan.replicas] == servers
         # each server's L1 holds the whole pool: a restore never falls back to a silent recompute (LMCache #5290)
-        assert all(s["l1_size_gib"] * 2**30 > run.documents * run.doc_tokens * KV_BYTES_PER_TOKEN
-                   for s in plan["servers"])
+        assert all(s.l1_size_gib * 2**30 > run.documents * run.doc_tokens * KV_BYTES_PER_TOKEN
+                   for s in plan.servers)
 
 
 @pytest.mark.parametrize("run", RUNS[1:], ids=by_name)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import psutil
 
+from kvpool.engine.plan_types import Plan, ReplicaPlan, ServerPlan
 from kvpool.engine.ports import free_ports
 
 HERE = Path(__file__).resolve().parent
@@ -14,20 +15,21 @@ FAKE_ENGINE = str(HERE / "fake_engine.py")
 TEST_PORTS = 38100  # away from the pipeline's own range, so a test never takes a real replica's port
 
 
-def fake_plan(mode: str, count: int = 2, ports=None, source="auto"):
+def fake_plan(mode: str, count: int = 2, ports=None, source="auto") -> Plan:
     ports = ports or free_ports("127.0.0.1", count, start=TEST_PORTS)
-    return {"cell": "test", "port_source": source, "replicas": [
-        {"index": i, "host": "127.0.0.1", "port": p, "sequential_start": False, "lmcache_config_file": None,
-         "env": {}, "argv": [sys.executable, FAKE, mode, "--port", str(p)]}
-        for i, p in enumerate(ports)]}
+    return Plan(cell="test", engine_kind="vllm-cpu", model="fake", port_source=source, replicas=tuple(
+        ReplicaPlan(index=i, host="127.0.0.1", port=p, core=None, gpu=None, sequential_start=False, pool_dir=None,
+                    lmcache_config_file=None, lmcache_config=None, env={},
+                    argv=[sys.executable, FAKE, mode, "--port", str(p)])
+        for i, p in enumerate(ports)))
 
 
-def fake_server_plan(mode, count=1):
+def fake_server_plan(mode, count=1) -> Plan:
     ports = free_ports("127.0.0.1", 2 * count, start=TEST_PORTS + 200)
-    return {"cell": "test", "replicas": [], "servers": [
-        {"index": i, "host": "127.0.0.1", "port": ports[2 * i], "http_port": ports[2 * i + 1], "env": {},
-         "argv": [sys.executable, FAKE, mode, "--port", str(ports[2 * i]), "--http-port", str(ports[2 * i + 1])]}
-        for i in range(count)]}
+    return Plan(cell="test", engine_kind="vllm-cpu", model="fake", port_source="auto", replicas=(), servers=tuple(
+        ServerPlan(index=i, kind="lmcache", host="127.0.0.1", port=ports[2 * i], http_port=ports[2 * i + 1], env={},
+                   argv=[sys.executable, FAKE, mode, "--port", str(ports[2 * i]), "--http-port", str(ports[2 * i + 1])])
+        for i in range(count)))
 
 
 def write_driver(tmp_path, *body: str) -> Path:

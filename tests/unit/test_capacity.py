@@ -8,6 +8,7 @@ import pytest
 from kvpool.cells import Cell
 from kvpool.engine import mp, pool_views
 from kvpool.engine.client import RequestResult
+from kvpool.engine.plan_types import ServerPlan
 from kvpool.report import capacity as capacity_report
 from kvpool.report import gate
 from kvpool.studies import capacity, capacity_requests
@@ -204,7 +205,9 @@ class StandInMPServer:
     """An MP server's /metrics as a capacity unit reads them: a scripted sequence, the last repeated."""
 
     def __init__(self, readings, l1_size_gib=1.0):
-        self.readings, self.calls, self.entry = list(readings), 0, {"kind": "lmcache", "l1_size_gib": l1_size_gib}
+        self.readings, self.calls = list(readings), 0
+        self.entry = ServerPlan(index=0, kind="lmcache", host="127.0.0.1", port=1, http_port=2, env={}, argv=[],
+                                l1_size_gib=l1_size_gib)
 
     def metrics(self):
         reading = self.readings[min(self.calls, len(self.readings) - 1)]

@@ -2,6 +2,7 @@
 what the gate lists as not verified, and the refusal of a pool that is already in use."""
 
 import asyncio
+import dataclasses
 
 import pytest
 from aiohttp import web
@@ -61,10 +62,10 @@ def test_endpoints_given_to_a_launched_fleet_are_refused(config, tmp_path):
 def test_an_external_plan_names_the_endpoints_and_launches_nothing(config, tmp_path):
     config = external_config(config, pool_dirs={"shared": [str(tmp_path / "pool")] * 2})
     plan = _new_plan(config, CELL, "resources/model", tmp_path)
-    assert plan["external"] and "servers" not in plan
-    assert [(r["url"], r["host"], r["port"]) for r in plan["replicas"]] == [
+    assert plan.external and not plan.servers
+    assert [(r.url, r.host, r.port) for r in plan.replicas] == [
         (URLS[0], "10.0.0.5", 8000), (URLS[1], "10.0.0.6", 8000)]
-    assert all(r["argv"] is None and r["env"] == {} for r in plan["replicas"])
+    assert all(r.argv is None and r.env == {} for r in plan.replicas)
     assert plan_pool_dirs(plan) == [tmp_path / "pool"] * 2
     assert plan_pool_dirs(_new_plan(external_config(config, pool_dirs={}), CELL, "m", tmp_path)) == []
 
@@ -79,7 +80,7 @@ def test_a_fleet_that_is_down_is_named_after_fleet_wait_s_not_a_replicas_startup
     port = free_ports("127.0.0.1", 1)[0]  # nothing listens there
     config = external_config(config, endpoints={"shared": [f"http://127.0.0.1:{port}", URLS[1]]}, wait_s=2)
     plan = _new_plan(config, CELL, "resources/model", tmp_path)
-    assert plan["wait_s"] == 2
+    assert plan.wait_s == 2
     started = time.monotonic()
     with pytest.raises(FleetError, match=rf"after 2 s \(fleet.wait_s\): external replica 0 \(http://127.0.0.1:{port}\)"):
         with running_fleet(plan, tmp_path, timeout_s=600):
@@ -118,7 +119,8 @@ def test_a_pool_already_in_use_is_refused_and_left_as_it_was(config, tmp_path):
     with pytest.raises(RuntimeError, match="already holds 1 files; kvpool never removes a pool it did not create"):
         _refuse_a_used_external_pool(plan)
     assert (pool / "chunk.data").read_bytes() == b"kv"
-    plan["replicas"][0]["pool_dir"] = str(tmp_path / "missing")
+    plan = plan.with_replicas([dataclasses.replace(plan.replicas[0], pool_dir=str(tmp_path / "missing")),
+                               *plan.replicas[1:]])
     with pytest.raises(RuntimeError, match="is not a directory this machine can see"):
         _refuse_a_used_external_pool(plan)
 

@@ -12,6 +12,7 @@ from support.fakes import FAKE, TEST_PORTS, fake_plan, family, write_driver
 
 from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_fleet
+from kvpool.engine.plan_types import write_plan
 from kvpool.engine.ports import free_ports, resolve_ports
 
 
@@ -74,7 +75,7 @@ def test_silent_replica_times_out_and_is_stopped(tmp_path):
     with pytest.raises(FleetError, match="not healthy after 2 s"):
         with running_fleet(plan, tmp_path, timeout_s=2):
             pass
-    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {plan['replicas'][0]['port']}"], capture_output=True)
+    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {plan.replicas[0].port}"], capture_output=True)
     assert out.stdout == b""
 
 
@@ -86,7 +87,7 @@ def test_configured_port_in_use_is_a_clear_error():
         with pytest.raises(FleetError, match=f"replica 0 port {port}.*engine.ports"):
             resolve_ports(fake_plan("serve", count=1, ports=[port], source="config"))
         moved = resolve_ports(fake_plan("serve", count=1, ports=[port], source="auto"))
-        assert moved["replicas"][0]["port"] != port
+        assert moved.replicas[0].port != port
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -152,7 +153,7 @@ def test_a_request_to_a_dead_replica_is_a_row_naming_its_exit(tmp_path):
     """The phase keeps going and keeps its rows: the failed request says which replica died and why."""
     from kvpool.engine.processes import Replica
 
-    replica = Replica(fake_plan("die", count=1)["replicas"][0], tmp_path / "replica-0.log")
+    replica = Replica(fake_plan("die", count=1).replicas[0], tmp_path / "replica-0.log")
     replica.start()
     replica.proc.wait(timeout=30)
     result, counts = one_measured_request(replica)
@@ -165,8 +166,8 @@ def test_a_port_another_server_also_listens_on_is_named(tmp_path):
     """vLLM binds with SO_REUSEPORT: a second server that binds the same port (another run that planned
     it at the same moment) silently takes a share of the requests."""
     plan = fake_plan("serve", count=1)
-    plan["replicas"][0]["argv"].append("--reuse-port")  # as vLLM does
-    port = plan["replicas"][0]["port"]
+    plan.replicas[0].argv.append("--reuse-port")  # as vLLM does
+    port = plan.replicas[0].port
     with running_fleet(plan, tmp_path, timeout_s=30) as (replica,):
         assert replica.port_owner_problem() is None
         with socket.socket() as other:
@@ -179,7 +180,6 @@ def test_a_port_another_server_also_listens_on_is_named(tmp_path):
 
 def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
     """populate checks its ports before it clears the cell's old pool."""
-    import yaml
 
     from kvpool.cells import Cell, pool_root
     from kvpool.studies.study_a import run_populate
@@ -193,7 +193,7 @@ def test_a_busy_configured_port_leaves_the_pool_alone(config, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         plan = fake_plan("serve", count=1, ports=[busy.getsockname()[1]], source="config")
-        (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+        write_plan(plan, tmp_path / "plan.yaml")
         with pytest.raises(FleetError, match="configured ports are in use"):
             run_populate(config, cell, plan_path=str(tmp_path / "plan.yaml"), prompts_path="prompts.jsonl",
                          csv_out="p.csv", json_out="p.json", drive_csv="d.csv", power_csv="w.csv",

@@ -1,5 +1,6 @@
 """The lmcache-mp backend without a GPU: its plan, its refusals, its server's lifecycle and metrics."""
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -11,7 +12,6 @@ from types import SimpleNamespace
 import pandas as pd
 import psutil
 import pytest
-import yaml
 from support import REPO
 from support.fakes import FAKE, FAKE_ENGINE, fake_server_plan, family, write_driver
 
@@ -23,6 +23,7 @@ from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_servers
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import fleet_plan, server_port_count, with_server_ports
+from kvpool.engine.plan_types import write_plan
 from kvpool.engine.ports import free_ports, resolve_server_ports
 from kvpool.measure import kvbytes, timed, unit_plan
 from kvpool.studies import load, study_a
@@ -54,38 +55,38 @@ def flag(argv, name):
 
 def test_shared_arm_has_one_server_for_every_replica(gpu_config):
     plan = mp_plan(gpu_config, "shared", "ram")
-    (server,) = plan["servers"]
-    assert plan["memory_pool"] is True
-    assert flag(server["argv"], "--host") == flag(server["argv"], "--http-host") == "127.0.0.1"
-    assert (flag(server["argv"], "--port"), flag(server["argv"], "--http-port")) == ("20001", "20002")
-    assert "--l2-adapter" not in server["argv"] and server["l2_dir"] is None
-    for replica in plan["replicas"]:
-        transfer = json.loads(flag(replica["argv"], "--kv-transfer-config"))
+    (server,) = plan.servers
+    assert plan.memory_pool is True
+    assert flag(server.argv, "--host") == flag(server.argv, "--http-host") == "127.0.0.1"
+    assert (flag(server.argv, "--port"), flag(server.argv, "--http-port")) == ("20001", "20002")
+    assert "--l2-adapter" not in server.argv and server.l2_dir is None
+    for replica in plan.replicas:
+        transfer = json.loads(flag(replica.argv, "--kv-transfer-config"))
         assert transfer == {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
             "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 20001}}
-        assert replica["server"] == 0 and "LMCACHE_CONFIG_FILE" not in replica["env"]
+        assert replica.server == 0 and "LMCACHE_CONFIG_FILE" not in replica.env
 
 
 def test_isolated_arm_has_a_server_per_replica_and_nothing_else_differs(gpu_config):
     shared, isolated = mp_plan(gpu_config, "shared", "disk"), mp_plan(gpu_config, "isolated", "disk")
-    assert len(isolated["servers"]) == 2 and isolated["memory_pool"] is False
-    ports = [json.loads(flag(r["argv"], "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
-             for r in isolated["replicas"]]
+    assert len(isolated.servers) == 2 and isolated.memory_pool is False
+    ports = [json.loads(flag(r.argv, "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
+             for r in isolated.replicas]
     assert ports == [20001, 20003]
     # the server command differs between arms only in its ports and its L2 folder
     def strip(argv):
         return [a for a in argv if not a.isdigit() and "base_path" not in a]
 
-    for server in isolated["servers"]:
-        assert strip(server["argv"]) == strip(shared["servers"][0]["argv"])
-    l2 = [json.loads(flag(s["argv"], "--l2-adapter")) for s in isolated["servers"]]
-    assert [a["base_path"] for a in l2] == [r["pool_dir"] for r in isolated["replicas"]]
+    for server in isolated.servers:
+        assert strip(server.argv) == strip(shared.servers[0].argv)
+    l2 = [json.loads(flag(s.argv, "--l2-adapter")) for s in isolated.servers]
+    assert [a["base_path"] for a in l2] == [r.pool_dir for r in isolated.replicas]
     assert all(a == {"type": "fs", "base_path": a["base_path"], "use_odirect": False} for a in l2)
-    assert shared["servers"][0]["l2_dir"] == shared["replicas"][0]["pool_dir"] == shared["replicas"][1]["pool_dir"]
+    assert shared.servers[0].l2_dir == shared.replicas[0].pool_dir == shared.replicas[1].pool_dir
     # the replicas' own arguments are those of the shared arm but for the connector's port
-    for r_shared, r_isolated in zip(shared["replicas"], isolated["replicas"], strict=True):
-        assert [a for a in r_shared["argv"] if "LMCacheMPConnector" not in a] == \
-               [a for a in r_isolated["argv"] if "LMCacheMPConnector" not in a]
+    for r_shared, r_isolated in zip(shared.replicas, isolated.replicas, strict=True):
+        assert [a for a in r_shared.argv if "LMCacheMPConnector" not in a] == \
+               [a for a in r_isolated.argv if "LMCacheMPConnector" not in a]
 
 
 def test_gpu_workers_is_a_dimension_of_the_mp_cells_alone(gpu_config):
@@ -108,8 +109,8 @@ def test_gpu_workers_is_a_dimension_of_the_mp_cells_alone(gpu_config):
 def test_the_server_gets_the_cells_gpu_workers_and_the_user_cannot_set_them(gpu_config):
     two = fleet_plan(gpu_config, Cell("lmcache-mp", "shared", 256, "ram", 2), "/models/m", Path("/tmp/cell"),
                      [18100, 18101], "config", server_ports=[20001, 20002])
-    assert flag(two["servers"][0]["argv"], "--max-gpu-workers") == "2"
-    assert "--max-gpu-workers" not in mp_plan(gpu_config, "shared", "ram")["servers"][0]["argv"]
+    assert flag(two.servers[0].argv, "--max-gpu-workers") == "2"
+    assert "--max-gpu-workers" not in mp_plan(gpu_config, "shared", "ram").servers[0].argv
     gpu_config["lmcache_mp"]["extra_args"] = ["--max-workers", "4"]
     found = kvpool_config.problems(gpu_config, Path("/tmp"), check_paths=False)
     assert any("lmcache_mp.extra_args sets --max-workers" in problem for problem in found)
@@ -149,14 +150,14 @@ def test_servers_per_replica_share_one_l2_folder_each_replica_on_its_own(gpu_con
     assert server_port_count(cell, 2) == 4 and server_port_count(Cell("lmcache-mp", "shared", 256, "disk"), 2) == 2
     plan = fleet_plan(gpu_config, cell, "/models/m", Path("/tmp/cell"), [18100, 18101], "config",
                       server_ports=[20001, 20002, 20003, 20004])
-    servers = plan["servers"]
-    assert [s["port"] for s in servers] == [20001, 20003] and [s["http_port"] for s in servers] == [20002, 20004]
+    servers = plan.servers
+    assert [s.port for s in servers] == [20001, 20003] and [s.http_port for s in servers] == [20002, 20004]
     # one L2 folder, the shared pool's, on both servers' command lines
-    folders = {json.loads(flag(s["argv"], "--l2-adapter"))["base_path"] for s in servers}
-    assert folders == {servers[0]["l2_dir"]} and servers[0]["l2_dir"].endswith("/shared")
+    folders = {json.loads(flag(s.argv, "--l2-adapter"))["base_path"] for s in servers}
+    assert folders == {servers[0].l2_dir} and servers[0].l2_dir.endswith("/shared")
     # each replica on its own server
-    ports = [r["kv_transfer"]["kv_connector_extra_config"]["lmcache.mp.port"] for r in plan["replicas"]]
-    assert ports == [20001, 20003] and [r["server"] for r in plan["replicas"]] == [0, 1]
+    ports = [r.kv_transfer["kv_connector_extra_config"]["lmcache.mp.port"] for r in plan.replicas]
+    assert ports == [20001, 20003] and [r.server for r in plan.replicas] == [0, 1]
 
 
 def test_servers_per_replica_without_a_shared_drive_tier_is_refused(gpu_config):
@@ -181,7 +182,7 @@ def test_l1_is_sized_for_the_whole_pool(gpu_config):
     per_token = 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * 4  # float32 in the default config
     pool = workload["documents"] * (workload["doc_tokens"] + workload["followup_tokens"]) * per_token
     for tier in ("ram", "disk"):
-        size = float(flag(mp_plan(gpu_config, "shared", tier)["servers"][0]["argv"], "--l1-size-gb"))
+        size = float(flag(mp_plan(gpu_config, "shared", tier).servers[0].argv, "--l1-size-gb"))
         assert pool / 0.7 / 2**30 <= size < pool / 0.7 / 2**30 + 0.1
 
 
@@ -216,11 +217,11 @@ def test_a_local_real_models_config_sizes_the_servers_l1(gpu_config, tmp_path):
 
 def test_moving_a_server_rewires_its_replicas(gpu_config):
     plan = with_server_ports(mp_plan(gpu_config, "isolated", "disk"), 1, 21000, 21001)
-    assert (flag(plan["servers"][1]["argv"], "--port"), flag(plan["servers"][1]["argv"], "--http-port")) == \
+    assert (flag(plan.servers[1].argv, "--port"), flag(plan.servers[1].argv, "--http-port")) == \
            ("21000", "21001")
-    ports = [json.loads(flag(r["argv"], "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
-             for r in plan["replicas"]]
-    assert ports == [20001, 21000] and plan["replicas"][1]["kv_transfer"]["kv_connector_extra_config"][
+    ports = [json.loads(flag(r.argv, "--kv-transfer-config"))["kv_connector_extra_config"]["lmcache.mp.port"]
+             for r in plan.replicas]
+    assert ports == [20001, 21000] and plan.replicas[1].kv_transfer["kv_connector_extra_config"][
         "lmcache.mp.port"] == 21000
 
 
@@ -274,12 +275,12 @@ def test_mp_replicas_let_their_engine_unregister_before_it_exits(gpu_config):
     """vLLM kills its engine core at once by default, which can beat the connector's unregister and leave
     the server holding the replica's GPU memory: every MP replica gets a shutdown timeout, no other does."""
     for arm in ("shared", "isolated"):
-        for replica in mp_plan(gpu_config, arm, "ram")["replicas"]:
-            assert flag(replica["argv"], "--shutdown-timeout") == str(mp.REPLICA_SHUTDOWN_TIMEOUT_S)
+        for replica in mp_plan(gpu_config, arm, "ram").replicas:
+            assert flag(replica.argv, "--shutdown-timeout") == str(mp.REPLICA_SHUTDOWN_TIMEOUT_S)
     gpu_config["backends"] = ["lmcache-fs"]
     plan = fleet_plan(gpu_config, Cell("lmcache-fs", "shared", 256, "disk"), "/models/m", Path("/tmp/cell"),
                       [18100, 18101], "config")
-    assert all("--shutdown-timeout" not in replica["argv"] for replica in plan["replicas"])
+    assert all("--shutdown-timeout" not in replica.argv for replica in plan.replicas)
 
 
 def test_a_server_outliving_its_fleet_is_waited_for_until_it_lets_go_of_the_gpu_memory(gpu_config, tmp_path):
@@ -315,8 +316,8 @@ def test_a_silent_server_times_out_and_is_stopped(tmp_path):
     with pytest.raises(FleetError, match="lmcache server 0 .*not healthy after 2 s"):
         with running_servers(plan, tmp_path, timeout_s=2):
             pass
-    server = plan["servers"][0]
-    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {server['port']} --http-port {server['http_port']}"],
+    server = plan.servers[0]
+    out = subprocess.run(["pgrep", "-f", f"{FAKE} silent --port {server.port} --http-port {server.http_port}"],
                          capture_output=True)
     assert out.stdout == b""
 
@@ -334,11 +335,11 @@ def test_a_taken_server_port_moves_before_start():
 
     plan = fake_server_plan("serve")
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", plan["servers"][0]["port"]))
+        busy.bind(("127.0.0.1", plan.servers[0].port))
         busy.listen()
         moved = resolve_server_ports(plan)
-    assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
-    assert str(moved["servers"][0]["http_port"]) in moved["servers"][0]["argv"]
+    assert moved.servers[0].port != plan.servers[0].port
+    assert str(moved.servers[0].http_port) in moved.servers[0].argv
 
 
 def test_running_servers_keep_their_ports_through_a_phase(tmp_path):
@@ -347,7 +348,7 @@ def test_running_servers_keep_their_ports_through_a_phase(tmp_path):
     with running_servers(fake_server_plan("serve"), tmp_path, timeout_s=30) as (plan, servers):
         assert unit_plan.checked_ports(plan, servers) == plan
         moved = unit_plan.checked_ports(plan)  # a phase that starts its own servers moves taken ports
-        assert moved["servers"][0]["port"] != plan["servers"][0]["port"]
+        assert moved.servers[0].port != plan.servers[0].port
         with pytest.raises(FleetError, match="running servers are"):
             with timed.pool_servers(moved, tmp_path, {"lmcache_mp": {}}, servers):
                 pass
@@ -462,9 +463,10 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     folder.mkdir()
     ports = free_ports("127.0.0.1", 6 if arm == "isolated" else 4, start=TEST_PORTS + 100)
     plan = fleet_plan(gpu_config, cell, str(model), folder, ports[:2], "auto", server_ports=ports[2:])
-    for replica in plan["replicas"]:
-        replica["argv"] = [sys.executable, FAKE_ENGINE, "--port", str(replica["port"])]
-    (folder / "plan.yaml").write_text(yaml.safe_dump(plan))
+    plan = plan.with_replicas(
+        dataclasses.replace(replica, argv=[sys.executable, FAKE_ENGINE, "--port", str(replica.port)])
+        for replica in plan.replicas)
+    write_plan(plan, folder / "plan.yaml")
     w = gpu_config["workload"]
     prompts.write_workload(tmp_path / "prompts.jsonl", prompts.make_workload(
         vocabulary(str(model)), w["documents"], w["doc_tokens"], w["followup_tokens"], w["seed"]))

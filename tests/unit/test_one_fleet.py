@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 from kvpool.cells import Cell
 from kvpool.engine import prompts
+from kvpool.engine.plan import fleet_plan
+from kvpool.engine.plan_types import write_plan
 from kvpool.measure import kvbytes
 from kvpool.measure.timed import settled_stores
 from kvpool.studies import study_a
@@ -100,8 +101,9 @@ def test_a_reuse_of_its_own_refuses_a_pool_warmed_by_an_earlier_reuse(config, tm
     shared.mkdir(parents=True)
     for name in ("one.data", "two.data", "three.data"):
         (shared / name).write_bytes(b"kv")
-    plan = {"cell": cell.name, "replicas": [{"index": i, "pool_dir": str(shared)} for i in range(2)]}
-    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    plan = fleet_plan(config, cell, "m", tmp_path, [18100, 18101], "config")
+    assert {replica.pool_dir for replica in plan.replicas} == {str(shared)}
+    write_plan(plan, tmp_path / "plan.yaml")
     workload = prompts.make_workload(list(range(100)), 2, 16, 4, 0)
     prompts.write_workload(tmp_path / "prompts.jsonl", workload)
     pd.DataFrame({"doc_id": [0, 1], "prefill_replica": [0, 1]}).to_csv(tmp_path / "populate.csv", index=False)

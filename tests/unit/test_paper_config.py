@@ -64,11 +64,11 @@ def test_gpu_validation_configs_plan_on_any_machine(tmp_path, name, replicas, gp
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
     cell = Cell("lmcache-fs", "shared", 256, "ram")
     plan = fleet_plan(config, cell, "resources/model", tmp_path, list(range(18100, 18100 + replicas)), "auto")
-    assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
-    assert all(r["argv"][:2] == ["vllm", "serve"] and "--enforce-eager" in r["argv"] for r in plan["replicas"])
-    shares = {r["argv"][r["argv"].index("--gpu-memory-utilization") + 1] for r in plan["replicas"]}
+    assert {r.env["CUDA_VISIBLE_DEVICES"] for r in plan.replicas} == {str(g) for g in gpus}
+    assert all(r.argv[:2] == ["vllm", "serve"] and "--enforce-eager" in r.argv for r in plan.replicas)
+    shares = {r.argv[r.argv.index("--gpu-memory-utilization") + 1] for r in plan.replicas}
     assert shares == ({"0.4200"} if packed else {"0.9000"})
-    assert all(r["sequential_start"] == packed for r in plan["replicas"])
+    assert all(r.sequential_start == packed for r in plan.replicas)
 
 
 @pytest.mark.parametrize("name, doc_tokens, gpus, packed", [("h200-128k.yaml", 131072, {0}, True),
@@ -100,8 +100,8 @@ def test_study_b_long_context_configs_plan_on_any_machine(tmp_path, name, doc_to
     backend = config["backends"][0]
     plan = fleet_plan(config, Cell(backend, "shared", 256, "ram"), "resources/model", tmp_path, [18100, 18101],
                       "auto", server_ports=[18102, 18103] if backend == "lmcache-mp" else None)
-    assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in plan["replicas"]} == {str(g) for g in gpus}
-    assert all(r["sequential_start"] == packed for r in plan["replicas"])
+    assert {r.env["CUDA_VISIBLE_DEVICES"] for r in plan.replicas} == {str(g) for g in gpus}
+    assert all(r.sequential_start == packed for r in plan.replicas)
 
 
 @pytest.mark.parametrize("name, gpus", [("h200x2-mp-studyb.yaml", ["0", "1"]), ("h200-mp-studyb.yaml", ["0", "0"])])
@@ -129,10 +129,10 @@ def test_study_b_gpu_config_plans_its_four_blocks_on_the_mp_pool(tmp_path, name,
     on = fleet_plan(config, studyb.block_cell(study, studyb.ON), "m", tmp_path, [18100, 18101], "auto",
                     server_ports=[18102, 18103], pool_root=tmp_path / "pool")
     off = fleet_plan(config, studyb.block_cell(study, studyb.OFF), "m", tmp_path, [18100, 18101], "auto")
-    (server,) = on["servers"]  # one MP server (host RAM) for both replicas
-    assert {r["kv_transfer"]["kv_connector"] for r in on["replicas"]} == {"LMCacheMPConnector"}
-    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in on["replicas"]] == gpus and server["l2_dir"] is None
-    assert "servers" not in off and all(r["kv_transfer"] is None for r in off["replicas"])
+    (server,) = on.servers  # one MP server (host RAM) for both replicas
+    assert {r.kv_transfer["kv_connector"] for r in on.replicas} == {"LMCacheMPConnector"}
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in on.replicas] == gpus and server.l2_dir is None
+    assert not off.servers and all(r.kv_transfer is None for r in off.replicas)
     # a Study A GPU config leaves Study B out of `all`
     assert not load(REPO / "config" / "h200.yaml", REPO)["study_b"]["enabled"]
 

@@ -1,4 +1,7 @@
+import dataclasses
 import socket
+
+from support.fakes import fake_plan
 
 from kvpool.engine.ports import port_is_free
 
@@ -37,13 +40,12 @@ def test_a_port_another_run_is_starting_a_server_on_is_not_free_and_an_auto_port
         assert holder.stdout.readline().strip() == "held"
         assert ports.claimed_elsewhere(port) and not ports.port_is_free("127.0.0.1", port)
         assert port not in ports.free_ports("127.0.0.1", 3, start=port, span=40)
-        plan = {"port_source": "auto", "replicas": [{"index": 0, "host": "127.0.0.1", "port": port, "argv": [
-            "serve", "--port", str(port)], "env": {}}]}
-        moved, held = ports.claimed(plan, ports.resolve_ports, lambda p: [r["port"] for r in p["replicas"]])
-        assert held == [moved["replicas"][0]["port"]] and held != [port] and not ports.claimed_elsewhere(held[0])
+        plan = fake_plan("serve", count=1, ports=[port])
+        moved, held = ports.claimed(plan, ports.resolve_ports, lambda p: [r.port for r in p.replicas])
+        assert held == [moved.replicas[0].port] and held != [port] and not ports.claimed_elsewhere(held[0])
         ports.release_ports(held)
         with pytest.raises(FleetError, match="configured ports are in use"):
-            ports.claimed({**plan, "port_source": "config"}, ports.resolve_ports, lambda p: [port])
+            ports.claimed(dataclasses.replace(plan, port_source="config"), ports.resolve_ports, lambda p: [port])
     finally:
         holder.kill()
         holder.wait()

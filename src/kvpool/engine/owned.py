@@ -22,6 +22,8 @@ from unittest import mock
 
 import yaml
 
+from kvpool.engine.plan_types import Plan
+
 # kvpool writes these into each replica's LMCache file (kvpool.engine.plan.lmcache_config); the rest of
 # the file is the config's own `lmcache` section, the user's to change.
 OWNED_LMCACHE_KEYS = frozenset({"chunk_size", "remote_url", "remote_serde", "local_disk", "max_local_disk_size",
@@ -161,21 +163,21 @@ def _names(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 2 else f"{names[0]}, {names[1]} and {len(names) - 2} more"
 
 
-def launches(plan: dict, engine_extra: list[str], server_extra: list[str]) -> list[dict]:
+def launches(plan: Plan, engine_extra: list[str], server_extra: list[str]) -> list[dict]:
     """A fleet plan's launches as ``problems`` reads them: each replica's and pool server's command line
     split into kvpool's part and the user's (the plan appends ``engine_extra`` and ``server_extra`` last)."""
     def split(argv, extra):
         return argv[:len(argv) - len(extra)], list(extra)
 
     found = []
-    for replica in plan["replicas"]:
-        own, extra = split(engine_options(replica["argv"]), engine_extra)
-        found.append({"name": f"{plan['cell']} replica {replica['index']}", "engine_own": own, "engine_extra": extra,
-                      "lmcache_config": replica["lmcache_config"],
-                      "lmcache_config_file": replica["lmcache_config_file"], "env": replica["env"]})
-    for server in plan.get("servers", []):
-        if server["kind"] == "lmcache":  # `lmcache server ...`; a Redis server takes lmcache_redis.extra_args
-            own, extra = split(server["argv"][2:], server_extra)
-            found.append({"name": f"{plan['cell']} pool server {server['index']}", "server_own": own,
+    for replica in plan.replicas:
+        own, extra = split(engine_options(replica.argv), engine_extra)
+        found.append({"name": f"{plan.cell} replica {replica.index}", "engine_own": own, "engine_extra": extra,
+                      "lmcache_config": replica.lmcache_config,
+                      "lmcache_config_file": replica.lmcache_config_file, "env": replica.env})
+    for server in plan.servers:
+        if server.kind == "lmcache":  # `lmcache server ...`; a Redis server takes lmcache_redis.extra_args
+            own, extra = split(server.argv[2:], server_extra)
+            found.append({"name": f"{plan.cell} pool server {server.index}", "server_own": own,
                           "server_extra": extra})
     return found

@@ -7,6 +7,7 @@ own prefix cache only, no pool. The plan is pure data, written to ``plan.yaml`` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from kvpool.cells import Arm, Backend, Cell, is_memory_pool, pool_dirs
 from kvpool.engine import external, mp, pool_url, redis_pool
+from kvpool.engine.plan_types import Plan, ReplicaPlan, ServerPlan
 
 SERVED_MODEL_NAME = "kvpool-model"
 CPU_CONNECTOR_MODULE = "kvpool.cpu_connector"
@@ -160,7 +162,7 @@ def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Pat
 def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list[int], port_source: str,
                available_cores: list[int] | None = None, server_ports: list[int] | None = None,
                pool_root: Path | None = None, dev_mode: bool = False,
-               load_failure_policy: str | None = None) -> dict:
+               load_failure_policy: str | None = None) -> Plan:
     """The resolved launch plan of ``cell``'s fleet; an lmcache-mp cell also gets its servers
     (``server_ports``: a ZMQ and an HTTP port per server). ``pool_root``: the pool's folder when it
     is not the cell's own (a Study B block's). ``dev_mode``: the replicas open /reset_prefix_cache (a unit
@@ -178,51 +180,48 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     for index, (place, pool_dir, port) in enumerate(zip(places, dirs, ports, strict=True)):
         entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
                  "sequential_start": place["sequential_start"], "pool_dir": None if off else str(pool_dir)}
-        server = (servers[index] if cell.server_per_replica else servers[0]) if servers else None
+        server = (servers[index] if cell.server_per_replica else servers[0]) if servers else None  # a ServerPlan
         shutdown_timeout_s = None  # vLLM's default, but for a replica that must unregister from an MP server
         if off:
             transfer = None
             entry.update(lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         elif cell.backend == Backend.MP:
-            transfer = mp.kv_transfer_config(server["host"], server["port"])
+            transfer = mp.kv_transfer_config(server.host, server.port)
             shutdown_timeout_s = mp.REPLICA_SHUTDOWN_TIMEOUT_S
-            entry.update(server=server["index"], lmcache_config_file=None, lmcache_config=None,
+            entry.update(server=server.index, lmcache_config_file=None, lmcache_config=None,
                          env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
         else:
             lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
             transfer = kv_transfer_config(engine["kind"], load_failure_policy)
             server_url = None
             if server is not None:  # lmcache-redis: the in-process connector, pointed at the replica's server
-                server_url = redis_pool.url(server["host"], server["port"])
-                entry["server"] = server["index"]
+                server_url = redis_pool.url(server.host, server.port)
+                entry["server"] = server.index
             entry.update(lmcache_config_file=str(lmcache_file),
                          lmcache_config=lmcache_config(config, cell, pool_dir, server_url),
                          env=replica_env(engine, place, config["hash_keys"], lmcache_file, dev_mode))
         entry["kv_transfer"] = transfer
         entry["argv"] = engine_argv(engine, model, port, kv_transfer=transfer, prefix_caching=True,
                                     gpu_memory_utilization=util, shutdown_timeout_s=shutdown_timeout_s)
-        entries.append(entry)
-    plan = {"cell": cell.name, "engine_kind": engine["kind"], "model": model, "port_source": port_source,
-            "replicas": entries}
-    if servers:
-        plan["servers"] = servers
-        plan["memory_pool"] = is_memory_pool(config, cell)
-    return plan
+        entries.append(ReplicaPlan(**entry))
+    return Plan(cell=cell.name, engine_kind=engine["kind"], model=model, port_source=port_source,
+                replicas=tuple(entries), servers=tuple(servers),
+                memory_pool=bool(servers) and is_memory_pool(config, cell))
 
 
-def external_plan(config: dict, cell: Cell, model: str) -> dict:
+def external_plan(config: dict, cell: Cell, model: str) -> Plan:
     """An external fleet's plan: the arm's endpoints in replica order and, where this machine sees them,
     their pool directories; nothing to launch (no argv, no environment, no servers)."""
     urls = config["fleet"]["endpoints"][cell.arm]
     entries = []
     for index, (url, pool_dir) in enumerate(zip(urls, external.visible_pool_dirs(config, cell.arm), strict=True)):
         host, port = external.endpoint(url)
-        entries.append({"index": index, "url": url, "host": host, "port": port, "core": None, "gpu": None,
-                        "sequential_start": False, "pool_dir": pool_dir, "lmcache_config_file": None,
-                        "lmcache_config": None, "kv_transfer": None, "env": {}, "argv": None})
-    return {"cell": cell.name, "engine_kind": config["engine"]["kind"], "model": model, "port_source": "external",
-            "external": True, "wait_s": config["fleet"]["wait_s"], "replicas": entries}
+        entries.append(ReplicaPlan(index=index, url=url, host=host, port=port, core=None, gpu=None,
+                                   sequential_start=False, pool_dir=pool_dir, lmcache_config_file=None,
+                                   lmcache_config=None, kv_transfer=None, env={}, argv=None))
+    return Plan(cell=cell.name, engine_kind=config["engine"]["kind"], model=model, port_source="external",
+                external=True, wait_s=config["fleet"]["wait_s"], replicas=tuple(entries))
 
 
 def server_port_count(cell: Cell, replicas: int) -> int:
@@ -234,7 +233,7 @@ def server_port_count(cell: Cell, replicas: int) -> int:
     return (replicas if cell.server_per_replica else 1) * SERVER_BACKENDS[cell.backend]
 
 
-def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> list[dict]:
+def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> list[ServerPlan]:
     """One pool server for the shared arm, one per replica for the isolated arm; a shared MP pool of
     ``servers: per-replica`` gets one per replica too, each with the one shared folder as its L2."""
     count = len(dirs) if cell.server_per_replica else 1
@@ -242,47 +241,47 @@ def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> li
         raise ValueError(f"{cell.name} needs {server_port_count(cell, len(dirs))} server ports, got {len(ports)}")
     host = config["engine"]["host"]
     if cell.backend == Backend.REDIS:
-        return [{"index": index, "kind": "redis", "host": host, "port": ports[index], "http_port": None,
-                 "workdir": str(dirs[index]), "env": dict(BASE_ENV),
-                 "argv": redis_pool.server_argv(config, host, ports[index], dirs[index])} for index in range(count)]
+        return [ServerPlan(index=index, kind="redis", host=host, port=ports[index], http_port=None,
+                           workdir=str(dirs[index]), env=dict(BASE_ENV),
+                           argv=redis_pool.server_argv(config, host, ports[index], dirs[index]))
+                for index in range(count)]
     memory = is_memory_pool(config, cell)
     servers = []
     for index in range(count):
         port, http_port = ports[2 * index], ports[2 * index + 1]
         l2_dir = None if memory else dirs[index]
-        servers.append({"index": index, "kind": "lmcache", "host": host, "port": port, "http_port": http_port,
-                        "l1_size_gib": mp.l1_size_gib(config, cell.tier),
-                        "l2_dir": None if l2_dir is None else str(l2_dir),
-                        "env": mp.server_env(config, BASE_ENV),
-                        "argv": mp.server_argv(config, cell, host, port, http_port, l2_dir)})
+        servers.append(ServerPlan(index=index, kind="lmcache", host=host, port=port, http_port=http_port,
+                                  l1_size_gib=mp.l1_size_gib(config, cell.tier),
+                                  l2_dir=None if l2_dir is None else str(l2_dir),
+                                  env=mp.server_env(config, BASE_ENV),
+                                  argv=mp.server_argv(config, cell, host, port, http_port, l2_dir)))
     return servers
 
 
-def plan_pool_dirs(plan: dict) -> list[Path]:
+def plan_pool_dirs(plan: Plan) -> list[Path]:
     """Each replica's pool directory, in replica order, where this machine sees one: an off arm has
     none, an external fleet only those given as fleet.pool_dirs."""
-    return [Path(r["pool_dir"]) for r in plan["replicas"] if r["pool_dir"]]
+    return [Path(r.pool_dir) for r in plan.replicas if r.pool_dir]
 
 
-def plan_gpus(plan: dict) -> list[int]:
+def plan_gpus(plan: Plan) -> list[int]:
     """The GPUs a fleet plan's replicas run on (none for CPU replicas)."""
-    return sorted({r["gpu"] for r in plan["replicas"] if r["gpu"] is not None})
+    return sorted({r.gpu for r in plan.replicas if r.gpu is not None})
 
 
 def reference_plan(config: dict, model: str, port: int, port_source: str,
-                   available_cores: list[int] | None = None) -> dict:
+                   available_cores: list[int] | None = None) -> Plan:
     """One plain replica (no connector): the recompute each cell's outputs must equal. Prefix caching
     is on so it can replay a pool hit from its own cache; its cold path salts requests instead."""
     engine = config["engine"]
     place = placements(engine, 1, available_cores)[0]
-    return {"cell": "reference", "engine_kind": engine["kind"], "model": model, "port_source": port_source,
-            "replicas": [{
-                "index": 0, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
-                "sequential_start": False, "pool_dir": None, "lmcache_config_file": None, "lmcache_config": None,
-                "env": replica_env(engine, place, config["hash_keys"], None),
-                "argv": engine_argv(engine, model, port, kv_transfer=None, prefix_caching=True,
-                                    gpu_memory_utilization=_gpu_memory_share(engine)),
-            }]}
+    return Plan(cell="reference", engine_kind=engine["kind"], model=model, port_source=port_source,
+                replicas=(ReplicaPlan(
+                    index=0, host=engine["host"], port=port, core=place["core"], gpu=place["gpu"],
+                    sequential_start=False, pool_dir=None, lmcache_config_file=None, lmcache_config=None,
+                    env=replica_env(engine, place, config["hash_keys"], None),
+                    argv=engine_argv(engine, model, port, kv_transfer=None, prefix_caching=True,
+                                     gpu_memory_utilization=_gpu_memory_share(engine))),))
 
 
 def _gpu_memory_share(engine: dict) -> float | None:
@@ -297,29 +296,29 @@ def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return argv
 
 
-def with_port(replica: dict, port: int) -> dict:
+def with_port(replica: ReplicaPlan, port: int) -> ReplicaPlan:
     """The replica's plan entry moved to ``port`` (argv included)."""
-    return {**replica, "port": port, "argv": _with_flag(replica["argv"], "--port", str(port))}
+    return dataclasses.replace(replica, port=port, argv=_with_flag(replica.argv, "--port", str(port)))
 
 
-def with_server_ports(plan: dict, index: int, port: int, http_port: int | None) -> dict:
+def with_server_ports(plan: Plan, index: int, port: int, http_port: int | None) -> Plan:
     """The plan with pool server ``index`` moved to ``port`` (and an MP server's ``http_port``), its
     replicas' connectors with it."""
-    def moved(server: dict) -> dict:
-        argv = _with_flag(server["argv"], "--port", str(port))
+    def moved(server: ServerPlan) -> ServerPlan:
+        argv = _with_flag(server.argv, "--port", str(port))
         if http_port is not None:
             argv = _with_flag(argv, "--http-port", str(http_port))
-        return {**server, "port": port, "http_port": http_port, "argv": argv}
+        return dataclasses.replace(server, port=port, http_port=http_port, argv=argv)
 
-    servers = [moved(s) if s["index"] == index else s for s in plan["servers"]]
+    servers = [moved(s) if s.index == index else s for s in plan.servers]
     replicas = []
-    for replica in plan["replicas"]:
-        if replica.get("server") == index and replica["lmcache_config"] is not None:  # lmcache-redis
-            replica = {**replica, "lmcache_config": {**replica["lmcache_config"],
-                                                     "remote_url": redis_pool.url(servers[index]["host"], port)}}
-        elif replica.get("server") == index:
-            transfer = mp.kv_transfer_config(servers[index]["host"], port)
-            replica = {**replica, "kv_transfer": transfer, "argv": _with_flag(
-                replica["argv"], "--kv-transfer-config", json.dumps(transfer, sort_keys=True))}
+    for replica in plan.replicas:
+        if replica.server == index and replica.lmcache_config is not None:  # lmcache-redis
+            replica = dataclasses.replace(replica, lmcache_config={
+                **replica.lmcache_config, "remote_url": redis_pool.url(servers[index].host, port)})
+        elif replica.server == index:
+            transfer = mp.kv_transfer_config(servers[index].host, port)
+            replica = dataclasses.replace(replica, kv_transfer=transfer, argv=_with_flag(
+                replica.argv, "--kv-transfer-config", json.dumps(transfer, sort_keys=True)))
         replicas.append(replica)
-    return {**plan, "servers": servers, "replicas": replicas}
+    return dataclasses.replace(plan, servers=tuple(servers), replicas=tuple(replicas))

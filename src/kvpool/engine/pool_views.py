@@ -23,6 +23,7 @@ from pathlib import Path
 from kvpool.cells import Backend
 from kvpool.engine import mp, pool_files, redis_pool, sized_pool
 from kvpool.engine.plan import plan_pool_dirs
+from kvpool.engine.plan_types import Plan
 
 
 class PoolView:
@@ -70,11 +71,11 @@ def mp_l1_size_gib(limit: int) -> float:
 
 
 @contextlib.contextmanager
-def sized_pool_folder(plan: dict, limit: int):
+def sized_pool_folder(plan: Plan, limit: int):
     """A pool of files' shared folder sized to ``limit`` bytes for the unit (``sized_pool``), as the folder
     and its mount; a server's pool has its limit of its own, and this yields None. The one place a unit
     decides between the two: ``pool_of`` follows it."""
-    if plan.get("servers"):
+    if plan.servers:
         yield None
         return
     (folder,) = set(plan_pool_dirs(plan))  # the shared arm's one folder
@@ -90,7 +91,7 @@ def pool_of(servers, sized: tuple[Path, dict] | None = None, doc_chunks: int = 0
         yield FilePool(*sized, doc_chunks)
         return
     (server,) = servers  # the shared arm's one server
-    if server.entry["kind"] == "lmcache":
+    if server.entry.kind == "lmcache":
         yield MPPool(server)
         return
     with server.connection() as conn:
@@ -183,7 +184,7 @@ class MPPool(ServerPool):
 
     def limit(self, empty: dict, limit: int, policy: str) -> dict:
         """Nothing to set: the L1 was the limit from the server's start (its plan's ``l1_size_gib``)."""
-        return {"l1_size_bytes": int(self.server.entry["l1_size_gib"] * 2**30), "policy": policy}
+        return {"l1_size_bytes": int(self.server.entry.l1_size_gib * 2**30), "policy": policy}
 
     def settled(self, poll_s: float = 0.2, timeout_s: float = 15.0) -> int:
         """The chunks the server evicted once its writes and evictions stop: unchanged over two ticks of its

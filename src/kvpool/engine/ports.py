@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvpool.engine.errors import FleetError
 from kvpool.engine.plan import with_port, with_server_ports
+from kvpool.engine.plan_types import Plan
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +97,22 @@ def free_ports(host: str, count: int, start: int = 18100, span: int = 10000, exc
     return found
 
 
-def resolve_ports(plan: dict) -> dict:
+def resolve_ports(plan: Plan) -> dict:
     """The plan with its ports checked free; auto ports that were taken since planning are replaced."""
-    replicas = plan["replicas"]
-    taken = [r for r in replicas if not port_is_free(r["host"], r["port"])]
+    replicas = plan.replicas
+    taken = [r for r in replicas if not port_is_free(r.host, r.port)]
     if not taken:
         return plan
-    names = ", ".join(f"replica {r['index']} port {r['port']}" for r in taken)
-    if plan["port_source"] != "auto":
+    names = ", ".join(f"replica {r.index} port {r.port}" for r in taken)
+    if plan.port_source != "auto":
         raise FleetError(f"configured ports are in use on this machine: {names}; free them or set engine.ports")
-    fresh = iter(free_ports(replicas[0]["host"], len(taken), exclude={r["port"] for r in replicas}))
-    moved = {r["index"]: next(fresh) for r in taken}
+    fresh = iter(free_ports(replicas[0].host, len(taken), exclude={r.port for r in replicas}))
+    moved = {r.index: next(fresh) for r in taken}
     log.warning("planned ports taken since planning (%s); moved to %s", names, moved)
-    return {**plan, "replicas": [with_port(r, moved[r["index"]]) if r["index"] in moved else r for r in replicas]}
+    return plan.with_replicas(with_port(r, moved[r.index]) if r.index in moved else r for r in replicas)
 
 
-def claimed(plan: dict, resolve, ports_of) -> tuple[dict, list[int]]:
+def claimed(plan: Plan, resolve, ports_of) -> tuple[dict, list[int]]:
     """``resolve(plan)`` (its ports checked free, taken auto ports moved) with every one of ``ports_of`` it
     then names held for this process (``claim_port``), and those ports. A port another run claims between
     the check and the claim is checked again, so it moves (auto) or is refused by name (configured)."""
@@ -127,17 +128,17 @@ def claimed(plan: dict, resolve, ports_of) -> tuple[dict, list[int]]:
 
 
 def _server_ports(server: dict) -> list[int]:
-    return [port for port in (server["port"], server.get("http_port")) if port is not None]
+    return [port for port in (server.port, server.http_port) if port is not None]
 
 
-def resolve_server_ports(plan: dict) -> dict:
+def resolve_server_ports(plan: Plan) -> dict:
     """The plan with its pool servers' ports checked free; taken ones move, with their replicas' connectors."""
-    for server in plan.get("servers", []):
+    for server in plan.servers:
         ports = _server_ports(server)
-        if all(port_is_free(server["host"], port) for port in ports):
+        if all(port_is_free(server.host, port) for port in ports):
             continue
-        in_use = {p for s in plan["servers"] for p in _server_ports(s)} | {r["port"] for r in plan["replicas"]}
-        fresh = free_ports(server["host"], len(ports), exclude=in_use)
-        log.warning("pool server %d ports %s taken since planning; moved to %s", server["index"], ports, fresh)
-        plan = with_server_ports(plan, server["index"], fresh[0], fresh[1] if len(fresh) > 1 else None)
+        in_use = {p for s in plan.servers for p in _server_ports(s)} | {r.port for r in plan.replicas}
+        fresh = free_ports(server.host, len(ports), exclude=in_use)
+        log.warning("pool server %d ports %s taken since planning; moved to %s", server.index, ports, fresh)
+        plan = with_server_ports(plan, server.index, fresh[0], fresh[1] if len(fresh) > 1 else None)
     return plan

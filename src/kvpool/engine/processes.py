@@ -41,7 +41,7 @@ class ManagedProcess:
 
     def __init__(self, entry: dict, log_path: Path, url: str):
         self.entry = entry
-        self.index = entry["index"]
+        self.index = entry.index
         self.name = f"{self.kind} {self.index}"
         self.url = url
         self.log_path = log_path
@@ -52,7 +52,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                self.entry["argv"], env={**os.environ, **self.entry["env"]}, stdout=out, stderr=subprocess.STDOUT,
+                self.entry.argv, env={**os.environ, **self.entry.env}, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         log.info("%s started: pid %d, %s, log %s", self.name, self.proc.pid, self.url, self.log_path)
@@ -127,11 +127,11 @@ class Replica(ManagedProcess):
     kind = "replica"
 
     def __init__(self, entry: dict, log_path: Path):
-        super().__init__(entry, log_path, f"http://{entry['host']}:{entry['port']}")
+        super().__init__(entry, log_path, f"http://{entry.host}:{entry.port}")
 
     def start(self) -> None:
-        if self.entry["lmcache_config_file"]:
-            Path(self.entry["lmcache_config_file"]).write_text(yaml.safe_dump(self.entry["lmcache_config"]))
+        if self.entry.lmcache_config_file:
+            Path(self.entry.lmcache_config_file).write_text(yaml.safe_dump(self.entry.lmcache_config))
         super().start()
 
     def stop(self, grace_s: float = 30.0) -> None:
@@ -150,11 +150,11 @@ class Replica(ManagedProcess):
         """
         ours = {p.pid for p in self.family}
         others = sorted({str(c.pid) for c in psutil.net_connections(kind="tcp")
-                         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.entry["port"]
+                         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.entry.port
                          and c.pid not in ours})
         if not others:
             return None
-        return (f"{self.name}'s port {self.entry['port']} is also listened on by pid {', '.join(others)} (another "
+        return (f"{self.name}'s port {self.entry.port} is also listened on by pid {', '.join(others)} (another "
                 "vLLM server shares it through SO_REUSEPORT, e.g. a second kvpool run on this machine), so "
                 "requests could reach it; stop that run or give this one its own engine.ports")
 
@@ -192,7 +192,7 @@ class ExternalReplica(Replica):
     kind = "external replica"
 
     def __init__(self, entry: dict):
-        ManagedProcess.__init__(self, entry, Path(os.devnull), entry["url"].rstrip("/"))
+        ManagedProcess.__init__(self, entry, Path(os.devnull), entry.url.rstrip("/"))
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Nothing to stop: the fleet outlives the phase."""
@@ -218,7 +218,7 @@ class MPServer(ManagedProcess):
     pool_bytes_metric = mp.L1_BYTES
 
     def __init__(self, entry: dict, log_path: Path):
-        super().__init__(entry, log_path, f"http://{entry['host']}:{entry['http_port']}")
+        super().__init__(entry, log_path, f"http://{entry.host}:{entry.http_port}")
 
     def healthy(self) -> bool:
         try:
@@ -270,16 +270,16 @@ class RedisServer(ManagedProcess):
     pool_bytes_metric = redis_pool.POOL_BYTES
 
     def __init__(self, entry: dict, log_path: Path):
-        super().__init__(entry, log_path, redis_pool.url(entry["host"], entry["port"]))
+        super().__init__(entry, log_path, redis_pool.url(entry.host, entry.port))
 
     def start(self) -> None:
-        Path(self.entry["workdir"]).mkdir(parents=True, exist_ok=True)
+        Path(self.entry.workdir).mkdir(parents=True, exist_ok=True)
         super().start()
 
     def connection(self):
         """A client of this server (a context manager): kvpool's own counting, and a unit that sets the
         server while it runs."""
-        return redis_pool.client(self.entry["host"], self.entry["port"])
+        return redis_pool.client(self.entry.host, self.entry.port)
 
     def healthy(self) -> bool:
         """Answers PING, and is the server this process started (another one could hold the port)."""
@@ -308,7 +308,7 @@ class RedisServer(ManagedProcess):
 
         try:
             with self.connection() as conn:
-                return redis_pool.digest_rows(conn, Path(self.entry["workdir"]).name)
+                return redis_pool.digest_rows(conn, Path(self.entry.workdir).name)
         except redis.RedisError as exc:
             raise OSError(f"{self.name} ({self.url}): {exc}") from exc
 

@@ -24,6 +24,7 @@ from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.plan import plan_gpus, plan_pool_dirs
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.pool_files import TEMP_SUFFIX, drop_from_page_cache, pool_files
 from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import kvbytes, records
@@ -75,7 +76,7 @@ def phase_summary(raw_drive: pd.DataFrame, power: pd.DataFrame, telemetry: dict,
     return raw_drive, power, summary
 
 
-def write_unit(meta: dict, requests: int, drive_csv: str, power_csv: str, plan: dict, json_out: str,
+def write_unit(meta: dict, requests: int, drive_csv: str, power_csv: str, plan: Plan, json_out: str,
                 name: str) -> None:
     """A measured unit's record (a load level's, a router unit's, a length unit's), its telemetry window summarized
     beside its gate, and each failed check logged under ``name``."""
@@ -155,24 +156,24 @@ def request_row(doc_id: int, prefill: int | None, serve: int, result: RequestRes
     return {column: row.get(column) for column in records.columns(records.RequestRecord)}
 
 
-def phase_sampler(plan: dict, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
+def phase_sampler(plan: Plan, phase: str, disks: list[str], cfg: dict, replicas: list[Replica]) -> Sampler:
     gpus = plan_gpus(plan)
-    return Sampler(plan["cell"], phase, disks, cfg["telemetry_hz"],
+    return Sampler(plan.cell, phase, disks, cfg["telemetry_hz"],
                    pids=lambda: {r.index: r.proc.pid for r in replicas if r.proc is not None},
                    gpus=gpus or None)
 
 
-def server_settings(cfg: dict, plan: dict) -> dict:
+def server_settings(cfg: dict, plan: Plan) -> dict:
     """The config section of the plan's pool servers: ``lmcache_redis`` for Redis servers, else ``lmcache_mp``
     (its startup and drain timeouts)."""
-    redis = any(server.get("kind") == "redis" for server in plan.get("servers", []))
+    redis = any(server.kind == "redis" for server in plan.servers)
     if redis:
         return {"drain_timeout_s": 0, "release_timeout_s": 0, **cfg["lmcache_redis"]}
     return cfg["lmcache_mp"]
 
 
 @contextmanager
-def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer] | None = None,
+def pool_servers(plan: Plan, log_dir: Path, cfg: dict, servers: list[PoolServer] | None = None,
                  replicas_stop: bool = True):
     """The cell's LMCache MP servers for one phase, and what they did in it (``record``, filled on exit).
 
@@ -185,13 +186,13 @@ def pool_servers(plan: dict, log_dir: Path, cfg: dict, servers: list[PoolServer]
     """
     handed_in = servers is not None
     record: dict = {}
-    if not plan.get("servers"):
+    if not plan.servers:
         yield plan, [], record
         return
     settings = server_settings(cfg, plan)
     if servers is not None:
-        planned = [(s["index"], s["port"], s["http_port"]) for s in plan["servers"]]
-        serving = [(s.entry["index"], s.entry["port"], s.entry["http_port"]) for s in servers]
+        planned = [(s.index, s.port, s.http_port) for s in plan.servers]
+        serving = [(s.entry.index, s.entry.port, s.entry.http_port) for s in servers]
         if planned != serving:  # replicas would wait their whole startup for a server that is not there
             raise FleetError(f"the phase's plan names servers (index, port, http port) {planned}, "
                              f"but the running servers are {serving}")
@@ -268,17 +269,17 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
             "bytes": sum(files.values()), "server_pool_bytes": list(held)}
 
 
-def drop_pool(plan: dict, use_proc_drop_caches: bool) -> dict:
+def drop_pool(plan: Plan, use_proc_drop_caches: bool) -> dict:
     """Evict the plan's pool files from the page cache and verify; a memory pool has none to drop."""
     record = drop_from_page_cache(plan_pool_dirs(plan), use_proc_drop_caches)
-    if plan.get("memory_pool"):
-        redis = any(server.get("kind") == "redis" for server in plan["servers"])
+    if plan.memory_pool:
+        redis = any(server.kind == "redis" for server in plan.servers)
         record.update(memory_backed=True, pool_in="the Redis servers' memory" if redis
                       else "the LMCache server's L1 (host RAM)")
     return record
 
 
-def reference_phase(plan: dict, requests: list, cfg: dict, log_dir: Path) -> pd.DataFrame:
+def reference_phase(plan: Plan, requests: list, cfg: dict, log_dir: Path) -> pd.DataFrame:
     """Greedy answers of ``requests`` (kvpool.measure.reference.Request: a prompt and the split to compute it in)
     from one replica with no pool, started for them and stopped after: the split-matched reference."""
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
@@ -328,7 +329,7 @@ class TimedFleet:
     replicas, the servers, the measured window (timed, and sampled when named), and what the servers did
     in it (``pool_record``, filled when the servers stop)."""
 
-    plan: dict
+    plan: Plan
     replicas: list[Replica]
     servers: list
     cfg: dict
@@ -371,7 +372,7 @@ class TimedFleet:
 
 
 @contextmanager
-def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] | None = None,
+def timed_fleet(plan: Plan, cfg: dict, log_dir: Path, servers: list[PoolServer] | None = None,
                 replicas: list[Replica] | None = None):
     """Every unit kind's fleet: the plan's pool servers (started here and stopped after, unless
     ``servers`` run already), then the replicas, healthy, as a ``TimedFleet``; everything this started is
@@ -386,7 +387,7 @@ def timed_fleet(plan: dict, cfg: dict, log_dir: Path, servers: list[PoolServer] 
                              served={str(replica.index): replica.served() for replica in replicas})
 
 
-def chain_fleet(plan: dict, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None,
+def chain_fleet(plan: Plan, cfg: dict, log_dir: Path, body, sampled: tuple[str, list[str]] | None = None,
                 after=None) -> UnitResult:
     """Study B's request path, shared by its blocks and the length units, on a ``timed_fleet``:
     ``await body(send, send_together, plan, replicas)``, timed. ``send`` sends one request at a time with

@@ -11,10 +11,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from kvpool.engine import metrics
 from kvpool.engine.plan import plan_pool_dirs
+from kvpool.engine.plan_types import Plan, write_plan
 from kvpool.measure import logs, records
 from kvpool.measure.drive import block_devices, drive_health
 from kvpool.measure.files import write_json
@@ -50,14 +50,14 @@ class UnitResult:
     sampler: Sampler | None = None
 
 
-def run_unit(plan: dict, measure, paths: UnitPaths, name: str, *, pool=None, manifest: dict | None = None
+def run_unit(plan: Plan, measure, paths: UnitPaths, name: str, *, pool=None, manifest: dict | None = None
              ) -> UnitResult:
     """Every sampled unit kind's entry: its plan and ``manifest`` written where ``paths`` names them, then
     ``measure(disks)`` (a UnitResult from a ``timed_fleet``) with telemetry, inside ``pool`` (a unit's
     own pool, removed however the unit ends: kvpool.measure.unit_plan.unit_pool), and its records
     archived under ``runs/`` and written to ``paths.csv`` as ``name``."""
     if paths.plan is not None:
-        Path(paths.plan).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+        write_plan(plan, paths.plan)
     if paths.manifest is not None:
         write_json(paths.manifest, manifest)
     with pool if pool is not None else nullcontext():
@@ -66,13 +66,13 @@ def run_unit(plan: dict, measure, paths: UnitPaths, name: str, *, pool=None, man
     return result
 
 
-def tier_disks(plan: dict) -> tuple[list[str], list[dict]]:
+def tier_disks(plan: Plan) -> tuple[list[str], list[dict]]:
     """The whole disks behind a plan's pool directories, and how each directory resolved."""
     resolved = [block_devices(d) for d in dict.fromkeys(plan_pool_dirs(plan))]
     return sorted({disk for record in resolved for disk in record["disks"]}), resolved
 
 
-def _sampled(plan: dict, measure, paths: UnitPaths) -> UnitResult:
+def _sampled(plan: Plan, measure, paths: UnitPaths) -> UnitResult:
     """One timed unit with telemetry; drive health recorded before and after it, and the pool writes that
     failed in it (a full tier shows only in the replicas' and servers' logs)."""
     disks, resolved = tier_disks(plan)

@@ -10,6 +10,7 @@ from pathlib import Path
 from kvpool.cells import Cell
 from kvpool.engine import external
 from kvpool.engine.plan import external_plan, fleet_plan, plan_pool_dirs, reference_plan, server_port_count
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.ports import free_ports, resolve_ports, resolve_server_ports
 
 
@@ -36,14 +37,14 @@ def new_plan(config: dict, cell: Cell, model: str, cell_dir: Path, pool_root: Pa
                       pool_root=pool_root, dev_mode=dev_mode, load_failure_policy=load_failure_policy)
 
 
-def checked_ports(plan: dict, servers=None) -> dict:
+def checked_ports(plan: Plan, servers=None) -> dict:
     """The plan with its replicas' ports, and its servers' unless they run already (``servers``: a memory
     pool's, whose ports are theirs, not taken), checked free; taken auto ports move."""
     plan = resolve_ports(plan)
     return plan if servers else resolve_server_ports(plan)
 
 
-def fresh_pool(root: Path, plan: dict) -> None:
+def fresh_pool(root: Path, plan: Plan) -> None:
     """Empty ``root`` (a cell's, a Study B block's or a router unit's own pool folder) and create the
     plan's pool directories in it."""
     if root.exists():
@@ -53,7 +54,7 @@ def fresh_pool(root: Path, plan: dict) -> None:
 
 
 @contextlib.contextmanager
-def unit_pool(config: dict, root: Path, plan: dict):
+def unit_pool(config: dict, root: Path, plan: Plan):
     """A unit's own pool (a Study B block's, a length unit's, a router unit's): emptied before its fleet
     starts and removed when the unit ends, however it ends (unless keep_pools), so a failed unit leaves
     nothing on the tier that the space check does not expect."""

@@ -49,6 +49,7 @@ from kvpool.cells import cells as matrix_cells
 from kvpool.engine import external, prompts, sized_pool
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.plan import plan_gpus
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.pool_files import is_memory_backed
 from kvpool.engine.pool_views import FilePool, mp_l1_size_gib, pool_of, sized_pool_folder
 from kvpool.measure import legacy, provenance, records
@@ -307,7 +308,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     write_unit(meta, len(asked), drive_csv, power_csv, plan, json_out, f"{cell.name} capacity~{unit_label(fraction)}")
 
 
-def capacity_unit(plan: dict, workload: list[dict], cfg: dict, limit: int, policy: str, log_dir: Path,
+def capacity_unit(plan: Plan, workload: list[dict], cfg: dict, limit: int, policy: str, log_dir: Path,
                   disks: list[str], doc_chunks: int = 0):
     """Populate, the pool's limit at ``limit`` KV bytes (set now on Redis; at its start on an MP server, and
     on a pool of files, whose folder is a filesystem of that size) with its eviction ``policy``, the

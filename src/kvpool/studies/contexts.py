@@ -22,6 +22,7 @@ import pandas as pd
 from kvpool.cells import Arm, Backend, Cell, run_pools
 from kvpool.cells import cells as matrix_cells
 from kvpool.engine.model import vocabulary
+from kvpool.engine.plan_types import Plan
 from kvpool.measure import provenance, reference
 from kvpool.measure.checks import NOT_APPLICABLE, check, status, verdict
 from kvpool.measure.files import read_json
@@ -210,7 +211,7 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} doc~{tokens}")
 
 
-def context_unit(plan: dict, workload: dict, study: dict, cfg: dict, log_dir: Path, disks: list[str]):
+def context_unit(plan: Plan, workload: dict, study: dict, cfg: dict, log_dir: Path, disks: list[str]):
     """A context unit (kvpool.studies.contexts): each document's locality chain one request at a time on a fresh
     fleet and pool (chain_fleet), the pool dropped from the page cache and checked right before every
     cross-replica step, so each reload is a device read."""

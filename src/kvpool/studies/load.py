@@ -24,7 +24,6 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pandas as pd
-import yaml
 
 from kvpool.cells import Arm, Cell, pool_root
 from kvpool.engine import prompts
@@ -32,6 +31,7 @@ from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.cross_router import followup_route
 from kvpool.engine.fleet import running_servers
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
+from kvpool.engine.plan_types import Plan, read_plan
 from kvpool.engine.processes import PoolServer
 from kvpool.measure import kvbytes, legacy, provenance, records, validity
 from kvpool.measure.checks import check, verdict
@@ -205,14 +205,14 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
     with the populate records beside the level's (``populate.csv``, ``populate.json``)."""
 
     level = Level.from_name(level_name)
-    plan = checked_ports(yaml.safe_load(Path(plan_path).read_text()))
+    plan = checked_ports(read_plan(plan_path))
     if manifest_out:
         write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name,
                                                      level=level.name))
     workload = prompts.read_workload(Path(prompts_path))
     prefill = prefill_replicas(populate_csv, workload, cell)
     reference = read_records(reference_csv) if reference_csv else None
-    if plan.get("memory_pool"):
+    if plan.memory_pool:
         _run_memory_pool_level(config, cell, level, plan, plan_path, prompts_path, prefill, workload,
                                populate_csv, csv_out, json_out, drive_csv, power_csv, log_dir, reference)
         return
@@ -239,7 +239,7 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
                   drive_csv, power_csv, plan, workload, reference)
 
 
-def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_path: str, prompts_path: str,
+def _run_memory_pool_level(config: dict, cell: Cell, level, plan: Plan, plan_path: str, prompts_path: str,
                            prefill: dict[int, int], workload: list[dict], populate_csv: str, csv_out: str,
                            json_out: str, drive_csv: str, power_csv: str, log_dir: str,
                            reference: pd.DataFrame | None) -> None:
@@ -268,7 +268,7 @@ def _run_memory_pool_level(config: dict, cell: Cell, level, plan: dict, plan_pat
 
 def _finish_level(config: dict, cell: Cell, level, frame: pd.DataFrame, meta: dict, restored: dict, pool_ok: dict,
                   pool_removed: bool, csv_out: str, json_out: str, drive_csv: str, power_csv: str,
-                  plan: dict, workload: list[dict], reference: pd.DataFrame | None = None) -> None:
+                  plan: Plan, workload: list[dict], reference: pd.DataFrame | None = None) -> None:
     """A level's rows, its gate (its answers against the split-matched ``reference``) and its telemetry
     summary."""
     in_flight = in_flight_limit(level, config.get("load", {}).get("max_in_flight", 1))
@@ -325,14 +325,14 @@ async def _load(replicas, workload, route, prefill, cfg, level
     return rows, started, finished, window, times
 
 
-def load_level(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path,
+def load_level(plan: Plan, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path,
                disks: list[str], level, servers: list[PoolServer] | None = None, out_dir: Path | None = None):
     """One load level: a fresh fleet on the restored pool, the drop checked again right before the
     first request, every follow-up to a replica that did not prefill its document, sent at ``level``
     (the ``peer`` level: by vLLM's own client, its files in ``out_dir``). An lmcache-mp cell's level
     starts fresh servers on the restored L2 folder, as its reuse does, unless ``servers`` (a memory
     pool's, re-populated for the level) run already."""
-    route = followup_route(prefill, len(plan["replicas"]))
+    route = followup_route(prefill, len(plan.replicas))
     commands = times = None
     with timed_fleet(plan, cfg, log_dir, servers) as fleet:
         drop = drop_pool(fleet.plan, cfg["drop_caches"])

@@ -30,6 +30,7 @@ import pandas as pd
 from kvpool.cells import Arm, Cell
 from kvpool.engine.client import new_session
 from kvpool.engine.plan import BASE_ENV, SERVED_MODEL_NAME
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.processes import Replica
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
@@ -272,7 +273,7 @@ def serving_order(route: dict[int, int], workload: list[dict], order: str) -> li
     return sorted({route[item["doc_id"]] for item in workload}, reverse=order == "descending")
 
 
-def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[dict], route: dict[int, int],
+def replay_with_vllm_bench(plan: Plan, replicas: list[Replica], workload: list[dict], route: dict[int, int],
           prefill: dict[int, int], cfg: dict, log_dir: Path, out_dir: Path, order: str = ORDERS[0]) -> tuple:
     """The peer replay (kvpool.studies.peer): per serving replica, in ``order`` of their indices, ``vllm
     bench serve`` sends its follow-ups one at a time from a custom dataset of their exact token ids as text;
@@ -281,7 +282,7 @@ def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[d
     from transformers import AutoTokenizer
 
     output_tokens = cfg["workload"]["output_tokens"]
-    tokenizer = AutoTokenizer.from_pretrained(plan["model"])
+    tokenizer = AutoTokenizer.from_pretrained(plan.model)
     by_index = {r.index: r for r in replicas}
     serving = serving_order(route, workload, order)
     bench_dir = log_dir.parent / "vllm-bench"  # log_dir holds the replicas' logs
@@ -300,7 +301,7 @@ def replay_with_vllm_bench(plan: dict, replicas: list[Replica], workload: list[d
         dataset_path = bench_dir / f"replica-{index}.jsonl"
         write_dataset(dataset_path, dataset([item["followup"] for item in items], tokenizer, output_tokens))
         result_name = f"vllm-bench-replica-{index}.json"
-        args = bench_args(by_index[index].url, SERVED_MODEL_NAME, plan["model"], dataset_path, len(items),
+        args = bench_args(by_index[index].url, SERVED_MODEL_NAME, plan.model, dataset_path, len(items),
                           output_tokens, out_dir, result_name)
         commands.append("vllm bench serve " + " ".join(args))
         log.info("vllm bench serve: %d follow-ups to replica %d", len(items), index)

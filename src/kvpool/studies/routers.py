@@ -42,6 +42,7 @@ from kvpool.engine import prompts
 from kvpool.engine.client import RequestResult, new_session
 from kvpool.engine.cross_router import next_replica, round_robin
 from kvpool.engine.plan import batch_invariant
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.processes import Replica
 from kvpool.measure import provenance, records, validity
 from kvpool.measure.checks import check, verdict
@@ -322,7 +323,7 @@ async def _routed_hot(by_index: dict[int, Replica], router, sends: list[tuple[in
     return rows, window
 
 
-def router_unit(plan: dict, workload: list[dict], router_name: str, cfg: dict, log_dir: Path, disks: list[str]):
+def router_unit(plan: Plan, workload: list[dict], router_name: str, cfg: dict, log_dir: Path, disks: list[str]):
     """A router unit (kvpool.studies.routers): one fleet on a fresh pool; each document's first request, the
     pool dropped from the page cache and checked, every follow-up, the hot phase, then a replica stopped
     and every follow-up again, each request where ``router_name`` sends it."""
@@ -352,7 +353,7 @@ def router_unit(plan: dict, workload: list[dict], router_name: str, cfg: dict, l
                 lost = replicas[-1]
                 lost.stop()
                 loss = {"replica": lost.index, "stopped": not lost.alive(), "at": time.time()}
-                log.info("%s: replica %d stopped; %s routes around it", plan["cell"], lost.index, router_name)
+                log.info("%s: replica %d stopped; %s routes around it", plan.cell, lost.index, router_name)
                 router.lose(lost.index)
                 order = followup_order(doc_ids, settings["seed"] + 1)
                 rows += asyncio.run(_routed_one_at_a_time(by_index, router, "after-loss",

@@ -10,7 +10,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from kvpool.cells import Arm, Cell, backend_of, is_memory_pool, pool_root, run_pools, tier_root
 from kvpool.engine import external, mp, owned, prompts, redis_pool
@@ -25,6 +24,7 @@ from kvpool.engine.plan import (
     reference_plan,
     server_port_count,
 )
+from kvpool.engine.plan_types import Plan, read_plan, write_plan
 from kvpool.measure import kvbytes, link, provenance, records, reference, validity
 from kvpool.measure.drive import block_devices, sequential_read_ceiling
 from kvpool.measure.files import read_frame_or_empty, read_json, write_json
@@ -66,8 +66,8 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     """The cell's plan from ``config`` (the settings the plan rule declares) and its manifest, which
     records ``provenance_config`` (the whole resolved config; default ``config``)."""
     plan = new_plan(config, cell, model, Path(plan_out).parent)
-    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
-    cores = [r["core"] for r in plan["replicas"] if r["core"] is not None]
+    write_plan(plan, plan_out)
+    cores = [r.core for r in plan.replicas if r.core is not None]
     notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name, **notes))
 
@@ -92,11 +92,11 @@ def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> Non
                      "versions": provenance.versions()})
 
 
-def prepared(config: dict, cell: Cell, plan: dict, servers=None) -> dict:
+def prepared(config: dict, cell: Cell, plan: Plan, servers=None) -> dict:
     """The cell's plan made ready before any fleet of it starts: its configured ports checked (a busy one
     fails here, before the cell's old pool is cleared) and its own pool folder emptied; an external fleet's
     pool is refused where it is used already."""
-    if plan.get("external"):
+    if plan.external:
         _refuse_a_used_external_pool(plan)
         return plan
     plan = checked_ports(plan, servers)
@@ -107,25 +107,25 @@ def prepared(config: dict, cell: Cell, plan: dict, servers=None) -> dict:
 @reads(*PHASE_SETTINGS)
 def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, csv_out: str, json_out: str,
                  drive_csv: str, power_csv: str, digests_csv: str, log_dir: str, servers=None,
-                 plan: dict | None = None, replicas=None) -> None:
+                 plan: Plan | None = None, replicas=None) -> None:
     """The populate phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already,
     ``replicas`` when the cell's one fleet does (its plan prepared before it started: ``prepared``).
 
     Once the fleet has stopped (nothing more is stored), every pool file is hashed into ``digests_csv``:
     the validity gate checks that reuse read exactly these bytes.
     """
-    plan = plan or yaml.safe_load(Path(plan_path).read_text())
+    plan = plan or read_plan(plan_path)
     if replicas is None:
         plan = prepared(config, cell, plan, servers)
     workload = prompts.read_workload(Path(prompts_path))
-    probe = prompts.probe_prompts(vocabulary(plan["model"]), cell.chunk, config["workload"]["seed"])
+    probe = prompts.probe_prompts(vocabulary(plan.model), cell.chunk, config["workload"]["seed"])
     meta = run_unit(
         plan, lambda disks: populate_phase(plan, workload, config, probe, Path(log_dir), disks, servers,
                                            expect_shared=cell.arm == Arm.SHARED, replicas=replicas),
         UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), "populate").meta
     dirs = plan_pool_dirs(plan)
     meta["stores_settled"] = settled_stores(dirs, servers)  # before the pool is measured and hashed
-    if plan.get("memory_pool"):  # no files: the pool is what the servers hold in memory
+    if plan.memory_pool:  # no files: the pool is what the servers hold in memory
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
         measure = redis_pool.POOL_BYTES if cell.backend == redis_pool.BACKEND else mp.L1_BYTES
         meta["pool"] = {"files": 0, "bytes": int(held), "resident_bytes": None, "resident_fraction": None,
@@ -161,7 +161,7 @@ def readable_digests(dirs, servers, stored: pd.DataFrame | None, meta: dict) -> 
         return pd.DataFrame(columns=kvbytes.DIGEST_COLUMNS)
 
 
-def _refuse_a_used_external_pool(plan: dict) -> None:
+def _refuse_a_used_external_pool(plan: Plan) -> None:
     """An external fleet's pool is not kvpool's to clear: populate must find the directories it can see
     empty, or the reuse phase would count hits that an earlier run stored."""
     for directory in dict.fromkeys(plan_pool_dirs(plan)):
@@ -171,17 +171,17 @@ def _refuse_a_used_external_pool(plan: dict) -> None:
             raise RuntimeError(
                 f"the external fleet's pool {directory} already holds {len(files)} files; kvpool never removes a pool "
                 "it did not create, and a used pool would count an earlier run's chunks as hits: empty it (or start "
-                f"the fleet on a new directory) and re-run {plan['cell']} from its populate")
+                f"the fleet on a new directory) and re-run {plan.cell} from its populate")
 
 
 @reads("drop_caches", "fault_injection")
 def run_drop(config: dict, plan_path: str, out: str) -> None:
-    plan = yaml.safe_load(Path(plan_path).read_text())
+    plan = read_plan(plan_path)
     injected = None
     if config["fault_injection"]["corrupt_stored_chunk"]:  # the self-test: reuse must not pass on this pool
         files = pool.pool_files(plan_pool_dirs(plan))
         if not files:
-            raise RuntimeError(f"fault_injection.corrupt_stored_chunk: {plan['cell']}'s pool holds no file to corrupt")
+            raise RuntimeError(f"fault_injection.corrupt_stored_chunk: {plan.cell}'s pool holds no file to corrupt")
         injected = pool.corrupt(max(files, key=lambda p: p.stat().st_size))
         log.warning("fault injection: corrupted %s (%d bytes at %d)", injected["file"], injected["bytes"],
                     injected["offset"])
@@ -206,7 +206,7 @@ def prefill_replicas(populate_csv: str, workload: list[dict], cell: Cell) -> dic
 @reads(*PHASE_SETTINGS)
 def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, populate_csv: str,
               populate_digests: str, csv_out: str, json_out: str, drive_csv: str, power_csv: str, digests_csv: str,
-              log_dir: str, servers=None, plan: dict | None = None, remove_pool: bool | None = None,
+              log_dir: str, servers=None, plan: Plan | None = None, remove_pool: bool | None = None,
               replicas=None) -> None:
     """The reuse phase; ``servers`` (and the ``plan`` they run) when a memory pool's servers run already,
     ``replicas`` when the cell's one fleet does.
@@ -215,11 +215,11 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     chunks, and the isolated arm's recomputed documents), so a pool holding more files than populate
     hashed was warmed by an earlier reuse (a forced or interrupted one) and is refused.
     """
-    plan = plan or yaml.safe_load(Path(plan_path).read_text())
+    plan = plan or read_plan(plan_path)
     workload = prompts.read_workload(Path(prompts_path))
     prefill = prefill_replicas(populate_csv, workload, cell)
     root, cell_dir = pool_root(config, cell), Path(csv_out).parent
-    if not plan.get("external") and not root.is_dir():
+    if not plan.external and not root.is_dir():
         raise RuntimeError(f"the pool of {cell.name} is gone ({root}; keep_pools is {config['keep_pools']}); "
                            f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
     dirs = plan_pool_dirs(plan)
@@ -238,7 +238,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
         restore_pool(dirs, stored)
         drops.append(drop_pool(plan, config["drop_caches"]))
 
-    files = not plan.get("memory_pool") and not plan.get("external")
+    files = not plan.memory_pool and not plan.external
     meta = run_unit(
         plan, lambda disks: reuse_phase(plan, workload, prefill, config, Path(log_dir), disks, servers,
                                         between_reloads if files else None, replicas=replicas),
@@ -255,7 +255,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
              int((digests["stored_in"] == "reuse").sum()))
     # measured; the tier holds one cell's pool at a time (load levels remove it after the last level)
     remove_pool = not config["keep_pools"] if remove_pool is None else remove_pool
-    remove_pool = remove_pool and not plan.get("external")  # an external fleet's pool is never kvpool's
+    remove_pool = remove_pool and not plan.external  # an external fleet's pool is never kvpool's
     if remove_pool:
         shutil.rmtree(root)
         log.info("removed the pool %s (keep_pools: false)", root)
@@ -286,9 +286,9 @@ def run_cell(config: dict, cell: Cell, plan_path: str, prompts_path: str, popula
     if not one_fleet(config, cell):
         raise ValueError(f"{cell.name} needs a fresh server and fleet for its reuse (one_fleet): run its populate, "
                          "drop and reuse rules")
-    plan = yaml.safe_load(Path(plan_path).read_text())
+    plan = read_plan(plan_path)
     servers_ready = running_servers(plan, Path(log_dirs["servers"]), server_settings(config, plan)[
-        "startup_timeout_s"]) if plan.get("servers") else nullcontext((plan, None))
+        "startup_timeout_s"]) if plan.servers else nullcontext((plan, None))
     with servers_ready as (plan, servers):
         plan = prepared(config, cell, plan, servers)
         with running_fleet(plan, Path(log_dirs["replicas"]), config["engine"]["startup_timeout_s"]) as replicas:
@@ -384,7 +384,7 @@ def run_telemetry(phase_files: dict, out_drive: str, out_power: str, out_summary
     Power counts the fleet's GPUs only (``plan_path``: the cell's plan), also in records of samplers
     that read every GPU of the host.
     """
-    gpus = plan_gpus(yaml.safe_load(Path(plan_path).read_text()))
+    gpus = plan_gpus(read_plan(plan_path))
     drives, powers, summary = [], [], {}
     for phase, files in phase_files.items():
         drive, power, summary[phase] = phase_summary(

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from kvpool.engine import external
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.cross_router import followup_route, populate_route
+from kvpool.engine.plan_types import Plan
 from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import records
 from kvpool.measure.records import RequestRecord
@@ -91,7 +92,7 @@ async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) 
     return sorted(rows, key=lambda r: r["doc_id"]), preflight
 
 
-def populate_phase(plan: dict, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
+def populate_phase(plan: Plan, workload: list[dict], cfg: dict, probe: tuple[list[int], list[int]], log_dir: Path,
                    disks: list[str], servers: list[PoolServer] | None = None, *, expect_shared: bool,
                    replicas: list[Replica] | None = None):
     """Start the fleet (and its pool servers unless ``servers`` run already; none where the cell's one fleet
@@ -100,14 +101,14 @@ def populate_phase(plan: dict, workload: list[dict], cfg: dict, probe: tuple[lis
 
     Returns the per-document records, the phase's meta data and its telemetry sampler.
     """
-    route = populate_route([item["doc_id"] for item in workload], len(plan["replicas"]))
+    route = populate_route([item["doc_id"] for item in workload], len(plan.replicas))
     with timed_fleet(plan, cfg, log_dir, servers, replicas) as fleet:
         # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
-        endpoints = [external.describe(r.url) for r in fleet.replicas] if plan.get("external") else None
+        endpoints = [external.describe(r.url) for r in fleet.replicas] if plan.external else None
         with fleet.window("populate", disks):
             rows, preflight = asyncio.run(_populate(fleet.replicas, workload, route, cfg, probe, expect_shared))
     if not preflight["ok"]:
-        message = preflight_failure(plan["cell"], preflight)
+        message = preflight_failure(plan.cell, preflight)
         if cfg["preflight_on_failure"] == "abort":
             raise PreflightFailed(message + "; set preflight_on_failure: record to measure the cell anyway")
         log.error(message)
@@ -142,14 +143,14 @@ async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) 
     return rows, started, finished
 
 
-def reuse_phase(plan: dict, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str],
+def reuse_phase(plan: Plan, workload: list[dict], prefill: dict[int, int], cfg: dict, log_dir: Path, disks: list[str],
                 servers: list[PoolServer] | None = None, between_reloads=None, replicas: list[Replica] | None = None):
     """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty), or use
     the cell's one fleet (``replicas``), drop the pool from the page cache again, send every follow-up to a
     replica that did not prefill its document, one at a time, and stop what it started. Before each of a
     document's later follow-ups the serving replica's prefix cache is emptied and ``between_reloads`` runs (a
     pool of files restored and dropped again)."""
-    route = followup_route(prefill, len(plan["replicas"]))
+    route = followup_route(prefill, len(plan.replicas))
     with timed_fleet(plan, cfg, log_dir, servers, replicas) as fleet:
         # Starting the fleet may have touched the pool; the drop must hold right before the reads.
         drop = drop_pool(fleet.plan, cfg["drop_caches"])

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from kvpool.cells import Arm, Backend, Cell, run_pools
 from kvpool.engine import metrics
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
+from kvpool.engine.plan_types import Plan, write_plan
 from kvpool.engine.pool_files import corrupt, pool_files
 from kvpool.measure import legacy, provenance, records
 from kvpool.measure import reference as split_reference
@@ -410,7 +410,7 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     cell = block_cell(study, arm)
     root = studyb_pool_root(config, study)
     plan = checked_ports(new_plan(config, cell, model, Path(plan_out).parent, pool_root=root))
-    Path(plan_out).write_text(yaml.safe_dump(plan, sort_keys=False, width=200))
+    write_plan(plan, plan_out)
     write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
     workload = read_json(workload_path)
     with unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
@@ -435,13 +435,13 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
                       result["threshold"])
 
 
-def studyb_block(plan: dict, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
+def studyb_block(plan: Plan, block: str, workload: dict, study: dict, cfg: dict, log_dir: Path) -> tuple:
     """One of Study B's blocks (kvpool.studies.studyb) on a fresh fleet and pool (chain_fleet). Returns the
     rows, the block's meta data (wall time, the servers' counters, what fault injection corrupted), the
     prompts sent by payload and, for an OFF block an ON block follows, the ON blocks' predicted pool splits
     computed on its pool-less replicas once its window closed (kvpool.studies.studyb_reference)."""
     injected, before, prompts = [], set(), {}
-    fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r["pool_dir"] for r in plan["replicas"])
+    fault = cfg.get("fault_injection", {}).get("corrupt_stored_chunk") and any(r.pool_dir for r in plan.replicas)
 
     async def body(send, send_together, plan, replicas):
         send, send_together = recording_sends(send, prompts), recording_sends(send_together, prompts)
