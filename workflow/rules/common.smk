@@ -246,8 +246,19 @@ def level_after(wildcards):
 
 
 # Study B (kvpool.studies.studyb), resolved once, here: its pool named and checked. A config whose
-# study_b cannot run was refused above when enabled; with study_b disabled, Study B has no blocks.
-STUDYB = studyb.resolved(config) if config["study_b"]["enabled"] else None
+# study_b cannot run was refused above when enabled; with study_b disabled, `all` leaves it out and its
+# target (results/studyb.md) builds it all the same, where it can run (STUDYB_MISSING says why not).
+STUDYB, STUDYB_MISSING = None, ""
+if external.is_external(config):
+    STUDYB_MISSING = (
+        "study_b.enabled is false, and Study B cannot run on an external fleet (fleet.mode external): "
+        "each of its blocks starts a fleet of its own"
+    )
+else:
+    try:
+        STUDYB = studyb.resolved(config)
+    except ValueError as cannot:
+        STUDYB_MISSING = f"study_b.enabled is false, and Study B cannot run with this config: {cannot}"
 # What Study B's steps are handed: the study less how many blocks run and whether all builds them, so
 # neither re-runs a measured block
 STUDYB_MEASURED = studyb.block_study(STUDYB) if STUDYB else None
@@ -261,6 +272,8 @@ STUDYB_BLOCKS = [
     for block in (studyb.blocks(STUDYB) if STUDYB else [])
     if not MEASURED_ONLY or Path(f"{STUDYB_DIR}/block~{block}/block.json").exists()
 ]
+if STUDYB and not STUDYB_BLOCKS:
+    STUDYB_MISSING = f"measured_only: no block of Study B has finished under {Path.cwd()}/{STUDYB_DIR}"
 if not CELLS and not STUDYB_BLOCKS and not CONTEXT_UNITS and not ROUTER_UNITS and not CAPACITY_UNITS:
     raise ValueError(
         f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells, "
