@@ -135,7 +135,8 @@ def test_measured_only_is_refused_where_the_run_finished_cells_the_matrix_leaves
     tabled = {**config, "warm_s": 0.01, "slo_s": 0.01}
     assert study_a.judged_otherwise(tabled, [shared], tmp_path) == []  # the gate's own settings agree
     found = study_a.judged_otherwise(tabled, [shared], tmp_path, [study_a.run_validity, tables.run_table1])
-    assert found == [f"{shared.name}: warm_s, slo_s (this config: warm_s 0.01, the run's 3.0; slo_s 0.01, the run's 5.0)"]
+    assert found == [f"{shared.name}: warm_s, slo_s (this config: warm_s 0.01, the run's 3.0; "
+                     "slo_s 0.01, the run's 5.0)"]
     # the workflow refuses both at once, before any job
     refused = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--directory", str(tmp_path), "-s",
                               str(REPO / "Snakefile"), "--configfile", str(REPO / "config" / "config.yaml"),
