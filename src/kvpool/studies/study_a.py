@@ -371,11 +371,13 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
     Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
     bad = kvbytes.unexpected(table)
     tolerated = table[table["differ"] > 0].drop(index=bad.index)
-    for rows, report, tolerated_rows in ((bad, log.error, False), (tolerated, log.info, True)):
-        for row in rows.itertuples():
-            why = f"; not expected to agree bit for bit: {kvbytes.not_required_why(row.meaning) or 'another split'}"
-            report("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s)%s", row.backend, row.chunk,
-                   row.tier, row.comparison, row.differ, row.keys, row.example_key, why if tolerated_rows else "")
+    for row in bad.itertuples():
+        log.error("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s)", row.backend, row.chunk, row.tier,
+                  row.comparison, row.differ, row.keys, row.example_key)
+    for row in tolerated.itertuples():
+        log.info("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s); not expected to agree bit for bit: "
+                 "%s", row.backend, row.chunk, row.tier, row.comparison, row.differ, row.keys, row.example_key,
+                 kvbytes.not_required_why(row.meaning) or "another split of the work")
     for (backend, chunk, tier), _, found in kvbytes.findings(table):
         log.info("KV bytes, %s/chunk %s/%s: %s", backend, chunk, tier, found)
 
@@ -480,7 +482,8 @@ def left_out(config: dict, workdir: Path) -> list[str]:
         manifest = reuse.parent / "manifest.json"
         recorded = read_json(manifest).get("config", {}) if manifest.exists() else {}
         keys = [key for key, value in MATRIX_KEYS.items() if value(cell) not in config[key]]
-        why = "; ".join(f"{key} {list(config[key])!r}" + (f", the run's {recorded[key]!r}" if key in recorded else "")
+        why = "; ".join(f"{key} {list(config[key])!r}"
+                        + (f", the run's {list(recorded[key])!r}" if key in recorded else "")
                         for key in keys) or "not a cell of this config's matrix (its server settings)"
         found.append(f"{cell.name} ({why})")
     return found
