@@ -45,8 +45,8 @@ def comparisons(tmp_path, shared_damage=(), isolated_damage=(), store_damage=())
     return kvbytes.compare_arms(shared, isolated, followup_exact=True).set_index("comparison")
 
 
-def cpu_config(doc_tokens=2048, kind="vllm-cpu"):
-    return {"workload": {"doc_tokens": doc_tokens}, "engine": {"kind": kind}}
+def cpu_config(doc_tokens=2048, kind="vllm-cpu", extra_args=("--max-num-seqs", "4")):
+    return {"workload": {"doc_tokens": doc_tokens}, "engine": {"kind": kind, "extra_args": list(extra_args)}}
 
 
 def test_digests_record_every_copy_and_when_it_was_stored(tmp_path):
@@ -177,6 +177,38 @@ def test_followup_chunks_are_gated_only_where_the_stack_computes_them_identicall
     assert kvbytes.followup_bit_exact(cpu_config(2048), 256)
     assert not kvbytes.followup_bit_exact(cpu_config(6000), 256)  # the chunk holds the document's tail
     assert not kvbytes.followup_bit_exact(cpu_config(2048, kind="vllm"), 256)
+    # whole chunks, but the cold prefill's step (vLLM's 2,048 tokens on CPU) does not end at the document
+    assert not kvbytes.followup_bit_exact(cpu_config(1024), 256)
+    assert kvbytes.followup_bit_exact(cpu_config(1024, extra_args=("--max-num-batched-tokens", "1024")), 256)
+    assert kvbytes.followup_bit_exact(cpu_config(1024, extra_args=("--max-num-batched-tokens=512",)), 256)
+    assert not kvbytes.followup_bit_exact(cpu_config(2048, extra_args=("--no-enable-chunked-prefill",)), 256)
+
+
+def test_whole_chunk_documents_the_cold_prefill_does_not_split_at_are_no_damage_and_real_damage_still_is(tmp_path):
+    """Issue 51's clean run: 1,024-token documents (4 chunks of 256), 256-token follow-ups, CPU defaults. The
+    isolated replica prefills document and follow-up cold in one step of up to 2,048 tokens, the shared one
+    the follow-up alone after the load: every follow-up chunk differs, and that is no damage. The table says
+    why it left them out; where the step ends at the document (a step of 1,024, or 2,048-token documents) the
+    same bytes are damage and fail the gate."""
+    def table(config, root):
+        return kvbytes.kv_bytes_table(
+            {("lmcache-fs", 256, "disk", "shared"): run_cell(root, "shared", ("followup0", "followup1")),
+             ("lmcache-fs", 256, "disk", "isolated"): run_cell(root, "isolated")}, config)
+
+    clean = table(cpu_config(1024), tmp_path / "clean")
+    assert kvbytes.unexpected(clean).empty
+    row = clean.set_index("comparison").loc["after_load_against_cold"]
+    assert row["differ"] == 2 and not row["bit_exact_expected"]
+    said = "steps of 2048 tokens (vLLM's max_num_batched_tokens), so its step holding the follow-up starts at token 0"
+    assert said in row["meaning"]
+    (_, _, found), = kvbytes.findings(clean)
+    assert found.startswith("Every chunk that must agree bit for bit does (store_across_arms 2 of 2)")
+    assert f"after_load_against_cold 2 of 2 (the isolated arm prefills cold in {said}" in found
+    for number, config in enumerate((cpu_config(1024, extra_args=("--max-num-batched-tokens", "1024")),
+                                     cpu_config(2048))):
+        damaged = table(config, tmp_path / f"damaged{number}")
+        assert list(kvbytes.unexpected(damaged)["comparison"]) == ["after_load_against_cold"]
+        assert kvbytes.finding(damaged).startswith("Load side: the document chunks agree, yet 2 of 2")
 
 
 @pytest.mark.parametrize("damage", ["one bit", "random bytes", "removed"])

@@ -28,6 +28,11 @@ INVALID = "backend~lmcache-local-disk/arm~shared/chunk~256/tier~disk"
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     shutil.copytree(TREE / "results", root / "results")
+    return build(root)
+
+
+def build(root: Path) -> Path:
+    """Study A's tables, the breakdown and the page of the tree under ``root``, as their rules make them."""
     cell = TREE / "results" / "cells" / CELLS[0].name
     config = json.loads((cell / "manifest.json").read_text())["config"]
     config["backends"] = ["lmcache-fs", "lmcache-local-disk"]
@@ -61,6 +66,27 @@ def built(tmp_path_factory):
                  tables_dir=results / "report" / "tables", breakdown=str(results / "breakdown.csv"),
                  contexts=str(results / "contexts.csv"))
     return results
+
+
+def test_a_run_that_sampled_no_drive_and_no_replica_builds_its_page_and_says_so(tmp_path):
+    """An external fleet without fleet.pool_dirs: kvpool watches no drive (it sees no pool folder) and samples
+    no replica (no process of its own), so its cells' telemetry is empty. The page still builds, and its
+    timeline says why it draws nothing."""
+    shutil.copytree(TREE / "results", tmp_path / "results")
+    for folder in (tmp_path / "results" / "cells").glob("backend~*/arm~*/chunk~*/tier~*"):
+        telemetry = folder / "telemetry"
+        (telemetry / "drive.csv").write_text("\n")  # as run_telemetry writes no sample at all
+        power = pd.read_csv(telemetry / "power.csv")
+        power[power["source"] == "host"].to_csv(telemetry / "power.csv", index=False)
+        summary = json.loads((telemetry / "summary.json").read_text())
+        for window in summary.values():
+            window.update(devices=[], disks=[], drive={"available": False})
+            window["power"]["replicas"] = {}
+        (telemetry / "summary.json").write_text(json.dumps(summary))
+    results = build(tmp_path)
+    html = (results / "report.html").read_text()
+    assert "Timeline per cell and phase: nothing was sampled" in html
+    assert (results / "report" / "figures" / "timeline.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_page_has_every_table_and_figure(built):

@@ -107,3 +107,43 @@ def test_measured_only_names_each_cell_whose_run_judged_it_with_other_settings(t
     found = study_a.judged_otherwise(changed, [shared, isolated], tmp_path)
     assert len(found) == 2 and found[0].startswith(shared.name) and "workload.documents 4, the run's 8" in found[0]
     assert "min_hit_fraction" in found[1] and "slo_s" not in " ".join(found)
+
+
+def test_measured_only_is_refused_where_the_run_finished_cells_the_matrix_leaves_out_or_tabled_them_otherwise(
+        tmp_path):
+    """A two-arm run whose gate failed, summarized with ``arms: [shared]`` and other Table 1 thresholds: the
+    gate over the shared cell alone would pass where the run's found damage across the arms, and Table 1 would
+    count its reloads and SLO against other thresholds. Refused while the workflow is parsed, naming the cell
+    left out and each key, with the run's values, before anything is written."""
+    import json
+    import subprocess
+    import sys
+
+    from kvpool.cells import cells
+    from kvpool.report import tables
+
+    config = default_config()
+    shared, isolated = cells(config)
+    for cell in (shared, isolated):
+        folder = tmp_path / "results" / "cells" / cell.name
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"config": config}))
+        (folder / "reuse.json").write_text("{}")
+    assert study_a.left_out(config, tmp_path) == []
+    assert study_a.left_out({**config, "arms": ["shared"]}, tmp_path) == [
+        f"{isolated.name} (arms ['shared'], the run's ['shared', 'isolated'])"]
+    tabled = {**config, "warm_s": 0.01, "slo_s": 0.01}
+    assert study_a.judged_otherwise(tabled, [shared], tmp_path) == []  # the gate's own settings agree
+    found = study_a.judged_otherwise(tabled, [shared], tmp_path, [study_a.run_validity, tables.run_table1])
+    assert found == [f"{shared.name}: warm_s, slo_s (this config: warm_s 0.01, the run's 3.0; "
+                     "slo_s 0.01, the run's 5.0)"]
+    # the workflow refuses both at once, before any job
+    refused = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--directory", str(tmp_path), "-s",
+                              str(REPO / "Snakefile"), "--configfile", str(REPO / "config" / "config.yaml"),
+                              "--config", "measured_only=True", "arms=[shared]", "slo_s=0.01"],
+                             capture_output=True, text=True, timeout=300)
+    said = refused.stderr + refused.stdout
+    assert refused.returncode != 0
+    assert f"{shared.name}: slo_s (this config: slo_s 0.01, the run's 5.0)" in said
+    assert f"{isolated.name} (arms ['shared'], the run's ['shared', 'isolated']): a finished cell" in said
+    assert not (tmp_path / "results" / "gate.ok").exists() and not (tmp_path / "results" / "kv_bytes.csv").exists()

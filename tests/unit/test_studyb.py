@@ -281,3 +281,32 @@ def test_the_windows_table_pairs_throughput_across_blocks():
                            pd.DataFrame(), [], table)
     assert "## Short concurrency windows" in page and "| 2 | alternating | 12 tok/s | 32 tok/s | 200% |" in page
     assert studyb_tables.windows_table(rows[rows["kind"] != "window"], [], 4).empty  # a run without windows
+
+
+def test_studyb_md_builds_study_b_when_all_leaves_it_out_and_says_why_where_it_cannot(config, tmp_path):
+    """config/backends.yaml disables Study B; `snakemake results/studyb.md` builds it all the same, as the
+    README and the schema say. Where it has no block (a disabled study that cannot run with the config, or
+    measured_only before any block finished) its page and record say that nothing was measured and why."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from support import REPO
+
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "-n", "results/studyb.md", "--directory", str(tmp_path),
+                          "-s", str(REPO / "Snakefile"), "--configfile", str(REPO / "config" / "backends.yaml")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert re.search(r"^studyb_block\s+4$", dry.stdout, re.M), dry.stdout[-3000:]
+    assert "results/studyb/backend~lmcache-fs/chunk~256/tier~ram/block~1-off/block.json" in dry.stdout
+    out = {name: tmp_path / name for name in ("locality.csv", "sessions.csv", "summary.csv", "windows.csv",
+                                              "validity.json", "studyb.md")}
+    why = "study_b.enabled is false, and Study B cannot run with this config: study_b.backend ..."
+    studyb_report.run_studyb_tables(config, None, {}, locality_csv=out["locality.csv"],
+                                    sessions_csv=out["sessions.csv"], summary_csv=out["summary.csv"],
+                                    windows_csv=out["windows.csv"], validity_out=out["validity.json"],
+                                    md_out=out["studyb.md"], figures_dir=tmp_path / "figures", missing=why)
+    assert f"No block of Study B was measured: {why}." in out["studyb.md"].read_text()
+    record = json.loads(out["validity.json"].read_text())
+    assert record["valid"] is False and record["not_measured"] == why and record["blocks"] == {}

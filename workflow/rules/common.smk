@@ -33,12 +33,26 @@ onstart:
 # measured_only: the summaries of what this working directory holds, and no rule that measures
 MEASURED_ONLY = config["measured_only"]
 CELLS = measured(config, Path.cwd()) if MEASURED_ONLY else cells(config)
-# measured_only judges each cell again: refused where this config is not the one its run recorded in
-# what the gate reads, which would overwrite the run's verdicts with others
-if MEASURED_ONLY and (_otherwise := study_a.judged_otherwise(config, CELLS, Path.cwd())):
+# measured_only judges each cell again and tables it: refused where this config is not the one its run
+# recorded in what the gate and Study A's tables read, which would overwrite the run's verdicts and rows
+# with others, and where the run finished cells this config's matrix leaves out, whose verdicts and KV
+# bytes a gate over the rest would never read
+MEASURED_ONLY_STEPS = [
+    study_a.run_validity,
+    study_a.run_kv_bytes,
+    tables.run_table1,
+    tables.run_tier_compare,
+    load_report.run_load_table,
+    breakdown.run_breakdown,
+]
+_otherwise = study_a.judged_otherwise(config, CELLS, Path.cwd(), MEASURED_ONLY_STEPS) if MEASURED_ONLY else []
+_left_out = study_a.left_out(config, Path.cwd()) if MEASURED_ONLY else []
+if _otherwise or _left_out:
     raise ValueError(
-        "measured_only: this config differs from what these cells' runs recorded in settings their gates read; "
-        "give the run's own config (each cell's manifest.json holds it under 'config'):\n  " + "\n  ".join(_otherwise)
+        "measured_only: this config is not the one these cells' runs recorded; give the run's own config (each "
+        "cell's manifest.json holds it under 'config')"
+        + "".join(f"\n  {line}" for line in _otherwise)
+        + "".join(f"\n  {line}: a finished cell this config's matrix leaves out" for line in _left_out)
     )
 # Table 2 compares the shared cells of tiers whose read ceiling is measured (all of them, unless measured_only)
 CEILING_TIERS = [
@@ -232,8 +246,19 @@ def level_after(wildcards):
 
 
 # Study B (kvpool.studies.studyb), resolved once, here: its pool named and checked. A config whose
-# study_b cannot run was refused above when enabled; with study_b disabled, Study B has no blocks.
-STUDYB = studyb.resolved(config) if config["study_b"]["enabled"] else None
+# study_b cannot run was refused above when enabled; with study_b disabled, `all` leaves it out and its
+# target (results/studyb.md) builds it all the same, where it can run (STUDYB_MISSING says why not).
+STUDYB, STUDYB_MISSING = None, ""
+if external.is_external(config):
+    STUDYB_MISSING = (
+        "study_b.enabled is false, and Study B cannot run on an external fleet (fleet.mode external): "
+        "each of its blocks starts a fleet of its own"
+    )
+else:
+    try:
+        STUDYB = studyb.resolved(config)
+    except ValueError as cannot:
+        STUDYB_MISSING = f"study_b.enabled is false, and Study B cannot run with this config: {cannot}"
 # What Study B's steps are handed: the study less how many blocks run and whether all builds them, so
 # neither re-runs a measured block
 STUDYB_MEASURED = studyb.block_study(STUDYB) if STUDYB else None
@@ -247,6 +272,8 @@ STUDYB_BLOCKS = [
     for block in (studyb.blocks(STUDYB) if STUDYB else [])
     if not MEASURED_ONLY or Path(f"{STUDYB_DIR}/block~{block}/block.json").exists()
 ]
+if STUDYB and not STUDYB_BLOCKS:
+    STUDYB_MISSING = f"measured_only: no block of Study B has finished under {Path.cwd()}/{STUDYB_DIR}"
 if not CELLS and not STUDYB_BLOCKS and not CONTEXT_UNITS and not ROUTER_UNITS and not CAPACITY_UNITS:
     raise ValueError(
         f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells, "

@@ -151,6 +151,8 @@ rule studyb_tables:
         blocks=STUDYB_BLOCKS,
         settings=settings(studyb_report.run_studyb_tables),
         study=STUDYB_MEASURED,
+        # why there is no block, where there is none
+        missing=STUDYB_MISSING,
     script:
         "../scripts/studyb_tables.py"
 

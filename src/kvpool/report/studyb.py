@@ -77,11 +77,21 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
 @reads("backends", "tiers", "chunk_sizes", "engine", "workload", "replicas")
 def run_studyb_tables(config: dict, study: dict, blocks: dict, *, locality_csv: str, sessions_csv: str,
                       summary_csv: str, validity_out: str, md_out: str, figures_dir: str,
-                      windows_csv: str | None = None) -> None:
+                      windows_csv: str | None = None, missing: str = "") -> None:
     """Study B's tables from every block (``blocks``: name -> requests.csv and block.json): the
     locality chains (``locality_csv``), every session turn (``sessions_csv``) and the sessions per
     placement (``summary_csv``), the study's gate (each block's checks and the ON/OFF pairing) and a
-    Markdown page with the tables and figures."""
+    Markdown page with the tables and figures. With no block (``missing`` says why), the page and the
+    gate's record say that nothing was measured, and why, and the tables are empty."""
+    if not blocks:
+        for table in (locality_csv, sessions_csv, summary_csv, windows_csv):
+            if table:
+                Path(table).write_text("")
+        write_json(validity_out, {"valid": False, "blocks": {}, "checks": {}, "not_measured": missing})
+        Path(figures_dir).mkdir(parents=True, exist_ok=True)
+        Path(md_out).write_text(f"# Study B's design\n\nNo block of Study B was measured: {missing}.\n")
+        log.warning("Study B: no block measured: %s", missing)
+        return
     found = studyb_tables(config, study, blocks)
     found.locality.to_csv(locality_csv, index=False)
     found.turns.to_csv(sessions_csv, index=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.cells import Arm, Cell, backend_of, is_memory_pool, pool_root, run_pools, tier_root
+from kvpool.cells import Arm, Cell, backend_of, cells, is_memory_pool, pool_root, run_pools, tier_root
 from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine import pool_files as pool
 from kvpool.engine.fleet import running_fleet, running_servers
@@ -368,11 +368,13 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
     Path(md_out).write_text(kvbytes.kv_bytes_markdown(table))
     bad = kvbytes.unexpected(table)
     tolerated = table[table["differ"] > 0].drop(index=bad.index)
-    tolerated_why = "; not expected to agree bit for bit (the document is not whole chunks)"
-    for rows, report, why in ((bad, log.error, ""), (tolerated, log.info, tolerated_why)):
-        for row in rows.itertuples():
-            report("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s)%s", row.backend, row.chunk,
-                   row.tier, row.comparison, row.differ, row.keys, row.example_key, why)
+    for row in bad.itertuples():
+        log.error("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s)", row.backend, row.chunk, row.tier,
+                  row.comparison, row.differ, row.keys, row.example_key)
+    for row in tolerated.itertuples():
+        log.info("KV bytes differ: %s/chunk %s/%s %s: %d of %d chunks (e.g. %s); not expected to agree bit for bit: "
+                 "%s", row.backend, row.chunk, row.tier, row.comparison, row.differ, row.keys, row.example_key,
+                 kvbytes.not_required_why(row.meaning) or "another split of the work")
     for (backend, chunk, tier), _, found in kvbytes.findings(table):
         log.info("KV bytes, %s/chunk %s/%s: %s", backend, chunk, tier, found)
 
@@ -434,22 +436,53 @@ def _differing(given, recorded, key: str) -> list[str]:
     return [] if given == recorded else [key]
 
 
-def judged_otherwise(config: dict, cells: list[Cell], workdir: Path) -> list[str]:
+def judged_otherwise(config: dict, cells: list[Cell], workdir: Path, steps=None) -> list[str]:
     """With measured_only: each cell whose run recorded (its manifest.json) other values than ``config``
-    for what its gate reads (``run_validity``'s declared settings), with the keys that differ. Judging it
-    again with ``config`` would overwrite its verdict with one its run never had."""
-    given = step_settings(run_validity, config)
+    for what ``steps`` read (their declared settings; by default the gate's, ``run_validity``), with the
+    keys that differ. Judging or tabling it again with ``config`` would overwrite its verdict or its row
+    with one its run never had."""
+    given = [step_settings(step, config) for step in (steps or (run_validity,))]
     found = []
     for cell in cells:
         manifest = workdir / "results" / "cells" / cell.name / "manifest.json"
         if not manifest.exists():
             continue
         recorded = read_json(manifest).get("config", {})
-        keys = [k for section in given if section in recorded for k in _differing(given[section], recorded[section],
-                                                                                   section)]
+        keys = list(dict.fromkeys(k for read in given for section in read if section in recorded
+                                  for k in _differing(read[section], recorded[section], section)))
         if keys:
             found.append(f"{cell.name}: {', '.join(keys)} (this config: "
                          + "; ".join(f"{k} {_at(config, k)!r}, the run's {_at(recorded, k)!r}" for k in keys) + ")")
+    return found
+
+
+# The keys of the matrix, each with what a cell holds of it
+MATRIX_KEYS = {"backends": lambda cell: cell.backend, "arms": lambda cell: cell.arm,
+               "chunk_sizes": lambda cell: cell.chunk, "tiers": lambda cell: cell.tier}
+
+
+def left_out(config: dict, workdir: Path) -> list[str]:
+    """With measured_only: each cell whose reuse phase finished in ``workdir`` that ``config``'s matrix
+    leaves out, with the matrix keys that leave it out and its run's values (its manifest.json). The run's
+    gate judged it, and compared its pool's bytes with its other arm's; a gate over the rest alone would
+    pass where the run's failed."""
+    matrix = set(cells(config))
+    root = workdir / "results" / "cells"
+    found = []
+    for reuse in sorted(root.glob("backend~*/arm~*/chunk~*/tier~*/reuse.json")):
+        try:
+            cell = Cell.from_name(reuse.parent.relative_to(root).as_posix())
+        except ValueError:  # no folder of a cell kvpool names
+            continue
+        if cell in matrix:
+            continue
+        manifest = reuse.parent / "manifest.json"
+        recorded = read_json(manifest).get("config", {}) if manifest.exists() else {}
+        keys = [key for key, value in MATRIX_KEYS.items() if value(cell) not in config[key]]
+        why = "; ".join(f"{key} {list(config[key])!r}"
+                        + (f", the run's {list(recorded[key])!r}" if key in recorded else "")
+                        for key in keys) or "not a cell of this config's matrix (its server settings)"
+        found.append(f"{cell.name} ({why})")
     return found
 
 
