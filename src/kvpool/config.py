@@ -36,13 +36,14 @@ OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--d
 # the batch-invariant kernels, the dev endpoints a unit that empties a replica's cache opens, and the base
 # every replica gets (no hub, no telemetry). LMCache also reads every key of its config as LMCACHE_<KEY>
 # over its file (lmcache.v1.config), so LMCACHE_<an owned key> is owned too.
-KVPOOL_DECIDES = "nothing: kvpool sets it where a unit needs it"
-OWNED_ENV = {"LMCACHE_CONFIG_FILE": "chunk_sizes, backends, tiers and lmcache", "PYTHONHASHSEED": "hash_keys",
-             "VLLM_CPU_OMP_THREADS_BIND": "engine.cores", "CUDA_VISIBLE_DEVICES": "engine.gpus",
-             "CUDA_DEVICE_ORDER": "engine.gpus", "VLLM_BATCH_INVARIANT": "engine.batch_invariant",
+KVPOOL_DECIDES = "kvpool sets it where a unit needs it: remove it"
+OWNED_ENV = {"LMCACHE_CONFIG_FILE": "use chunk_sizes, backends, tiers and lmcache", "PYTHONHASHSEED": "use hash_keys",
+             "VLLM_CPU_OMP_THREADS_BIND": "use engine.cores", "CUDA_VISIBLE_DEVICES": "use engine.gpus",
+             "CUDA_DEVICE_ORDER": "use engine.gpus", "VLLM_BATCH_INVARIANT": "use engine.batch_invariant",
              "VLLM_SERVER_DEV_MODE": KVPOOL_DECIDES,
              **dict.fromkeys(BASE_ENV, KVPOOL_DECIDES),
-             **{f"LMCACHE_{key.upper()}": "chunk_sizes, backends, tiers and hash_keys" for key in OWNED_LMCACHE_KEYS}}
+             **{f"LMCACHE_{key.upper()}": "LMCache reads it over the replica's config file; use chunk_sizes, "
+                "backends, tiers and hash_keys" for key in OWNED_LMCACHE_KEYS}}
 OWNED_SERVER_FLAGS = {"--host", "--port", "--http-host", "--http-port", "--chunk-size", "--l1-size-gb",
                       "--eviction-policy", "--l2-adapter", "--max-gpu-workers", "--max-workers"}
 
@@ -219,9 +220,8 @@ def _input_problems(config: dict) -> list[str]:
                      "max_model_len, gpu_memory_utilization) instead")
     found += _env_problems("engine.env", engine["env"]) + _env_problems("lmcache_mp.env", config["lmcache_mp"]["env"])
     for key in sorted(set(engine["env"]) & set(OWNED_ENV)):
-        found.append(f"engine.env sets {key}, which kvpool sets per replica (LMCache reads LMCACHE_<key> over its "
-                     "config file): a cell would run with another value than its plan and folder name say; "
-                     f"the config key that decides it: {OWNED_ENV[key]}")
+        found.append(f"engine.env sets {key}, which kvpool sets per replica: a cell would run with another value "
+                     f"than its plan and folder name say; {OWNED_ENV[key]}")
     if owned := _owned(config["lmcache_mp"]["extra_args"], OWNED_SERVER_FLAGS):
         found.append(f"lmcache_mp.extra_args sets {', '.join(owned)}, which kvpool sets per server; use the "
                      "lmcache_mp keys (l1_size_gib, eviction_policy, l2_use_odirect, gpu_workers) instead")
