@@ -177,8 +177,9 @@ def test_an_overlay_after_another_configfile_is_refused_naming_both(tmp_path):
     overlay.write_text("extends: config/capacity.yaml\ncapacity: {fractions: [0.25]}\n")
     default = REPO / "config" / "config.yaml"
     merged = {**yaml.safe_load(default.read_text()), **yaml.safe_load(overlay.read_text())}
-    with pytest.raises(ValueError, match=rf"extends: {overlay} names its base config/capacity.yaml, but --configfile "
-                                         rf"gives {default} before it, whose keys \(arms, backends, .*\) would replace"):
+    refused = (rf"extends: {overlay} names its base config/capacity.yaml, but --configfile gives {default} before "
+               r"it, whose keys \(arms, backends, .*\) would replace")
+    with pytest.raises(ValueError, match=refused):
         resolve_extends(merged, REPO, [default, overlay])
     alone = yaml.safe_load(overlay.read_text())
     resolve_extends(alone, REPO, [overlay])  # alone (or first), the overlay is its base and its own keys
