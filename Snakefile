@@ -2,9 +2,9 @@
 # The rules live in workflow/rules/, the logic in the kvpool package (src/kvpool).
 from pathlib import Path
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
-from kvpool.config import resolve_extends
+from kvpool.config import resolve_extends, validated
 
 min_version("9.0")
 
@@ -16,9 +16,10 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
-# An overlay (extends: another config file) is merged over its base before anything reads it.
-resolve_extends(config, Path(workflow.basedir))
-validate(config, "workflow/schemas/config.schema.yaml")
+# An overlay (extends: another config file) is merged over its base before anything reads it; then the
+# schema (workflow/schemas/config.schema.yaml) fills the defaults and refuses in one line naming the key.
+resolve_extends(config, Path(workflow.basedir), workflow.overwrite_configfiles or [])
+validated(config, Path(workflow.basedir))
 
 
 include: "workflow/rules/common.smk"

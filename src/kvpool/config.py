@@ -1,8 +1,8 @@
 """Checks on a schema-valid config that JSON Schema cannot express, run before any job starts.
 
 The top floor of the package: it gathers every study's own checks (``capacity.problems``,
-``contexts.problems``, ``studyb.resolved``, the engine's backends') with the matrix's, so it may import
-anything and nothing imports it but the workflow."""
+``contexts.problems``, ``peer.problems``, ``studyb.resolved``, the engine's backends') with the matrix's, so
+it may import anything and nothing imports it but the workflow."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from pathlib import Path
 import yaml
 
 from kvpool.cells import Arm, Backend, cells, is_memory_pool, pool_dirs, run_pools, tier_root
-from kvpool.engine import external, mp, pool_url, redis_pool
+from kvpool.engine import external, host_memory, mp, pool_url, redis_pool
+from kvpool.engine.hosts import is_loopback
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
-from kvpool.studies import capacity, contexts, studyb
+from kvpool.engine.plan import BASE_ENV
+from kvpool.studies import capacity, contexts, peer, studyb
 from kvpool.studies.load import LEVEL_PATTERN, Level
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
@@ -29,20 +31,32 @@ from kvpool.studies.load import LEVEL_PATTERN, Level
 OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--dtype", "--max-model-len",
                       "--kv-transfer-config", "--gpu-memory-utilization", "--enable-prefix-caching",
                       "--no-enable-prefix-caching", "--enable-prompt-tokens-details"}
-# Environment variables kvpool sets per replica (kvpool.engine.plan.replica_env): the LMCache config file,
-# the hash seed that keys agree on, the replica's core and GPU. LMCache also reads every key of its config
-# as LMCACHE_<KEY> over its file (lmcache.v1.config), so LMCACHE_<an owned key> is owned too.
-OWNED_ENV = {"LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES",
-             "CUDA_DEVICE_ORDER"} | {f"LMCACHE_{key.upper()}" for key in OWNED_LMCACHE_KEYS}
+# Environment variables kvpool sets per replica (kvpool.engine.plan.replica_env), each with the config key
+# that decides it: the LMCache config file, the hash seed that keys agree on, the replica's core and GPU,
+# the batch-invariant kernels, the dev endpoints a unit that empties a replica's cache opens, and the base
+# every replica gets (no hub, no telemetry). LMCache also reads every key of its config as LMCACHE_<KEY>
+# over its file (lmcache.v1.config), so LMCACHE_<an owned key> is owned too.
+KVPOOL_DECIDES = "kvpool sets it where a unit needs it: remove it"
+OWNED_ENV = {"LMCACHE_CONFIG_FILE": "use chunk_sizes, backends, tiers and lmcache", "PYTHONHASHSEED": "use hash_keys",
+             "VLLM_CPU_OMP_THREADS_BIND": "use engine.cores", "CUDA_VISIBLE_DEVICES": "use engine.gpus",
+             "CUDA_DEVICE_ORDER": "use engine.gpus", "VLLM_BATCH_INVARIANT": "use engine.batch_invariant",
+             "VLLM_SERVER_DEV_MODE": KVPOOL_DECIDES,
+             **dict.fromkeys(BASE_ENV, KVPOOL_DECIDES),
+             **{f"LMCACHE_{key.upper()}": "LMCache reads it over the replica's config file; use chunk_sizes, "
+                "backends, tiers and hash_keys" for key in OWNED_LMCACHE_KEYS}}
 OWNED_SERVER_FLAGS = {"--host", "--port", "--http-host", "--http-port", "--chunk-size", "--l1-size-gb",
                       "--eviction-policy", "--l2-adapter", "--max-gpu-workers", "--max-workers"}
 
 
-def resolve_extends(config: dict, repo: Path) -> None:
+SCHEMA = Path("workflow", "schemas", "config.schema.yaml")  # in the repository
+
+
+def resolve_extends(config: dict, repo: Path, files: list = ()) -> None:
     """Resolve ``extends`` in place: the named config file (a path in this repository, or absolute) is
     the base, itself resolved first, and ``config`` is merged over it as Snakemake merges config files
     (mappings key by key, anything else replaced). A tier set to null is dropped, so an overlay can
-    remove one of its base's tiers. Refuses a missing base and a cycle, naming the files. The resolved
+    remove one of its base's tiers. Refuses a missing base and a cycle, naming the files, and an overlay
+    that is not the first of ``files`` (the --configfile files ``config`` was merged from). The resolved
     config keeps ``extends`` as the first base named, for its provenance."""
     from snakemake.utils import update_config  # here: kvpool.config also loads where Snakemake is not installed
 
@@ -58,17 +72,85 @@ def resolve_extends(config: dict, repo: Path) -> None:
         if path.resolve() in seen:
             raise ValueError("extends: a cycle: " + " -> ".join(str(p) for p in [*seen, path.resolve()]))
         seen.append(path.resolve())
-        base = yaml.safe_load(path.read_text()) or {}
+        try:
+            base = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:  # the parser's report names neither the file nor the key that led to it
+            mark = getattr(error, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            raise ValueError(f"extends: {name} is not YAML{where}: {getattr(error, 'problem', None) or error}; "
+                             "give a config file") from None
         if not isinstance(base, dict):
             raise ValueError(f"extends: {name} holds a YAML {type(base).__name__}, not a config (a mapping of keys)")
         update_config(base, merged)  # the overlay over its base; the base's own extends is next
         merged = base
+    _refuse_a_later_overlay([Path(file) for file in files])  # once its bases are known to be configs
     if first:
         merged["extends"] = first
     if isinstance(merged.get("tiers"), dict):
         merged["tiers"] = {tier: path for tier, path in merged["tiers"].items() if path is not None}
     config.clear()
     config.update(merged)
+
+
+def _refuse_a_later_overlay(files: list[Path]) -> None:
+    """Snakemake merges the --configfile files before ``extends`` is read, so the files before an overlay are
+    merged over its base, not under it: ``config/config.yaml`` before ``config/capacity.yaml`` would turn the
+    Redis capacity run into the default's pool of files on both tiers, without a word."""
+    for later in files[1:]:
+        overlay = yaml.safe_load(later.read_text()) or {}
+        if isinstance(overlay, dict) and overlay.get("extends"):
+            before = sorted({key for file in files[:files.index(later)]
+                             for key in (yaml.safe_load(file.read_text()) or {}) if key != "extends"})
+            raise ValueError(f"extends: {later} names its base {overlay['extends']}, but --configfile gives "
+                             f"{', '.join(map(str, files[:files.index(later)]))} before it, whose keys ("
+                             f"{', '.join(before[:6])}{', ...' if len(before) > 6 else ''}) would replace the "
+                             f"base's; give {later} first, or alone (its base is the rest of its config)")
+
+
+def validated(config: dict, repo: Path) -> None:
+    """``config`` checked against the schema and its defaults filled in, as the Snakefile reads it. A refusal
+    is one line naming the key and its value: JSON Schema's own report spans a dozen lines, and it takes
+    3.0 for an integer, which would name a folder chunk~256.0 or fail deep in a study's arithmetic."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    schema = yaml.safe_load((repo / SCHEMA).read_text())
+    try:
+        validate(config, str(repo / SCHEMA))
+    except WorkflowError:
+        error = best_match(Draft202012Validator(schema).iter_errors(config))
+        if error is None:
+            raise
+        raise ValueError(f"{_key(error.absolute_path) or 'the config'}: {error.message}") from None
+    if decimals := list(dict.fromkeys(_decimals(config, schema, ""))):
+        raise ValueError(decimals[0])
+
+
+def _key(path) -> str:
+    """A config key as a person writes it: ``study_b.chunk``, ``chunk_sizes[0]``."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
+
+
+def _decimals(value, schema: dict, where: str):
+    """The integer settings written with a decimal point (JSON Schema admits 3.0 as an integer), each a refusal."""
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, float) and "integer" in types and "number" not in types:
+        yield (f"{where}: {value!r} is not a whole number as written (it would count and name folders as "
+               f"{value!r}); write {int(value)}")
+    for alternative in schema.get("oneOf", []) + schema.get("anyOf", []):
+        yield from _decimals(value, alternative, where)
+    if isinstance(value, dict):
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            inner = schema.get("properties", {}).get(key, extra if isinstance(extra, dict) else None)
+            if inner:
+                yield from _decimals(item, inner, f"{where}.{key}" if where else key)
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            yield from _decimals(item, schema["items"], f"{where}[{index}]")
 
 
 def load(path: Path, repo: Path) -> dict:
@@ -80,6 +162,30 @@ def load(path: Path, repo: Path) -> dict:
 
 def _owned(args: list[str], owned: set[str]) -> list[str]:
     return sorted({arg.split("=", 1)[0] for arg in args if arg.split("=", 1)[0] in owned})
+
+
+def _read_as_owned(args: list[str], owned: set[str]) -> dict[str, str]:
+    """The options of ``args`` that vLLM's parser reads as one of ``owned`` although they are spelled otherwise:
+    it reads underscores as dashes and takes any unambiguous prefix (no option of vLLM 0.32 is a prefix of one
+    kvpool owns, so a prefix of an owned one is that option, or refused as ambiguous). Option -> owned option."""
+    found = {}
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        spelled = "--" + name[2:].replace("_", "-")
+        if not name.startswith("--") or name in owned or len(spelled) < 4:
+            continue
+        if reads := sorted(flag for flag in owned if flag.startswith(spelled)):
+            found[name] = " or ".join(reads)
+    return found
+
+
+def _env_problems(section: str, env: dict) -> list[str]:
+    """Names that no environment can hold (``=`` ends a name; a NUL byte ends the string), and values with a
+    NUL byte: the launch would fail with the OS's error, after the plan."""
+    return ([f"{section} key {key!r} cannot name an environment variable (it is empty or holds '=' or a NUL byte)"
+             for key in env if not key or "=" in key or "\0" in key]
+            + [f"{section}.{key}: {value!r} holds a NUL byte, which no environment value can"
+               for key, value in env.items() if "\0" in value])
 
 
 def _rate_problems(rates: list[float]) -> list[str]:
@@ -108,13 +214,21 @@ def _input_problems(config: dict) -> list[str]:
     if owned := _owned(engine["extra_args"], OWNED_ENGINE_FLAGS):
         found.append(f"engine.extra_args sets {', '.join(owned)}, which kvpool sets per replica; use the engine "
                      "keys (model, host, ports, dtype, max_model_len, gpu_memory_utilization) instead")
-    if owned := sorted(set(engine["env"]) & OWNED_ENV):
-        found.append(f"engine.env sets {', '.join(owned)}, which kvpool sets per replica (LMCache reads "
-                     "LMCACHE_<key> over its config file): a cell would run with other values than its plan and "
-                     "folder name say; use the config's own keys (chunk_sizes, hash_keys, engine.cores, engine.gpus)")
+    for given, reads in _read_as_owned(engine["extra_args"], OWNED_ENGINE_FLAGS).items():
+        found.append(f"engine.extra_args {given} reads as {reads} (vLLM reads underscores as dashes and takes "
+                     "abbreviations), which kvpool sets per replica; use the engine keys (model, host, ports, dtype, "
+                     "max_model_len, gpu_memory_utilization) instead")
+    found += _env_problems("engine.env", engine["env"]) + _env_problems("lmcache_mp.env", config["lmcache_mp"]["env"])
+    for key in sorted(set(engine["env"]) & set(OWNED_ENV)):
+        found.append(f"engine.env sets {key}, which kvpool sets per replica: a cell would run with another value "
+                     f"than its plan and folder name say; {OWNED_ENV[key]}")
     if owned := _owned(config["lmcache_mp"]["extra_args"], OWNED_SERVER_FLAGS):
         found.append(f"lmcache_mp.extra_args sets {', '.join(owned)}, which kvpool sets per server; use the "
                      "lmcache_mp keys (l1_size_gib, eviction_policy, l2_use_odirect, gpu_workers) instead")
+    if not is_loopback(engine["host"]) and not engine["allow_remote"]:
+        found.append(f"engine.host {engine['host']!r} listens beyond this machine: anyone who reaches it can send "
+                     "the replicas requests (vLLM asks for no key); set engine.allow_remote: true to mean it "
+                     "(pool servers stay on loopback either way), or bind 127.0.0.1")
     try:
         if ipaddress.ip_address(engine["host"]).version == 6:
             found.append(f"engine.host {engine['host']!r} is an IPv6 address; kvpool's replicas, pool servers and "
@@ -262,6 +376,12 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
         if missing:
             found.append(f"engine.cores lists cores {missing} that this process may not run on "
                          f"(it may use {sorted(os.sched_getaffinity(0))})")
+    if check_paths and not external.is_external(config):
+        found += host_memory.problems(config)
+    for arm, folders in config["fleet"]["pool_dirs"].items() if check_paths and external.is_external(config) else []:
+        # kvpool reads every file under them at populate, and a walk that meets a folder it cannot read fails
+        found += [f"fleet.pool_dirs.{arm}: {folder!r} is not a folder this machine can read" for folder in
+                  dict.fromkeys(folders) if not (Path(folder).is_dir() and os.access(folder, os.R_OK | os.X_OK))]
     if config["fault_injection"]["corrupt_stored_chunk"]:
         if memory := [cell.name for cell in cells(config) if is_memory_pool(config, cell)]:
             found.append(f"fault_injection.corrupt_stored_chunk needs pools of files; {memory[0]} is an MP "
@@ -274,7 +394,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             found.append(str(exc))
     return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)
             + _input_problems(config) + _pool_url_problems(config, workdir)
-            + mp.problems(config) + redis_pool.problems(config) + external.problems(config))
+            + mp.problems(config) + redis_pool.problems(config) + external.problems(config)
+            + peer.problems(config))
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:

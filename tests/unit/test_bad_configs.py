@@ -13,13 +13,12 @@ import sys
 import pytest
 import yaml
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import update_config, validate
+from snakemake.utils import update_config
 from support import REPO
 
-from kvpool.config import problems, resolve_extends
+from kvpool.config import problems, resolve_extends, validated
 
 CORPUS = sorted((REPO / "tests" / "configs" / "bad").glob("*.yaml"))
-SCHEMA = str(REPO / "workflow" / "schemas" / "config.schema.yaml")
 
 
 def expectation(path):
@@ -38,7 +37,7 @@ def refusals(config, workdir, at_start):
     """What refuses ``config``: the schema's message, else kvpool's problems (parse time, or at start)."""
     try:
         resolve_extends(config, REPO)  # an overlay over its base, then the schema's defaults, as the Snakefile does
-        validate(config, SCHEMA)
+        validated(config, REPO)
     except (WorkflowError, ValueError) as error:
         return [str(error)]
     return problems(config, workdir, check_paths=at_start)
@@ -58,7 +57,8 @@ def test_the_default_config_is_not_refused(tmp_path, free_disk):
     assert refusals(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), tmp_path, True) == []
 
 
-@pytest.mark.parametrize("name", ["unknown-key", "lmcache-chunk-size", "host-name", "extends-missing"])
+@pytest.mark.parametrize("name", ["unknown-key", "lmcache-chunk-size", "host-name", "extends-missing",
+                                  "replicas-float"])
 def test_a_dry_run_refuses_with_the_message_and_no_traceback(name, tmp_path):
     path = REPO / "tests" / "configs" / "bad" / f"{name}.yaml"
     out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--directory", str(tmp_path), "-s",

@@ -322,3 +322,18 @@ def test_a_follow_ups_energy_is_read_around_the_request_alone(monkeypatch):
     ask = Asking([Replica(0), Replica(1)], workload, cfg, Pool(), energy=lambda: next(counter))
     (row,) = asyncio.run(ask.followups([0], "window", 0, reset_own_cache=False))
     assert row["gpu_energy_j"] == 42.5 and row["serve_replica"] == 1 and row["prefill_replica"] == 0
+
+
+def test_the_tables_silent_misses_are_the_ones_its_gate_counts():
+    """A server too small for its working set misses silently in the warm-up as in the window: the table's
+    silent_misses column counts, from the same records, what the unit's no_silent_miss check counted."""
+    frame = pd.DataFrame({"part": ["populate", "warmup", "warmup", "warmup", "window", "window"],
+                          "prefill_replica": [0, 0, 1, 0, 1, 0], "serve_replica": [0, 1, 0, 1, 0, 1],
+                          "error": [""] * 6, "source": [None, "recomputed", "recomputed", "recomputed", "pool", "pool"],
+                          "silent_miss": [None, True, True, True, False, False], "ttft_s": [0.3] * 6})
+    meta = {"policy": "allkeys-lru", "valid": False, "capacity_bytes": 1000,
+            "pool": {"capped": {"kv_bytes": 900}, "end": {"kv_bytes": 900, "evicted_keys": 0}}, "summary": {}}
+    checked = capacity.unit_checks(frame, 900, 1000)["no_silent_miss"]
+    row = capacity.unit_row(Cell("lmcache-redis", "shared", 256, "ram"), 0.25, frame, meta)
+    assert checked["value"] == 3 and not checked["ok"]
+    assert row["silent_misses"] == checked["value"]

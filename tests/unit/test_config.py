@@ -110,8 +110,14 @@ def test_a_run_that_cannot_fit_stops_before_any_job(tmp_path):
 
 
 def test_localhost_and_ipv4_addresses_are_fine_hosts_and_ipv6_is_refused_by_name(config, tmp_path):
-    for host in ("localhost", "127.0.0.1", "0.0.0.0"):
+    for host in ("localhost", "127.0.0.1", "127.0.0.2"):
         config["engine"]["host"] = host
+        assert not [p for p in problems(config, tmp_path) if "engine.host" in p]
+    for host in ("0.0.0.0", "192.168.1.7"):  # beyond loopback: an explicit opt-in, engine.allow_remote
+        config["engine"].update(host=host, allow_remote=False)
+        assert [p for p in problems(config, tmp_path) if f"engine.host '{host}' listens beyond this machine" in p
+                and "engine.allow_remote: true" in p]
+        config["engine"]["allow_remote"] = True
         assert not [p for p in problems(config, tmp_path) if "engine.host" in p]
     config["engine"]["host"] = "::1"  # not "no 2 free ports": kvpool's port checks and URLs are IPv4
     assert [p for p in problems(config, tmp_path) if "engine.host '::1' is an IPv6 address" in p]
@@ -158,3 +164,53 @@ def test_a_configfile_replaces_the_default_and_config_values_layer_on_it(tmp_pat
     assert populates("--configfile", str(tmp_path / "one-arm.yaml")) == 1  # its one arm, not the default's two
     assert populates("--configfile", "config/tiers.yaml") == 4            # the default, and the ram tier
     assert populates("--config", "arms=[shared]") == 1                    # the default, one arm
+
+
+def test_an_overlay_after_another_configfile_is_refused_naming_both(tmp_path):
+    """Snakemake merges --configfile files before extends is read: config/config.yaml before an overlay of
+    config/capacity.yaml would make the Redis capacity run the default's pool of files on both tiers."""
+    import pytest
+
+    from kvpool.config import resolve_extends
+
+    overlay = tmp_path / "more-capacity.yaml"
+    overlay.write_text("extends: config/capacity.yaml\ncapacity: {fractions: [0.25]}\n")
+    default = REPO / "config" / "config.yaml"
+    merged = {**yaml.safe_load(default.read_text()), **yaml.safe_load(overlay.read_text())}
+    refused = (rf"extends: {overlay} names its base config/capacity.yaml, but --configfile gives {default} before "
+               r"it, whose keys \(arms, backends, .*\) would replace")
+    with pytest.raises(ValueError, match=refused):
+        resolve_extends(merged, REPO, [default, overlay])
+    alone = yaml.safe_load(overlay.read_text())
+    resolve_extends(alone, REPO, [overlay])  # alone (or first), the overlay is its base and its own keys
+    assert alone["backends"] == ["lmcache-redis"] and alone["capacity"]["fractions"] == [0.25]
+
+
+def test_replicas_the_machines_memory_cannot_hold_are_refused_at_start_with_the_estimate(config, tmp_path,
+                                                                                           free_disk, monkeypatch):
+    from types import SimpleNamespace
+
+    import psutil
+
+    free_disk(10**12)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=20 * 10**9, total=64 * 10**9))
+    config["replicas"] = 8  # the default's 1 GiB KV cache, 0.5 GiB LMCache buffer and the process: 3.4 GB each
+    (refused,) = [p for p in problems(config, tmp_path) if p.startswith("replicas 8")]
+    assert "at least 3.4 GB" in refused and "8 of them 27.3 GB" in refused and "20.0 GB available" in refused
+    assert not [p for p in problems(config, tmp_path, check_paths=False) if p.startswith("replicas")]
+    config["replicas"] = 4
+    assert not [p for p in problems(config, tmp_path) if p.startswith("replicas")]
+
+
+def test_a_dry_run_warns_of_what_would_stop_the_run_on_this_machine(tmp_path):
+    """A dry run may plan for another machine, so cores this one lacks do not refuse it; it says so."""
+    import subprocess
+    import sys
+
+    (tmp_path / "cores.yaml").write_text("engine: {cores: [0, 4095]}\n")
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--directory", str(tmp_path), "-s",
+                          str(REPO / "Snakefile"), "--configfile", str(REPO / "config" / "config.yaml"),
+                          str(tmp_path / "cores.yaml")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("on this machine the run would stop before its first job: engine.cores lists cores [4095] that this "
+            "process may not run on") in out.stderr

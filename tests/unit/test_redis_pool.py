@@ -64,6 +64,25 @@ def test_shared_arm_points_every_replica_at_one_server_that_keeps_nothing_on_dis
         assert replica.kv_transfer["kv_connector"] == "LMCacheConnectorV1"
 
 
+def test_replicas_open_to_the_network_leave_their_pool_servers_on_loopback_and_protected(redis_config):
+    """engine.allow_remote opens the replicas, never a pool server: Redis asks its clients for no key, so it
+    binds loopback with its protected mode on, and the replicas (on this machine) reach it there."""
+    redis_config["engine"].update(host="0.0.0.0", allow_remote=True)
+    plan = redis_plan(redis_config, "shared")
+    (server,) = plan.servers
+    assert (server.host, flag(server.argv, "--bind")) == ("127.0.0.1", "127.0.0.1")
+    assert flag(server.argv, "--protected-mode") == "yes"
+    assert all(replica.host == "0.0.0.0" for replica in plan.replicas)
+    assert {replica.lmcache_config["remote_url"] for replica in plan.replicas} == {"redis://127.0.0.1:20001"}
+    mp_plan = fleet_plan({**redis_config, "backends": ["lmcache-mp"], "engine": {**redis_config["engine"],
+                                                                                 "kind": "vllm"}},
+                         Cell("lmcache-mp", "shared", 256, "ram"), "/models/m", Path("/tmp/cell"), [18100, 18101],
+                         "config", server_ports=[20001, 20002])
+    (server,) = mp_plan.servers
+    assert server.host == "127.0.0.1" and flag(server.argv, "--host") == flag(server.argv, "--http-host")
+    assert flag(server.argv, "--host") == "127.0.0.1"
+
+
 def test_isolated_arm_has_a_server_per_replica_and_nothing_else_differs(redis_config):
     shared, isolated = redis_plan(redis_config, "shared"), redis_plan(redis_config, "isolated")
     assert [s.port for s in isolated.servers] == [20001, 20002]

@@ -1,4 +1,5 @@
 import re
+import sys
 from pathlib import Path
 
 from kvpool import config as kvpool_config
@@ -19,6 +20,10 @@ from kvpool.engine.model import RANDOM_MODEL_DIR
 _problems = kvpool_config.problems(config, Path.cwd(), check_paths=False)
 if _problems:
     raise ValueError("config cannot run:\n  " + "\n  ".join(_problems))
+# A dry run skips onstart, but says what would stop the run if it ran here (cores this machine lacks, ...).
+if workflow.output_settings.dryrun and not config["measured_only"]:
+    for _problem in kvpool_config.problems(config, Path.cwd(), check_paths=True):
+        print(f"kvpool: on this machine the run would stop before its first job: {_problem}", file=sys.stderr)
 
 
 onstart:

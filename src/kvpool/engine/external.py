@@ -8,6 +8,7 @@ recompute replica) is listed as not verified in validity.json rather than passed
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -92,6 +93,10 @@ def problems(config: dict) -> list[str]:
         dirs = fleet["pool_dirs"].get(arm)
         if dirs is not None and len(dirs) != config["replicas"]:
             found.append(f"fleet.pool_dirs.{arm} lists {len(dirs)} directories for {config['replicas']} replicas")
+        # kvpool reads, drops from the page cache and hashes every file under a pool folder
+        for root in sorted({folder for folder in dirs or [] if os.path.normpath(folder) in ("/", "//")}):
+            found.append(f"fleet.pool_dirs.{arm}: {root!r} is the filesystem's root, not a pool folder: kvpool reads "
+                         "and hashes every file under it; give the folder the fleet's replicas keep their pool in")
     for arm in set(fleet["endpoints"]) - set(config["arms"]):
         found.append(f"fleet.endpoints.{arm}: {arm} is not in arms ({', '.join(config['arms'])})")
     if len(config["backends"]) != 1 or len(config["chunk_sizes"]) != 1:

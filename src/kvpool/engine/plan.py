@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvpool.cells import Arm, Backend, Cell, is_memory_pool, pool_dirs
 from kvpool.engine import external, mp, pool_url, redis_pool
+from kvpool.engine.hosts import pool_server_host
 from kvpool.engine.plan_types import Plan, ReplicaPlan, ServerPlan
 
 SERVED_MODEL_NAME = "kvpool-model"
@@ -239,7 +240,7 @@ def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> li
     count = len(dirs) if cell.server_per_replica else 1
     if len(ports) != server_port_count(cell, len(dirs)):
         raise ValueError(f"{cell.name} needs {server_port_count(cell, len(dirs))} server ports, got {len(ports)}")
-    host = config["engine"]["host"]
+    host = pool_server_host(config["engine"]["host"])  # never beyond this machine (kvpool.engine.hosts)
     if cell.backend == Backend.REDIS:
         return [ServerPlan(index=index, kind="redis", host=host, port=ports[index], http_port=None,
                            workdir=str(dirs[index]), env=dict(BASE_ENV),

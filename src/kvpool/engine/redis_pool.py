@@ -48,11 +48,12 @@ def executable() -> str:
 
 
 def server_argv(config: dict, host: str, port: int, workdir: Path) -> list[str]:
-    """One server's command line: bound to ``host`` only, nothing persisted (no RDB snapshot, no AOF),
-    never evicting (a full server refuses writes, which LMCache logs, rather than dropping chunks the
-    gate would miss), and ``workdir`` (the cell's pool folder) as its working directory."""
+    """One server's command line: bound to ``host`` only (loopback, kvpool.engine.hosts), with Redis's protected
+    mode on (it then answers loopback clients alone, should a bind ever reach further), nothing persisted (no
+    RDB snapshot, no AOF), never evicting (a full server refuses writes, which LMCache logs, rather than
+    dropping chunks the gate would miss), and ``workdir`` (the cell's pool folder) as its working directory."""
     settings = config["lmcache_redis"]
-    return [executable(), "--port", str(port), "--bind", host, "--protected-mode", "no", "--dir", str(workdir),
+    return [executable(), "--port", str(port), "--bind", host, "--protected-mode", "yes", "--dir", str(workdir),
             "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"] + list(settings["extra_args"])
 
 

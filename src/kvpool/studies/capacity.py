@@ -115,7 +115,7 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
     asked = fractions(config)
     if not asked:
         return []
-    found, limited = [], cells(config)
+    found, limited = _label_problems(asked), cells(config)
     if not limited:
         found.append(f"capacity.fractions needs a shared {Backend.REDIS} or {Backend.FS} cell, or a shared "
                      f"{Backend.MP} cell on a memory tier (lmcache_mp.memory_tiers): an MP server's L2 folder on a "
@@ -141,6 +141,22 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
                          f"({min(small) * total:,.0f} bytes of the working set's {total:,} bytes; one document's "
                          f"follow-up prompt holds {document:,}): no document could be served from it")
     return found + (host_problems(config, limited, asked, per_token) if check_host else [])
+
+
+def _label_problems(asked: list[float]) -> list[str]:
+    """Each capacity names a unit of its own (``capacity~<label>``) whose label reads back as that capacity: a
+    unit reads its fraction from its path, so two that print alike would be one unit, measured once."""
+    found, labels = [], {}
+    for fraction in asked:
+        label = unit_label(fraction)
+        if label in labels:
+            found.append(f"capacity.fractions {labels[label]} and {fraction} both name the unit capacity~{label}: "
+                         "give fractions that differ in their first six significant digits")
+        elif float(label) != fraction:
+            found.append(f"capacity.fractions {fraction} names the unit capacity~{label}, which measures "
+                         f"{float(label)}: give at most six significant digits")
+        labels.setdefault(label, fraction)
+    return found
 
 
 def host_problems(config: dict, limited: list[Cell], asked: list[float], per_token: int) -> list[str]:
@@ -232,10 +248,16 @@ def silent_misses(rows: pd.DataFrame) -> int:
     return int(rows["silent_miss"].fillna(False).astype(bool).sum())
 
 
+def drawn(frame: pd.DataFrame) -> pd.DataFrame:
+    """A unit's drawn follow-ups, warm-up and window: the rows its gate judges, and its table's silent misses
+    count (a pool too small for its working set misses silently in the warm-up too)."""
+    return frame[frame["part"] != "populate"]
+
+
 def unit_checks(frame: pd.DataFrame, held_kv_bytes: int, limit_bytes: int) -> dict:
     """A capacity unit's gate: no errors, every follow-up cross-replica, no silent miss, and the pool never
     held more KV than its capacity (after the cap and at the end)."""
-    asked = frame[frame["part"] != "populate"]
+    asked = drawn(frame)
     errors = int((frame["error"].fillna("") != "").sum())
     cross = asked["prefill_replica"] != asked["serve_replica"]
     silent = silent_misses(asked)
@@ -304,7 +326,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
     log.info("%s capacity~%s: %d of %d follow-ups from the pool, %d recomputed, %d keys evicted, %d silent misses",
              cell.name, unit_label(fraction), int((asked["source"] == "pool").sum()), len(asked),
              int((asked["source"] == "recomputed").sum()), meta["pool"]["end"]["evicted_keys"],
-             silent_misses(asked))
+             silent_misses(drawn(frame)))
     write_unit(meta, len(asked), drive_csv, power_csv, plan, json_out, f"{cell.name} capacity~{unit_label(fraction)}")
 
 
@@ -356,8 +378,8 @@ def store_marks(populated: list[dict], default: int) -> dict[int, int]:
 
 def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> dict:
     """One unit's window: its failed requests, the answered ones' hit rate (Wilson 95% interval), recomputes,
-    silent misses, evictions, the bytes it held against its capacity, TTFT p50 and mean (bootstrap
-    intervals) and p99, power and energy."""
+    silent misses (the warm-up's too, as its gate counts them), evictions, the bytes it held against its
+    capacity, TTFT p50 and mean (bootstrap intervals) and p99, power and energy."""
     asked = frame[frame["part"] == "window"]
     window = asked[asked["error"].fillna("") == ""]
     hits = int((window["source"] == "pool").sum())
@@ -372,7 +394,7 @@ def unit_row(cell: Cell, fraction: float, frame: pd.DataFrame, meta: dict) -> di
             "hit_rate": hits / len(window) if len(window) else np.nan,
             "hit_rate_low": hit_low, "hit_rate_high": hit_high,
             "recomputed": int(window["source"].isin(["recomputed", "partial"]).sum()),
-            "silent_misses": silent_misses(window),
+            "silent_misses": silent_misses(drawn(frame)),  # the gate's count, from the same rows
             "evicted_keys": meta["pool"]["end"]["evicted_keys"], "capacity_bytes": meta["capacity_bytes"],
             "held_kv_bytes": held_kv_bytes(meta["pool"]),
             "ttft_p50_s": p50["value"], "ttft_p50_ci_low_s": p50["ci_low"], "ttft_p50_ci_high_s": p50["ci_high"],

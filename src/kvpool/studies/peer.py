@@ -58,6 +58,16 @@ class PeerError(RuntimeError):
     """The replay cannot send kvpool's prompts through vLLM's client as they are."""
 
 
+def problems(config: dict) -> list[str]:
+    """A replay enabled on arms the matrix does not measure would plan nothing, and say nothing. (The default,
+    both arms, replays whichever the matrix has.)"""
+    replay = config["peer"]
+    if not replay["enabled"] or set(replay["arms"]) & set(config["arms"]):
+        return []
+    return [f"peer.arms {', '.join(replay['arms'])} is not in arms ({', '.join(config['arms'])}): no cell of it is "
+            "measured, so vLLM's client would replay nothing; name an arm of the matrix, or set peer.enabled: false"]
+
+
 def dataset(followups: list[list[int]], tokenizer, output_tokens: int) -> list[dict]:
     """The custom dataset's lines for ``followups`` (token ids): each prompt as text that the tokenizer
     encodes back into exactly its ids, special tokens included, or a PeerError naming the first that

@@ -60,7 +60,7 @@ def resolved(config: dict) -> dict:
     sharing = [backend for backend in config["backends"] if backend != Backend.LOCAL_DISK]
     study["backend"] = study["backend"] or (sharing[0] if sharing else Backend.LOCAL_DISK.value)
     study["tier"] = study["tier"] or ("ram" if "ram" in config["tiers"] else next(iter(config["tiers"])))
-    study["chunk"] = study["chunk"] or config["chunk_sizes"][0]
+    study["chunk"] = config["chunk_sizes"][0] if study["chunk"] is None else study["chunk"]
     if study["backend"] not in config["backends"]:
         raise ValueError(f"study_b.backend {study['backend']!r} is not one of backends {config['backends']}")
     if study["tier"] not in config["tiers"]:
