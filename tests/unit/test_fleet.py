@@ -233,6 +233,30 @@ def test_a_replica_says_what_it_serves_its_model_length_and_its_lmcache_chunk_si
         assert replica.served() == {"max_model_len": 4096, "chunk_sizes": []}
 
 
+def test_a_replica_s_chunk_size_is_read_from_its_own_start_of_a_log_that_an_earlier_start_wrote_to(tmp_path):
+    """Logs append: an earlier unit of the same log path (another config's chunk size, or the same unit
+    measured before) left its LMCache's chunk size there; the check reads this start's section alone."""
+    earlier = ("=== kvpool starts replica 0 at 2026-12-06T10:00:00+00:00, attempt 0123456789ab ===\n"
+               "Creating LMCacheEngine with config: {'chunk_size': 256, 'local_cpu': False}\n")
+    (tmp_path / "replica-0.log").write_text(earlier)
+    with running_fleet(fake_plan("serve", count=1), tmp_path, timeout_s=30) as (replica,):
+        with open(replica.log_path, "a") as log:
+            log.write("Creating LMCacheEngine with config: {'chunk_size': 512, 'local_cpu': False}\n")
+        assert replica.served()["chunk_sizes"] == [512]
+    text = (tmp_path / "replica-0.log").read_text()
+    assert text.startswith(earlier) and text.count("=== kvpool starts replica 0 at ") == 2
+
+
+def test_a_log_s_last_start_is_its_section_from_the_last_start_line():
+    from kvpool.engine.processes import this_start
+
+    first, second = "=== kvpool starts replica 0 at 1, attempt a ===\nchunk_size: 256\n", \
+        "=== kvpool starts replica 0 at 2, attempt b ===\nchunk_size: 512\n"
+    assert this_start("old line\n" + first + second) == second
+    assert this_start("a log from before start lines\n") == "a log from before start lines\n"
+    assert this_start("quoted: === kvpool starts x\n" + first) == first  # only at a line's start
+
+
 def test_a_stopped_replica_s_lmcache_sockets_are_found_from_its_log_and_no_other_engine_s(tmp_path):
     """LMCache's engine leaves its RPC sockets in /tmp (thousands after a day of runs here): the replica's
     log names its engine's, and only those go when it stops."""

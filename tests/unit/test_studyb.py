@@ -2,6 +2,7 @@
 ON/OFF pairing and the tables, driven by a stand-in replica fleet that keeps a prefix cache and a pool."""
 
 import asyncio
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -318,3 +319,20 @@ def test_the_windows_table_pairs_throughput_across_blocks():
                            pd.DataFrame(), [], table)
     assert "## Short concurrency windows" in page and "| 2 | alternating | 12 tok/s | 32 tok/s | 200% |" in page
     assert studyb_tables.windows_table(rows[rows["kind"] != "window"], [], 4).empty  # a run without windows
+
+
+def test_a_block_s_logs_lie_under_its_results_path(tmp_path):
+    """Study B's blocks of another backend, chunk size or tier log apart: a replica's log read by a check
+    is never one that a block of another config appended to."""
+    import subprocess
+    import sys
+
+    from support import REPO
+
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "results/studyb.md", "--directory", str(tmp_path),
+                          "-s", str(REPO / "Snakefile"), "--configfile", str(REPO / "config" / "config.yaml")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    logs = re.findall(r"^\s+log: (logs/studyb/\S*block~\S+)$", out.stdout, re.M)
+    assert len(logs) == 4
+    assert all(log.startswith("logs/studyb/backend~lmcache-fs/chunk~256/tier~disk/block~") for log in logs)

@@ -36,7 +36,8 @@ rule studyb_block:
         meta=f"{STUDYB_DIR}/block~{{block}}/block.json",
         reference=f"{STUDYB_DIR}/block~{{block}}/reference.csv",
     log:
-        "logs/studyb/block~{block}.log",
+        # under the block's results path: another config's blocks (another backend, chunk or tier) log apart
+        f"logs/{STUDYB_LOGS}/block~{{block}}.log",
     benchmark:
         f"{STUDYB_DIR}/benchmarks/block~{{block}}.tsv"
     conda:
@@ -47,6 +48,6 @@ rule studyb_block:
         model=model_path(),
         settings=settings(studyb.run_studyb_block),
         study=STUDYB_MEASURED,
-        log_dir=lambda wc: f"logs/studyb/block~{wc.block}/replicas",
+        log_dir=lambda wc: f"logs/{STUDYB_LOGS}/block~{wc.block}/replicas",
     script:
         "../scripts/run_studyb_block.py"

@@ -26,7 +26,7 @@ from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.plan import plan_gpus, plan_pool_dirs
 from kvpool.engine.pool_files import TEMP_SUFFIX, drop_from_page_cache, pool_files
-from kvpool.engine.processes import PoolServer, Replica
+from kvpool.engine.processes import PoolServer, Replica, this_start
 from kvpool.measure import kvbytes, logs, records
 from kvpool.measure import reference as split_reference
 from kvpool.measure.drive import block_devices, drive_health, iostat
@@ -103,13 +103,14 @@ def run_sampled_phase(plan: dict, run, drive_csv: str, power_csv: str, log_dir: 
 
 def with_retrievals(frame: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
     """``frame`` with each request's LMCache retrieve (tokens and seconds) from its replicas' logs in
-    ``log_dir``, matched by the completion's id; left empty where nothing was logged (a backend whose
-    LMCache runs in a server of its own, a request that loaded nothing, a record without ids)."""
+    ``log_dir`` (their last start's section), matched by the completion's id; left empty where nothing was
+    logged (a backend whose LMCache runs in a server of its own, a request that loaded nothing, a record
+    without ids)."""
     if frame.empty or "request_id" not in frame:
         return frame
     found: dict[str, dict] = {}
     for path in sorted(Path(log_dir).glob("replica-*.log")):
-        found.update(metrics.lmcache_retrievals(path.read_text(errors="replace")))
+        found.update(metrics.lmcache_retrievals(this_start(path.read_text(errors="replace"))))
     frame = frame.copy()
     for column in ("retrieved_tokens", "retrieve_s"):
         frame[column] = frame["request_id"].map(lambda rid, column=column: (found.get(rid) or {}).get(column))
