@@ -43,6 +43,28 @@ def test_a_killed_replica_leaves_no_orphan(tmp_path):
     assert not alive
 
 
+def test_a_job_killed_with_sigkill_leaves_no_replica_or_pool_server_running(tmp_path):
+    """SIGKILL runs no stop path, and the replicas and servers sit in process groups of their own, so a kill
+    of the job's group misses them: each is sent SIGTERM by the kernel when the job dies, and a replica stops
+    its engine itself, as vLLM's API server does (a pool server, LMCache's or Redis, has no child)."""
+    ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
+    driver = write_driver(tmp_path, "from support.fakes import fake_plan, fake_server_plan",
+                          "from kvpool.engine.fleet import running_fleet, running_servers",
+                          f"with running_servers(fake_server_plan('orderly'), {str(tmp_path)!r}, 30):",
+                          f"    with running_fleet(fake_plan('orderly', ports={ports}), {str(tmp_path)!r}, 30):",
+                          "        print('ready', flush=True)", "        time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = psutil.Process(proc.pid).children(recursive=True)
+    assert len(members) == 6  # a server and two replicas, each with a child
+    proc.kill()
+    proc.wait(timeout=10)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    for member in alive:  # not to leave them running when the test fails
+        member.kill()
+    assert not alive, [member.cmdline() for member in alive]
+
+
 def test_ctrl_c_while_the_fleet_stops_still_stops_every_replica(tmp_path):
     ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
     driver = write_driver(tmp_path, "from support.fakes import fake_plan",

@@ -4,6 +4,7 @@ with nothing left behind."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -49,8 +50,25 @@ def this_start(text: str) -> str:
     return text[starts[-1]:] if starts else text
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _dies_with(parent_pid: int):
+    """A preexec_fn: the child is sent SIGTERM when the thread that started it exits, as when the job's
+    process is killed with SIGKILL, which runs no stop path (SIGTERM, so that a vLLM API server still stops
+    its engine core, and a pool server exits on its own). The job starts every process from its main thread,
+    which lives as long as the job. A parent gone before the call leaves the child no one to outlive."""
+    def preexec():
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return preexec
+
+
 class ManagedProcess:
-    """One server process (and its children) in a process group of its own."""
+    """One server process (and its children) in a process group of its own, that does not outlive the job
+    that started it (_dies_with)."""
 
     kind = "process"
 
@@ -71,7 +89,7 @@ class ManagedProcess:
             out.flush()
             self.proc = subprocess.Popen(
                 self.entry["argv"], env={**os.environ, **self.entry["env"]}, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_dies_with(os.getpid()),
             )
         log.info("%s started: pid %d, %s, log %s", self.name, self.proc.pid, self.url, self.log_path)
         self.remember_family()
