@@ -30,11 +30,11 @@ rule studyb_block:
         # the earlier blocks' pool-less answers (an OFF block's) and reference rows, for an ON block's reference
         known=studyb_known,
     output:
-        plan=f"{STUDYB_DIR}/block~{{block}}/plan.yaml",
-        manifest=f"{STUDYB_DIR}/block~{{block}}/manifest.json",
-        csv=f"{STUDYB_DIR}/block~{{block}}/requests.csv",
-        meta=f"{STUDYB_DIR}/block~{{block}}/block.json",
-        reference=f"{STUDYB_DIR}/block~{{block}}/reference.csv",
+        plan=update(f"{STUDYB_DIR}/block~{{block}}/plan.yaml"),
+        manifest=update(f"{STUDYB_DIR}/block~{{block}}/manifest.json"),
+        csv=update(f"{STUDYB_DIR}/block~{{block}}/requests.csv"),
+        meta=update(f"{STUDYB_DIR}/block~{{block}}/block.json"),
+        reference=update(f"{STUDYB_DIR}/block~{{block}}/reference.csv"),
     log:
         # under the block's results path: another config's blocks (another backend, chunk or tier) log apart
         f"logs/{STUDYB_LOGS}/block~{{block}}.log",
