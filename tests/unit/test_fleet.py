@@ -44,6 +44,28 @@ def test_a_killed_replica_leaves_no_orphan(tmp_path):
     assert not alive
 
 
+def test_a_job_killed_with_sigkill_leaves_no_replica_or_pool_server_running(tmp_path):
+    """SIGKILL runs no stop path, and the replicas and servers sit in process groups of their own, so a kill
+    of the job's group misses them: each is sent SIGTERM by the kernel when the job dies, and a replica stops
+    its engine itself, as vLLM's API server does (a pool server, LMCache's or Redis, has no child)."""
+    ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
+    driver = write_driver(tmp_path, "from support.fakes import fake_plan, fake_server_plan",
+                          "from kvpool.engine.fleet import running_fleet, running_servers",
+                          f"with running_servers(fake_server_plan('orderly'), {str(tmp_path)!r}, 30):",
+                          f"    with running_fleet(fake_plan('orderly', ports={ports}), {str(tmp_path)!r}, 30):",
+                          "        print('ready', flush=True)", "        time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    members = psutil.Process(proc.pid).children(recursive=True)
+    assert len(members) == 6  # a server and two replicas, each with a child
+    proc.kill()
+    proc.wait(timeout=10)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    for member in alive:  # not to leave them running when the test fails
+        member.kill()
+    assert not alive, [member.cmdline() for member in alive]
+
+
 def test_ctrl_c_while_the_fleet_stops_still_stops_every_replica(tmp_path):
     ports = free_ports("127.0.0.1", 2, start=TEST_PORTS)
     driver = write_driver(tmp_path, "from support.fakes import fake_plan",
@@ -231,6 +253,30 @@ def test_a_replica_says_what_it_serves_its_model_length_and_its_lmcache_chunk_si
         assert replica.served() == {"max_model_len": 4096, "chunk_sizes": [256]}
         replica.log_path.write_text("")  # no connector: no chunk size to hold against the plan
         assert replica.served() == {"max_model_len": 4096, "chunk_sizes": []}
+
+
+def test_a_replica_s_chunk_size_is_read_from_its_own_start_of_a_log_that_an_earlier_start_wrote_to(tmp_path):
+    """Logs append: an earlier unit of the same log path (another config's chunk size, or the same unit
+    measured before) left its LMCache's chunk size there; the check reads this start's section alone."""
+    earlier = ("=== kvpool starts replica 0 at 2026-12-06T10:00:00+00:00, attempt 0123456789ab ===\n"
+               "Creating LMCacheEngine with config: {'chunk_size': 256, 'local_cpu': False}\n")
+    (tmp_path / "replica-0.log").write_text(earlier)
+    with running_fleet(fake_plan("serve", count=1), tmp_path, timeout_s=30) as (replica,):
+        with open(replica.log_path, "a") as log:
+            log.write("Creating LMCacheEngine with config: {'chunk_size': 512, 'local_cpu': False}\n")
+        assert replica.served()["chunk_sizes"] == [512]
+    text = (tmp_path / "replica-0.log").read_text()
+    assert text.startswith(earlier) and text.count("=== kvpool starts replica 0 at ") == 2
+
+
+def test_a_log_s_last_start_is_its_section_from_the_last_start_line():
+    from kvpool.engine.processes import this_start
+
+    first, second = "=== kvpool starts replica 0 at 1, attempt a ===\nchunk_size: 256\n", \
+        "=== kvpool starts replica 0 at 2, attempt b ===\nchunk_size: 512\n"
+    assert this_start("old line\n" + first + second) == second
+    assert this_start("a log from before start lines\n") == "a log from before start lines\n"
+    assert this_start("quoted: === kvpool starts x\n" + first) == first  # only at a line's start
 
 
 def test_a_stopped_replica_s_lmcache_sockets_are_found_from_its_log_and_no_other_engine_s(tmp_path):

@@ -44,9 +44,33 @@ def test_a_port_another_run_is_starting_a_server_on_is_not_free_and_an_auto_port
         moved, held = ports.claimed(plan, ports.resolve_ports, lambda p: [r.port for r in p.replicas])
         assert held == [moved.replicas[0].port] and held != [port] and not ports.claimed_elsewhere(held[0])
         ports.release_ports(held)
-        with pytest.raises(FleetError, match="configured ports are in use"):
+        with pytest.raises(FleetError, match=r"configured ports are in use.*claimed by another kvpool run"):
             ports.claimed(dataclasses.replace(plan, port_source="config"), ports.resolve_ports, lambda p: [port])
     finally:
         holder.kill()
         holder.wait()
     assert not ports.claimed_elsewhere(port)  # the kernel let go of a dead holder's claim
+
+
+def test_a_configured_port_in_use_is_refused_naming_the_process_that_listens_on_it():
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kvpool.engine import ports
+    from kvpool.engine.errors import FleetError
+
+    port = ports.free_ports("127.0.0.1", 1, start=18990, span=90)[0]
+    listener = subprocess.Popen([sys.executable, "-c", (
+        "import socket, time; s = socket.socket(); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); print('listening', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "listening"
+        plan = fake_plan("serve", count=1, ports=[port], source="config")
+        with pytest.raises(FleetError, match=rf"replica 0 port {port} \(held by pid {listener.pid} \(\S*python"):
+            ports.resolve_ports(plan)
+    finally:
+        listener.kill()
+        listener.wait()

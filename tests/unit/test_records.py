@@ -1,5 +1,7 @@
 """The per-request record kinds: their columns, rows, and the one place they are written and read."""
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
@@ -52,3 +54,48 @@ def test_a_units_meta_keeps_a_timestamped_copy_beside_its_records(tmp_path):
     records.write_meta({"level": "c4", "valid": True}, level / "level.json")
     copies = list((level / "runs").glob("*-level.json"))
     assert len(copies) == 1 and copies[0].read_text() == (level / "level.json").read_text()
+
+
+def test_a_timed_job_keeps_every_output_it_wrote_and_fails_on_one_it_left_unwritten(tmp_path):
+    """A job's telemetry, digests and drop records are kept in runs/ as its records are (one copy of
+    each), and an output the job did not rewrite (its rule keeps the earlier version in place) fails it."""
+    cell = tmp_path / "cell"
+    (cell / "telemetry").mkdir(parents=True)
+    outputs = [str(cell / "populate.csv"), str(cell / "telemetry" / "populate-drive.csv"), str(cell / "drop.json")]
+    with records.measured_outputs(outputs):
+        records.write_records(pd.DataFrame({"doc_id": [0]}), outputs[0], "populate")
+        (cell / "telemetry" / "populate-drive.csv").write_text("t_s,device\n0.5,sda\n")
+        (cell / "drop.json").write_text('{"dropped": true}')
+    kept = sorted(path.name.split("-", 1)[1] for path in (cell / "runs").iterdir())
+    assert kept == ["drop.json", "populate.csv", "telemetry-populate-drive.csv"]
+    (cell / "drop.json").write_text('{"dropped": "earlier"}')
+    import os
+    import time
+    os.utime(cell / "drop.json", (time.time() - 60, time.time() - 60))
+    with pytest.raises(RuntimeError, match=r"without writing .*drop\.json; the earlier version is kept"):
+        with records.measured_outputs(outputs):
+            for path in outputs[:2]:
+                Path(path).write_text("new\n")
+
+
+def test_every_timed_rule_keeps_its_earlier_outputs_until_it_has_measured_again():
+    """Snakemake deletes a job's outputs before it runs, so a rerun refused (a busy port) lost a finished
+    cell's records: every rule that starts a fleet marks each output update() (kept in place, restored
+    if the job fails), and its script checks that it rewrote them all."""
+    import re
+
+    from support import REPO
+
+    timed = {}
+    for path in (REPO / "workflow" / "rules").glob("*.smk"):
+        for block in re.split(r"\n(?=rule )", path.read_text()):
+            if "fleet=1" in block:
+                name = re.match(r"rule (\w+):", block)[1]
+                outputs = re.search(r"\n    output:\n((?:        .*\n)+)", block)[1]
+                script = re.search(r'"\.\./scripts/(\w+\.py)"', block)[1]
+                timed[name] = ([line.strip() for line in outputs.splitlines() if not line.strip().startswith("#")],
+                               (REPO / "workflow" / "scripts" / script).read_text())
+    assert {"cell", "populate", "reuse", "load_level", "router_unit", "context_unit", "studyb_block"} <= set(timed)
+    for name, (outputs, script) in timed.items():
+        assert all(re.match(r"(\w+=)?update\(", line) for line in outputs), (name, outputs)
+        assert "with records.measured_outputs(snakemake.output):" in script, name

@@ -2,6 +2,7 @@
 ON/OFF pairing and the tables, driven by a stand-in replica fleet that keeps a prefix cache and a pool."""
 
 import asyncio
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -286,9 +287,10 @@ def test_the_windows_table_pairs_throughput_across_blocks():
 def test_studyb_md_builds_study_b_when_all_leaves_it_out_and_says_why_where_it_cannot(config, tmp_path):
     """config/backends.yaml disables Study B; `snakemake results/studyb.md` builds it all the same, as the
     README and the schema say. Where it has no block (a disabled study that cannot run with the config, or
-    measured_only before any block finished) its page and record say that nothing was measured and why."""
+    measured_only before any block finished) its page and record say that nothing was measured and why. Its
+    blocks log under their results path: a replica's log a check reads is never one that a block of another
+    backend, chunk size or tier appended to."""
     import json
-    import re
     import subprocess
     import sys
 
@@ -300,6 +302,9 @@ def test_studyb_md_builds_study_b_when_all_leaves_it_out_and_says_why_where_it_c
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert re.search(r"^studyb_block\s+4$", dry.stdout, re.M), dry.stdout[-3000:]
     assert "results/studyb/backend~lmcache-fs/chunk~256/tier~ram/block~1-off/block.json" in dry.stdout
+    logs = re.findall(r"^\s+log: (logs/studyb/\S*block~\S+)$", dry.stdout, re.M)
+    assert len(logs) == 4
+    assert all(log.startswith("logs/studyb/backend~lmcache-fs/chunk~256/tier~ram/block~") for log in logs)
     out = {name: tmp_path / name for name in ("locality.csv", "sessions.csv", "summary.csv", "windows.csv",
                                               "validity.json", "studyb.md")}
     why = "study_b.enabled is false, and Study B cannot run with this config: study_b.backend ..."
@@ -310,3 +315,4 @@ def test_studyb_md_builds_study_b_when_all_leaves_it_out_and_says_why_where_it_c
     assert f"No block of Study B was measured: {why}." in out["studyb.md"].read_text()
     record = json.loads(out["validity.json"].read_text())
     assert record["valid"] is False and record["not_measured"] == why and record["blocks"] == {}
+

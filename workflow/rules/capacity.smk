@@ -10,12 +10,12 @@ rule capacity_unit:
         launch_input,
         prompts="results/workload/prompts.jsonl",
     output:
-        plan=cell_path("capacity~{fraction}/plan.yaml"),
-        manifest=cell_path("capacity~{fraction}/manifest.json"),
-        csv=cell_path("capacity~{fraction}/requests.csv"),
-        meta=cell_path("capacity~{fraction}/unit.json"),
-        drive=cell_path("capacity~{fraction}/drive-samples.csv"),
-        power=cell_path("capacity~{fraction}/power-samples.csv"),
+        plan=update(cell_path("capacity~{fraction}/plan.yaml")),
+        manifest=update(cell_path("capacity~{fraction}/manifest.json")),
+        csv=update(cell_path("capacity~{fraction}/requests.csv")),
+        meta=update(cell_path("capacity~{fraction}/unit.json")),
+        drive=update(cell_path("capacity~{fraction}/drive-samples.csv")),
+        power=update(cell_path("capacity~{fraction}/power-samples.csv")),
     log:
         f"logs/capacity/{CELL_PATTERN}/capacity~{{fraction}}.log",
     benchmark:

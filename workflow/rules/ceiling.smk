@@ -1,7 +1,7 @@
 rule ceiling:
     """The tier's sequential-read ceiling, measured on a scratch file in the same run."""
     output:
-        "results/tiers/{tier}/ceiling.json",
+        update("results/tiers/{tier}/ceiling.json"),
     log:
         "logs/ceiling/{tier}.log",
     conda:

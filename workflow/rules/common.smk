@@ -271,6 +271,8 @@ STUDYB_MEASURED = studyb.block_study(STUDYB) if STUDYB else None
 STUDYB_DIR = (
     f"results/studyb/backend~{STUDYB['backend']}/chunk~{STUDYB['chunk']}/tier~{STUDYB['tier']}" if STUDYB else None
 )
+# Its blocks' logs: the results path less results/, so a block's logs are its own config's
+STUDYB_LOGS = STUDYB_DIR.removeprefix("results/") if STUDYB else None
 STUDYB_WORKLOAD = "results/studyb/workload.json"
 STUDYB_BLOCKS = [
     block

@@ -9,13 +9,13 @@ rule context_unit:
     input:
         launch_input,
     output:
-        plan=cell_path("doc~{doc}/plan.yaml"),
-        manifest=cell_path("doc~{doc}/manifest.json"),
-        csv=cell_path("doc~{doc}/requests.csv"),
-        meta=cell_path("doc~{doc}/unit.json"),
-        reference=cell_path("doc~{doc}/reference.csv"),
-        drive=cell_path("doc~{doc}/drive-samples.csv"),
-        power=cell_path("doc~{doc}/power-samples.csv"),
+        plan=update(cell_path("doc~{doc}/plan.yaml")),
+        manifest=update(cell_path("doc~{doc}/manifest.json")),
+        csv=update(cell_path("doc~{doc}/requests.csv")),
+        meta=update(cell_path("doc~{doc}/unit.json")),
+        reference=update(cell_path("doc~{doc}/reference.csv")),
+        drive=update(cell_path("doc~{doc}/drive-samples.csv")),
+        power=update(cell_path("doc~{doc}/power-samples.csv")),
     log:
         f"logs/contexts/{CELL_PATTERN}/doc~{{doc}}.log",
     benchmark:

@@ -4,7 +4,7 @@ rule drop:
         plan=cell_path("plan.yaml"),
         populate=cell_path("populate.csv"),
     output:
-        cell_path("drop.json"),
+        update(cell_path("drop.json")),
     log:
         cell_log("drop"),
     conda:

@@ -21,11 +21,11 @@ rule load_level:
         # (ordering only: a reference recomputed with more splits leaves a measured level as it is)
         reference=ancient("results/reference/outputs.csv") if external.needs_reference(config) else [],
     output:
-        manifest=cell_path("load~{level}/manifest.json"),
-        csv=cell_path("load~{level}/requests.csv"),
-        meta=cell_path("load~{level}/level.json"),
-        drive=cell_path("load~{level}/drive-samples.csv"),
-        power=cell_path("load~{level}/power-samples.csv"),
+        manifest=update(cell_path("load~{level}/manifest.json")),
+        csv=update(cell_path("load~{level}/requests.csv")),
+        meta=update(cell_path("load~{level}/level.json")),
+        drive=update(cell_path("load~{level}/drive-samples.csv")),
+        power=update(cell_path("load~{level}/power-samples.csv")),
     log:
         f"logs/load/{CELL_PATTERN}/load~{{level}}.log",
     benchmark:

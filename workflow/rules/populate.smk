@@ -5,11 +5,11 @@ rule populate:
         prompts="results/workload/prompts.jsonl",
         pool_freed=pool_freed_first,
     output:
-        csv=cell_path("populate.csv"),
-        meta=cell_path("populate.json"),
-        drive=cell_path("telemetry/populate-drive.csv"),
-        power=cell_path("telemetry/populate-power.csv"),
-        digests=cell_path("populate-digests.csv"),
+        csv=update(cell_path("populate.csv")),
+        meta=update(cell_path("populate.json")),
+        drive=update(cell_path("telemetry/populate-drive.csv")),
+        power=update(cell_path("telemetry/populate-power.csv")),
+        digests=update(cell_path("populate-digests.csv")),
     log:
         cell_log("populate"),
     benchmark:

@@ -7,11 +7,11 @@ rule reuse:
         populate_digests=cell_path("populate-digests.csv"),
         drop=cell_path("drop.json"),
     output:
-        csv=cell_path("reuse.csv"),
-        meta=cell_path("reuse.json"),
-        drive=cell_path("telemetry/reuse-drive.csv"),
-        power=cell_path("telemetry/reuse-power.csv"),
-        digests=cell_path("pool-digests.csv"),
+        csv=update(cell_path("reuse.csv")),
+        meta=update(cell_path("reuse.json")),
+        drive=update(cell_path("telemetry/reuse-drive.csv")),
+        power=update(cell_path("telemetry/reuse-power.csv")),
+        digests=update(cell_path("pool-digests.csv")),
     log:
         cell_log("reuse"),
     benchmark:

@@ -13,12 +13,12 @@ rule router_unit:
         # (ordering only: a reference recomputed with more splits leaves a measured unit as it is)
         reference=ancient("results/reference/outputs.csv") if external.needs_reference(config) else [],
     output:
-        plan=cell_path("router~{router}/plan.yaml"),
-        manifest=cell_path("router~{router}/manifest.json"),
-        csv=cell_path("router~{router}/requests.csv"),
-        meta=cell_path("router~{router}/run.json"),
-        drive=cell_path("router~{router}/drive-samples.csv"),
-        power=cell_path("router~{router}/power-samples.csv"),
+        plan=update(cell_path("router~{router}/plan.yaml")),
+        manifest=update(cell_path("router~{router}/manifest.json")),
+        csv=update(cell_path("router~{router}/requests.csv")),
+        meta=update(cell_path("router~{router}/run.json")),
+        drive=update(cell_path("router~{router}/drive-samples.csv")),
+        power=update(cell_path("router~{router}/power-samples.csv")),
     log:
         f"logs/routers/{CELL_PATTERN}/router~{{router}}.log",
     benchmark:

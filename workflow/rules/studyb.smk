@@ -30,13 +30,14 @@ rule studyb_block:
         # the earlier blocks' pool-less answers (an OFF block's) and reference rows, for an ON block's reference
         known=studyb_known,
     output:
-        plan=f"{STUDYB_DIR}/block~{{block}}/plan.yaml",
-        manifest=f"{STUDYB_DIR}/block~{{block}}/manifest.json",
-        csv=f"{STUDYB_DIR}/block~{{block}}/requests.csv",
-        meta=f"{STUDYB_DIR}/block~{{block}}/block.json",
-        reference=f"{STUDYB_DIR}/block~{{block}}/reference.csv",
+        plan=update(f"{STUDYB_DIR}/block~{{block}}/plan.yaml"),
+        manifest=update(f"{STUDYB_DIR}/block~{{block}}/manifest.json"),
+        csv=update(f"{STUDYB_DIR}/block~{{block}}/requests.csv"),
+        meta=update(f"{STUDYB_DIR}/block~{{block}}/block.json"),
+        reference=update(f"{STUDYB_DIR}/block~{{block}}/reference.csv"),
     log:
-        "logs/studyb/block~{block}.log",
+        # under the block's results path: another config's blocks (another backend, chunk or tier) log apart
+        f"logs/{STUDYB_LOGS}/block~{{block}}.log",
     benchmark:
         f"{STUDYB_DIR}/benchmarks/block~{{block}}.tsv"
     conda:
@@ -47,6 +48,6 @@ rule studyb_block:
         model=model_path(),
         settings=settings(studyb.run_studyb_block),
         study=STUDYB_MEASURED,
-        log_dir=lambda wc: f"logs/studyb/block~{wc.block}/replicas",
+        log_dir=lambda wc: f"logs/{STUDYB_LOGS}/block~{wc.block}/replicas",
     script:
         "../scripts/run_studyb_block.py"

@@ -23,7 +23,7 @@ rule reference:
         launch_input,
         prompts="results/workload/prompts.jsonl",
     output:
-        "results/reference/outputs.csv",
+        update("results/reference/outputs.csv"),
     log:
         "logs/reference/reference.log",
     benchmark:

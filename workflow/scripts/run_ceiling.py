@@ -1,5 +1,7 @@
-from kvpool.measure import logs
+from kvpool.measure import logs, records
 from kvpool.studies import study_a
 
 logs.to_log(snakemake.log[0])
-study_a.run_ceiling(snakemake.params.settings, snakemake.wildcards.tier, snakemake.output[0])
+# earlier outputs stay until this job has rewritten every one (its rule marks them update())
+with records.measured_outputs(snakemake.output):
+    study_a.run_ceiling(snakemake.params.settings, snakemake.wildcards.tier, snakemake.output[0])

@@ -11,6 +11,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from kvpool.engine.errors import FleetError
 from kvpool.engine.plan import with_port, with_server_ports
 from kvpool.engine.plan_types import Plan
@@ -84,6 +86,23 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def port_holder(port: int) -> str:
+    """Who holds ``port``, as a refusal names it: each process with a socket on it (pid and command line;
+    psutil maps /proc's sockets to processes, and sees other users' only as root), or why none is named."""
+    sockets = [c for c in psutil.net_connections(kind="inet") if c.laddr and c.laddr.port == port]
+    holders = []
+    for pid in sorted({c.pid for c in sockets if c.pid}):
+        try:
+            holders.append(f"pid {pid} ({' '.join(psutil.Process(pid).cmdline())[:120]})")
+        except psutil.Error:
+            holders.append(f"pid {pid}")
+    if holders:
+        return "held by " + ", ".join(holders)
+    if sockets:
+        return "held by a process of another user (run as root to see which)"
+    return "claimed by another kvpool run starting a server on it" if claimed_elsewhere(port) else "no holder seen"
+
+
 def free_ports(host: str, count: int, start: int = 18100, span: int = 10000, exclude=()) -> list[int]:
     """``count`` ports free on ``host`` right now, from ``start`` on, none of ``exclude`` (ports already
     planned for something else); the default range sits below the kernel's ephemeral ports, so
@@ -105,6 +124,7 @@ def resolve_ports(plan: Plan) -> dict:
         return plan
     names = ", ".join(f"replica {r.index} port {r.port}" for r in taken)
     if plan.port_source != "auto":
+        names = ", ".join(f"replica {r.index} port {r.port} ({port_holder(r.port)})" for r in taken)
         raise FleetError(f"configured ports are in use on this machine: {names}; free them or set engine.ports")
     fresh = iter(free_ports(replicas[0].host, len(taken), exclude={r.port for r in replicas}))
     moved = {r.index: next(fresh) for r in taken}

@@ -4,6 +4,7 @@ with nothing left behind."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -13,7 +14,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import deque
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -34,8 +37,38 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+# The line that opens each start's section of a process's log. Logs append (a unit measured again, or a
+# unit of another config whose logs share the path, adds its own section), so what a check reads of a log
+# is the last start's section alone: this_start.
+START_MARK = "=== kvpool starts "
+_START_LINE = re.compile(rf"^{re.escape(START_MARK)}", re.MULTILINE)
+
+
+def this_start(text: str) -> str:
+    """The section of a log's ``text`` that its last start wrote (all of it, for a log without a start line)."""
+    starts = [match.start() for match in _START_LINE.finditer(text)]
+    return text[starts[-1]:] if starts else text
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _dies_with(parent_pid: int):
+    """A preexec_fn: the child is sent SIGTERM when the thread that started it exits, as when the job's
+    process is killed with SIGKILL, which runs no stop path (SIGTERM, so that a vLLM API server still stops
+    its engine core, and a pool server exits on its own). The job starts every process from its main thread,
+    which lives as long as the job. A parent gone before the call leaves the child no one to outlive."""
+    def preexec():
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return preexec
+
+
 class ManagedProcess:
-    """One server process (and its children) in a process group of its own."""
+    """One server process (and its children) in a process group of its own, that does not outlive the job
+    that started it (_dies_with)."""
 
     kind = "process"
 
@@ -51,9 +84,12 @@ class ManagedProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
+            out.write(f"{START_MARK}{self.name} at {datetime.now().astimezone().isoformat(timespec='seconds')}, "
+                      f"attempt {uuid.uuid4().hex[:12]} ===\n".encode())
+            out.flush()
             self.proc = subprocess.Popen(
                 self.entry.argv, env={**os.environ, **self.entry.env}, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_dies_with(os.getpid()),
             )
         log.info("%s started: pid %d, %s, log %s", self.name, self.proc.pid, self.url, self.log_path)
         self.remember_family()
@@ -70,6 +106,10 @@ class ManagedProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        """What this start of the process has logged (its section of the log, empty before it logs)."""
+        return this_start(self.log_path.read_text(errors="replace")) if self.log_path.is_file() else ""
 
     def healthy(self) -> bool:
         raise NotImplementedError
@@ -137,8 +177,8 @@ class Replica(ManagedProcess):
     def stop(self, grace_s: float = 30.0) -> None:
         """Stop it, then remove the RPC socket files its LMCache engine left (two in /tmp per start)."""
         super().stop(grace_s)
-        if self.proc is not None and self.log_path.exists():
-            for path in lmcache_sockets(self.log_path.read_text(errors="replace")):
+        if self.proc is not None:
+            for path in lmcache_sockets(self.log_text()):
                 path.unlink(missing_ok=True)
 
     def port_owner_problem(self) -> str | None:
@@ -180,8 +220,7 @@ class Replica(ManagedProcess):
                                   if m.get("id") == SERVED_MODEL_NAME}, key=str)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             return {"error": f"{self.name}: /v1/models could not be read: {exc}"}
-        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
-        chunks = sorted({int(size) for size in re.findall(r"\bchunk_size'?: (\d+)", text)})
+        chunks = sorted({int(size) for size in re.findall(r"\bchunk_size'?: (\d+)", self.log_text())})
         return {"max_model_len": lengths[0] if len(lengths) == 1 else lengths, "chunk_sizes": chunks}
 
 

@@ -10,7 +10,11 @@ columns, and the one place they are turned into frames, written (with a timestam
 from __future__ import annotations
 
 import dataclasses
+import filecmp
+import os
+import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -173,6 +177,31 @@ def write_meta(meta: dict, path) -> None:
     ``path`` first, loses neither."""
     write_json(_kept_copy(path, Path(path).name), meta)
     write_json(path, meta)
+
+
+@contextmanager
+def measured_outputs(outputs: list[str]):
+    """Around a timed job: every output it declares rewritten, and kept in ``runs/`` beside its records.
+
+    Its rule marks the outputs ``update()``, so Snakemake leaves the earlier measurement in place while
+    the job runs and puts it back if the job fails (a rerun refused for a busy port measures nothing, and
+    loses nothing). The price of that flag is that Snakemake no longer sees an output the job left
+    unwritten: a job that ends without rewriting one fails here, naming it, and the earlier version is
+    restored. Each output no record writer kept a copy of (telemetry, digests, plans, manifests) is copied
+    into the ``runs/`` folder of the job's first output, so a successful rerun replaces nothing unkept.
+    """
+    started = time.time()
+    yield
+    stale = [str(path) for path in outputs if not Path(path).exists() or Path(path).stat().st_mtime < started]
+    if stale:
+        raise RuntimeError(f"the job ended without writing {', '.join(stale)}; the earlier version is kept")
+    for path in map(Path, outputs):
+        runs = path.parent / "runs"
+        kept = [copy for copy in runs.glob(f"*{path.suffix}") if copy.stat().st_mtime >= started] \
+            if runs.is_dir() else []
+        if not any(filecmp.cmp(path, copy, shallow=False) for copy in kept):
+            name = os.path.relpath(path, Path(outputs[0]).parent).replace("/", "-")  # telemetry-reuse-drive.csv
+            shutil.copy(path, _kept_copy(outputs[0], name))
 
 
 def read_records(path, kind: type | None = None) -> pd.DataFrame:

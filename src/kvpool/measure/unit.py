@@ -15,6 +15,7 @@ import pandas as pd
 from kvpool.engine import metrics
 from kvpool.engine.plan import plan_pool_dirs
 from kvpool.engine.plan_types import Plan, write_plan
+from kvpool.engine.processes import this_start
 from kvpool.measure import logs, records
 from kvpool.measure.drive import block_devices, drive_health
 from kvpool.measure.files import write_json
@@ -99,13 +100,14 @@ def _sampled(plan: Plan, measure, paths: UnitPaths) -> UnitResult:
 
 def with_retrievals(frame: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
     """``frame`` with each request's LMCache retrieve (tokens and seconds) from its replicas' logs in
-    ``log_dir``, matched by the completion's id; left empty where nothing was logged (a backend whose
-    LMCache runs in a server of its own, a request that loaded nothing, a record without ids)."""
+    ``log_dir`` (their last start's section), matched by the completion's id; left empty where nothing was
+    logged (a backend whose LMCache runs in a server of its own, a request that loaded nothing, a record
+    without ids)."""
     if frame.empty or "request_id" not in frame:
         return frame
     found: dict[str, dict] = {}
     for path in sorted(Path(log_dir).glob("replica-*.log")):
-        found.update(metrics.lmcache_retrievals(path.read_text(errors="replace")))
+        found.update(metrics.lmcache_retrievals(this_start(path.read_text(errors="replace"))))
     frame = frame.copy()
     for column in ("retrieved_tokens", "retrieve_s"):
         frame[column] = frame["request_id"].map(lambda rid, column=column: (found.get(rid) or {}).get(column))
