@@ -47,3 +47,9 @@ def change_cells(row) -> tuple[str, str]:
     interval = fmt_interval(row.change_ci_low_pct, row.change_ci_high_pct).strip()
     claim = change_claim(row.change_ci_low_pct, row.change_ci_high_pct)
     return pct(row.mean_paired_change_pct), f"{interval}: {claim}" if interval else claim
+
+
+def markdown_table(header: list[str], rows) -> list[str]:
+    """A Markdown table's lines: the header, its rule and one line per row (a sequence of cells)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]

@@ -11,7 +11,7 @@ import pandas as pd
 
 from kvpool.measure.files import write_json
 from kvpool.report import figures
-from kvpool.report.format import change_cells, fmt_value, pct
+from kvpool.report.format import change_cells, fmt_value, markdown_table, pct
 from kvpool.settings import reads
 from kvpool.studies.studyb import gate_failures
 from kvpool.studies.studyb_tables import studyb_tables
@@ -41,35 +41,33 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
              "block pairs (three pairs or more); a change is called higher or lower only where its interval "
              "excludes 0.",
              "", f"**Gate: {verdict}.**", "", *_agreement_lines(gate),
-             "## Locality chains (Study B's Table 3)", "",
-             "| context | step | OFF median | ON median | ON external hit tokens | mean paired change | 95% CI | "
-             "pairs (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
-    for row in locality.itertuples():
-        change, ci = change_cells(row)
-        lines.append(f"| {row.context} | {row.step} | {fmt_value(row.off_ttft_median_s, 's')} | "
-                     f"{fmt_value(row.on_ttft_median_s, 's')} | {fmt_value(row.on_external_hit_tokens, 'count')} | "
-                     f"{change} | {ci} | {row.pairs_matched} ({row.outputs_equal}) |")
-    lines += ["", "## Sessions (Study B's Table 4)", "",
-              "| placement | OFF median wall | ON median wall | mean paired change | 95% CI | turn TTFT change | "
-              "decode rate change | turns paired (outputs equal) |", "|---|---|---|---|---|---|---|---|"]
-    for row in sessions.itertuples():
-        change, ci = change_cells(row)
-        lines.append(f"| {row.placement} | {fmt_value(row.off_wall_median_s, 's')} | "
-                     f"{fmt_value(row.on_wall_median_s, 's')} | {change} | {ci} | "
-                     f"{pct(row.turn_ttft_change_pct)} | {pct(row.decode_change_pct)} | "
-                     f"{row.turns_matched} ({row.outputs_equal}) |")
+             "## Locality chains (Study B's Table 3)", ""]
+    lines += markdown_table(
+        ["context", "step", "OFF median", "ON median", "ON external hit tokens", "mean paired change", "95% CI",
+         "pairs (outputs equal)"],
+        ([row.context, row.step, fmt_value(row.off_ttft_median_s, "s"), fmt_value(row.on_ttft_median_s, "s"),
+          fmt_value(row.on_external_hit_tokens, "count"), *change_cells(row),
+          f"{row.pairs_matched} ({row.outputs_equal})"]
+         for row in locality.itertuples()))
+    lines += ["", "## Sessions (Study B's Table 4)", ""]
+    lines += markdown_table(
+        ["placement", "OFF median wall", "ON median wall", "mean paired change", "95% CI", "turn TTFT change",
+         "decode rate change", "turns paired (outputs equal)"],
+        ([row.placement, fmt_value(row.off_wall_median_s, "s"), fmt_value(row.on_wall_median_s, "s"),
+          *change_cells(row), pct(row.turn_ttft_change_pct), pct(row.decode_change_pct),
+          f"{row.turns_matched} ({row.outputs_equal})"]
+         for row in sessions.itertuples()))
     if windows is not None and not windows.empty:
         lines += ["", "## Short concurrency windows", "",
                   f"Per window, W sessions of {study['window_turns']} turns sent at once; output tokens per second "
-                  "over the window's wall time. Hits from each response's cached tokens; answers not paired.", "",
-                  "| sessions at once | placement | OFF median | ON median | mean paired change | 95% CI | "
-                  "turn TTFT OFF / ON |", "|---|---|---|---|---|---|---|"]
-        for row in windows.itertuples():
-            change, ci = change_cells(row)
-            lines.append(f"| {row.window} | {row.placement} | {fmt_value(row.off_tokens_per_s_median, '')} tok/s | "
-                         f"{fmt_value(row.on_tokens_per_s_median, '')} tok/s | {change} | {ci} | "
-                         f"{fmt_value(row.off_turn_ttft_median_s, 's')} / "
-                         f"{fmt_value(row.on_turn_ttft_median_s, 's')} |")
+                  "over the window's wall time. Hits from each response's cached tokens; answers not paired.", ""]
+        lines += markdown_table(
+            ["sessions at once", "placement", "OFF median", "ON median", "mean paired change", "95% CI",
+             "turn TTFT OFF / ON"],
+            ([row.window, row.placement, f"{fmt_value(row.off_tokens_per_s_median, '')} tok/s",
+              f"{fmt_value(row.on_tokens_per_s_median, '')} tok/s", *change_cells(row),
+              f"{fmt_value(row.off_turn_ttft_median_s, 's')} / {fmt_value(row.on_turn_ttft_median_s, 's')}"]
+             for row in windows.itertuples()))
     lines += [""] + [f"![{Path(link).stem}]({link})" for link in figures]
     return "\n".join(lines) + "\n"
 
