@@ -39,7 +39,8 @@ def test_study_b_blocks_run_off_on_on_off_and_the_pool_serves_only_cross_replica
     for block in ("2-on", "3-on"):
         computed = pd.read_csv(study_run / STUDYB / f"block~{block}" / "reference.csv")
         assert set(computed["path"]) == {"off_block", "predicted_on"}
-        assert "on a replica with no pool" not in (study_run / "logs" / "studyb" / f"block~{block}.log").read_text()
+        log = study_run / STUDYB.replace("results/", "logs/", 1) / f"block~{block}.log"  # under its results path
+        assert "on a replica with no pool" not in log.read_text()
     locality = pd.read_csv(study_run / "results" / "locality.csv").set_index(["context", "step"])
     assert set(locality.index) == {(c, s) for c in (256, 1024) for s in ("cold", "local-1", "local-2", "cross",
                                                                          "local-B")}
