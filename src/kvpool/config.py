@@ -451,3 +451,21 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
 
 def _tree_bytes(root: Path) -> int:
     return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file()) if root.is_dir() else 0
+
+
+def unbuilt_targets(dag) -> list[str]:
+    """What a finished Snakemake run was asked to build and did not: none unless Snakemake cut the run
+    short by itself. Snakemake 9 skips every job below one that reruns for changed params when the link
+    between them is ``ancient`` (snakemake/snakemake#4166), as every fleet job's link to the launch
+    check is: a config change then reran the launch check alone and reported success. A run the user
+    cut short on purpose (``--until``, ``--omit-from``) is not judged."""
+    if dag.untilrules or dag.untilfiles or dag.omitrules or dag.omitfiles:
+        return []
+    return sorted(target for target in dag.derived_targetfiles if not Path(target).exists())
+
+
+def unbuilt_message(missing: list[str]) -> str:
+    return (f"kvpool: Snakemake ended without building {len(missing)} of the targets it was asked for "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it reran only the jobs above "
+            "an ancient input (snakemake/snakemake#4166) and called it done; nothing measured is lost. "
+            "Run the same command again to build them.")

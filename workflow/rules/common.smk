@@ -35,6 +35,14 @@ onstart:
         raise ValueError("config cannot run on this machine:\n  " + "\n  ".join(_problems))
 
 
+onsuccess:
+    # Snakemake 9 can report success having skipped what was asked (kvpool.config.unbuilt_targets)
+    _missing = kvpool_config.unbuilt_targets(workflow.dag)
+    if _missing:
+        print(kvpool_config.unbuilt_message(_missing), file=sys.stderr)
+        sys.exit(1)
+
+
 # measured_only: the summaries of what this working directory holds, and no rule that measures
 MEASURED_ONLY = config["measured_only"]
 CELLS = measured(config, Path.cwd()) if MEASURED_ONLY else cells(config)
