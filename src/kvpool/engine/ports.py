@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from kvpool.engine.errors import FleetError
+from kvpool.engine.errors import FleetError, PortsInUse
 from kvpool.engine.plan import with_port, with_server_ports
 from kvpool.engine.plan_types import Plan
 
@@ -125,7 +125,7 @@ def resolve_ports(plan: Plan) -> dict:
     names = ", ".join(f"replica {r.index} port {r.port}" for r in taken)
     if plan.port_source != "auto":
         names = ", ".join(f"replica {r.index} port {r.port} ({port_holder(r.port)})" for r in taken)
-        raise FleetError(f"configured ports are in use on this machine: {names}; free them or set engine.ports")
+        raise PortsInUse(f"configured ports are in use on this machine: {names}; free them or set engine.ports")
     fresh = iter(free_ports(replicas[0].host, len(taken), exclude={r.port for r in replicas}))
     moved = {r.index: next(fresh) for r in taken}
     log.warning("planned ports taken since planning (%s); moved to %s", names, moved)

@@ -7,6 +7,8 @@ import re
 import sys
 from pathlib import Path
 
+from kvpool.engine.errors import Refused
+
 
 class _Tee:
     def __init__(self, *streams):
@@ -27,10 +29,19 @@ class _Tee:
 
 
 def to_log(path: str) -> None:
-    """Send stderr (logging, tqdm progress, tracebacks) to ``path`` and to the terminal."""
+    """Send stderr (logging, tqdm progress, tracebacks) to ``path`` and to the terminal; a refusal
+    (kvpool.engine.errors.Refused) ends the job in one line, where anything else keeps its traceback."""
     sys.stderr = _Tee(open(path, "w", buffering=1), sys.__stderr__)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.excepthook = _refusals_in_one_line
+
+
+def _refusals_in_one_line(kind, error, trace) -> None:
+    if issubclass(kind, Refused):
+        print(f"kvpool refused: {error}", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, error, trace)
 
 
 # What a full tier looks like in a replica's or pool server's log (LMCache logs a failed store and goes on).

@@ -14,6 +14,7 @@ import pandas as pd
 from kvpool.cells import Arm, Cell, backend_of, cells, is_memory_pool, pool_root, run_pools, tier_root
 from kvpool.engine import external, mp, owned, prompts, redis_pool
 from kvpool.engine import pool_files as pool
+from kvpool.engine.errors import LaunchRefused
 from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.model import engine_kv_bytes_per_token, vocabulary
 from kvpool.engine.plan import (
@@ -87,7 +88,7 @@ def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> Non
     launches = [launch for plan in plans
                 for launch in owned.launches(plan, engine["extra_args"], config["lmcache_mp"]["extra_args"])]
     if found := owned.problems(launches):
-        raise ValueError("a launch would run otherwise than kvpool plans it:\n  " + "\n  ".join(found))
+        raise LaunchRefused("a launch would run otherwise than kvpool plans it:\n  " + "\n  ".join(found))
     write_json(out, {"launches": [launch["name"] for launch in launches], "problems": [],
                      "versions": provenance.versions()})
 
