@@ -86,9 +86,6 @@ class Plan:
     def with_replicas(self, replicas) -> Plan:
         return dataclasses.replace(self, replicas=tuple(replicas))
 
-    def with_servers(self, servers) -> Plan:
-        return dataclasses.replace(self, servers=tuple(servers))
-
 
 def _entries(kind: type, rows: list[dict]) -> tuple:
     names = {f.name for f in dataclasses.fields(kind)}

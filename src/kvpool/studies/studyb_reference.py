@@ -29,7 +29,7 @@ def known_answers(paths: list[str], off: str) -> pd.DataFrame:
         rows = read_records(path)
         if "arm" in rows:  # a Study B block's requests: only an OFF block's ran without a pool
             pool_less = rows[(rows["arm"] == off) & (rows["kind"] != "warmup")]
-            frames.append(split_reference.twin_rows(pool_less.assign(key=pool_less["payload_sha256"]), "off_block"))
+            frames.append(known_answers_of(pool_less))
         else:
             frames.append(split_reference.normalized(rows))
     return pd.concat(frames, ignore_index=True) if frames else split_reference.normalized(None)
