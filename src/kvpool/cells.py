@@ -10,7 +10,6 @@ the cells of the defaults keep their folder, and adding a value builds only the 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import re
 from dataclasses import dataclass
 from enum import StrEnum
@@ -31,11 +30,10 @@ class Backend(StrEnum):
     LOCAL_DISK = "lmcache-local-disk"
     MP = "lmcache-mp"
     REDIS = "lmcache-redis"
+    VLLM_FS = "vllm-fs"
 
 
 CELL_PATTERN = "backend~{backend}/arm~{arm}/chunk~{chunk}/tier~{tier}"
-MP_BACKEND = Backend.MP
-REDIS_BACKEND = Backend.REDIS
 BACKENDS = tuple(Backend)
 # An lmcache-mp cell's backend folder with its server settings: lmcache-mp, lmcache-mp+gpu_workers=N,
 # lmcache-mp+servers=per-replica, or both in that order.
@@ -43,9 +41,9 @@ GPU_WORKERS = "+gpu_workers="
 SERVERS = "+servers="
 ONE_SERVER, SERVER_PER_REPLICA = "one", "per-replica"
 # The backend wildcard: any backend, lmcache-mp with or without its settings.
-BACKEND_LABEL = "|".join([*(re.escape(backend) for backend in BACKENDS if backend != MP_BACKEND),
-                          rf"{re.escape(MP_BACKEND)}(?:{re.escape(GPU_WORKERS)}[1-9][0-9]*)?"
-                          rf"(?:{re.escape(SERVERS + SERVER_PER_REPLICA)})?"])
+# (Only lmcache-mp's server has settings a cell is formed for: kvpool.engine.backends.lmcache_mp.)
+SETTINGS_SUFFIX = rf"(?:{re.escape(GPU_WORKERS)}[1-9][0-9]*)?(?:{re.escape(SERVERS + SERVER_PER_REPLICA)})?"
+BACKEND_LABEL = "|".join(re.escape(label) + (SETTINGS_SUFFIX if label is Backend.MP else "") for label in Backend)
 
 
 def backend_of(label: str) -> str:
@@ -120,59 +118,6 @@ class Cell:
         """The cell of a folder name, ``backend~B/arm~A/chunk~C/tier~T``."""
         fields = dict(part.split("~", 1) for part in name.split("/"))
         return cls.from_label(fields["backend"], fields["arm"], int(fields["chunk"]), fields["tier"])
-
-
-def cells(config: dict) -> list[Cell]:
-    """Every cell of the configured matrix, in a stable order. An lmcache-redis pool is its server's
-    memory wherever the tier points, so that backend forms cells only on ``lmcache_redis.tiers``; an
-    lmcache-mp cell is formed once per value of ``lmcache_mp.gpu_workers``, and a shared one on a drive
-    tier once per value of ``lmcache_mp.servers`` (an isolated arm has a server per replica already, and
-    a memory tier's L1 is one server's)."""
-    return [
-        Cell(backend, arm, chunk, tier, workers, servers)
-        for backend, chunk, tier, arm in itertools.product(
-            config["backends"], config["chunk_sizes"], config["tiers"], config["arms"]
-        )
-        if backend != REDIS_BACKEND or tier in config["lmcache_redis"]["tiers"]
-        for workers in (config["lmcache_mp"]["gpu_workers"] if backend == MP_BACKEND else [None])
-        for servers in _server_settings(config, backend, arm, tier)
-    ]
-
-
-def _server_settings(config: dict, backend: str, arm: str, tier: str) -> list[str]:
-    """The ``lmcache_mp.servers`` values a cell is formed for: all of them for a shared MP pool on a drive
-    tier, the one server otherwise."""
-    if backend != MP_BACKEND or arm != Arm.SHARED or tier in config["lmcache_mp"]["memory_tiers"]:
-        return [ONE_SERVER]
-    return list(config["lmcache_mp"]["servers"])
-
-
-def measured(config: dict, workdir: Path) -> list[Cell]:
-    """The matrix's cells whose reuse phase has finished in ``workdir``, in matrix order."""
-    return [cell for cell in cells(config) if (workdir / "results" / "cells" / cell.name / "reuse.json").exists()]
-
-
-def is_memory_pool(config: dict, cell: Cell) -> bool:
-    """Whether ``cell``'s pool is a server's memory alone (an LMCache MP server's L1 on a memory tier,
-    or a Redis server), which lives only as long as the server and puts no files on its tier."""
-    if cell.backend == REDIS_BACKEND:
-        return True
-    return cell.backend == MP_BACKEND and cell.tier in config["lmcache_mp"]["memory_tiers"]
-
-
-def pool_predecessor(config: dict, cell: Cell) -> Cell | None:
-    """The cell whose pool must be gone before ``cell`` populates, or None.
-
-    With ``keep_pools: false`` a tier is sized for one cell's pool of files at a time, so the cells
-    of a tier that write files run one after another in matrix order: each waits for the previous
-    one's reuse phase, which removes its pool. A memory pool writes none (its server's RAM goes with
-    the server), so it neither waits nor is waited for. With pools kept, cells are independent.
-    """
-    if config["keep_pools"] or is_memory_pool(config, cell):
-        return None
-    same_tier = [other for other in cells(config) if other.tier == cell.tier and not is_memory_pool(config, other)]
-    position = same_tier.index(cell)
-    return same_tier[position - 1] if position else None
 
 
 def tier_root(config: dict, tier: str, workdir: Path | None = None) -> Path:

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import yaml
 
-from kvpool.cells import Arm, Backend, cells, is_memory_pool, pool_dirs, run_pools, tier_root
-from kvpool.engine import external, host_memory, mp, pool_url, redis_pool
+from kvpool.cells import Arm, pool_dirs, run_pools, tier_root
+from kvpool.engine import external, host_memory, pool_url
+from kvpool.engine.backends import configured, pool_backend
 from kvpool.engine.hosts import is_loopback
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
 from kvpool.engine.plan import BASE_ENV
+from kvpool.matrix import cells, is_memory_pool
 from kvpool.studies import capacity, contexts, peer, studyb
 from kvpool.studies.load import LEVEL_PATTERN, Level
 
@@ -262,15 +264,14 @@ def _pool_url_problems(config: dict, workdir: Path) -> list[str]:
         return []
     found = {}
     for cell in cells(config):
-        if cell.backend not in pool_url.FOLDER_BACKENDS:
+        if (key := pool_backend(cell.backend).folder_key) is None:
             continue
         path, folder = config["tiers"][cell.tier], pool_dirs(config, cell, workdir)[0]
-        if (elsewhere := pool_url.misread(cell.backend, folder)) is None:
+        if (elsewhere := pool_url.misread(key, folder)) is None:
             continue
-        key = pool_url.setting(cell.backend, folder)[0]
         where = (f"{cell.backend} would keep its pool in {', '.join(map(repr, elsewhere))}, outside kvpool's folder, "
                  "shared by every cell and run and never emptied")
-        if pool_url.misread(cell.backend, Path("/", path)) is not None:
+        if pool_url.misread(key, Path("/", path)) is not None:
             found.setdefault(cell.tier, f"tiers.{cell.tier}: {path!r} does not survive LMCache's {key} setting: "
                                         f"{where}; give a path without '#', '?', ',', tabs or line breaks")
         else:
@@ -287,20 +288,9 @@ def _followup_problems(config: dict) -> list[str]:
     reason = None
     if external.is_external(config):
         reason = "an external fleet's prefix caches and pool are not kvpool's to empty between reloads"
-    elif Backend.LOCAL_DISK in config["backends"]:
-        reason = ("lmcache-local-disk keeps the serving replica's own stores in its index, so a document's "
-                  "second follow-up would find what its first stored")
     else:
-        for cell in cells(config):
-            if cell.backend == Backend.MP and not is_memory_pool(config, cell):
-                reason = (f"{cell.name}: the MP server's L1 keeps what a reload brought up from the drive, so a "
-                          "later reload of the document would not read the drive")
-            elif cell.arm == Arm.ISOLATED and is_memory_pool(config, cell):
-                reason = (f"{cell.name}: an isolated arm's serving replica stores the document in its own "
-                          "server during its first follow-up, which no reset can empty, so later follow-ups "
-                          "would hit it")
-            if reason:
-                break
+        reason = next((why for cell in cells(config) if (why := pool_backend(cell.backend).followup_problem(
+            config, cell)) is not None), None)
     if reason is None:
         return []
     return [f"workload.followups_per_document {config['workload']['followups_per_document']} cannot give cold "
@@ -394,7 +384,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             found.append(str(exc))
     return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)
             + _input_problems(config) + _pool_url_problems(config, workdir)
-            + mp.problems(config) + redis_pool.problems(config) + external.problems(config)
+            + [problem for pool in configured(config) for problem in pool.problems(config)]
+            + external.problems(config)
             + peer.problems(config))
 
 

@@ -11,8 +11,9 @@ import pytest
 from snakemake.utils import validate
 from support.committed import assert_same_gate
 
-from kvpool.cells import Cell, cells
+from kvpool.cells import Cell
 from kvpool.engine.plan_types import read_plan
+from kvpool.matrix import cells
 from kvpool.measure import kvbytes
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records

@@ -98,11 +98,11 @@ def test_a_capacity_below_one_documents_kv_or_on_no_redis_cell_is_refused_with_t
     local = config_with(fractions=[0.5])
     local.update(backends=["lmcache-local-disk"], tiers={"disk": "pools/disk"})
     (refused,) = capacity.problems(local)
-    assert "shared lmcache-redis or lmcache-fs cell" in refused
+    assert "needs a shared cell whose pool can be limited" in refused
     assert capacity.units(local) == []
     isolated = config_with(fractions=[0.5])
     isolated["arms"] = ["isolated"]
-    assert "shared lmcache-redis or lmcache-fs cell" in capacity.problems(isolated)[0]
+    assert "needs a shared cell whose pool can be limited" in capacity.problems(isolated)[0]
 
 
 def test_a_working_set_the_hosts_memory_cannot_hold_is_refused(config_with, monkeypatch):

@@ -22,6 +22,7 @@ from kvpool.measure.validity import evaluate, failures
 from kvpool.studies import study_a
 
 FS, DISK = Backend.FS, Backend.LOCAL_DISK
+KEY = {FS: pool_url.REMOTE_URL, DISK: pool_url.LOCAL_DISK}  # the setting each names its pool's folder in
 COMMITTED = REPO / "docs" / "results" / "h200-mp"
 DISK_CELL = Cell("lmcache-mp", "shared", 256, "disk")
 
@@ -32,18 +33,18 @@ DISK_CELL = Cell("lmcache-mp", "shared", 256, "disk")
     (FS, "\t", ["/pools/ab/cell/"]), (FS, "\n", ["/pools/ab/cell/"]), (FS, "\r", ["/pools/ab/cell/"]),
 ])
 def test_a_folder_lmcache_reads_as_another_is_found(backend, character, read_as):
-    assert pool_url.misread(backend, f"/pools/a{character}b/cell") == read_as
+    assert pool_url.misread(KEY[backend], f"/pools/a{character}b/cell") == read_as
 
 
 @pytest.mark.parametrize("backend", [FS, DISK])
 @pytest.mark.parametrize("folder", ["/pools/a b/cell", "/pools/100%/cell", "/pools/é/cell",
                                     "/pools/backend~lmcache-mp+servers=per-replica"])
 def test_a_folder_lmcache_reads_whole_passes(backend, folder):
-    assert pool_url.misread(backend, folder) is None
+    assert pool_url.misread(KEY[backend], folder) is None
 
 
 def test_local_disk_keeps_what_a_url_would_cut():
-    assert pool_url.misread(DISK, "/pools/a#b?c") is None  # local_disk is split at commas, not parsed as a URL
+    assert pool_url.misread(KEY[DISK], "/pools/a#b?c") is None  # local_disk is split at commas, not parsed as a URL
 
 
 @pytest.mark.parametrize("backend, path, key", [(FS, "/dev/shm/kvprobe3#x", "remote_url"),

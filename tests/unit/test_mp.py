@@ -17,7 +17,7 @@ from support.fakes import FAKE, FAKE_ENGINE, fake_server_plan, family, write_dri
 
 from kvpool import config as kvpool_config
 from kvpool import settings as kvpool_settings
-from kvpool.cells import Cell, cells
+from kvpool.cells import Cell
 from kvpool.engine import mp
 from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_servers
@@ -25,6 +25,7 @@ from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import fleet_plan, server_port_count, with_server_ports
 from kvpool.engine.plan_types import write_plan
 from kvpool.engine.ports import free_ports, resolve_server_ports
+from kvpool.matrix import cells
 from kvpool.measure import kvbytes, timed, unit_plan
 from kvpool.studies import load, study_a
 

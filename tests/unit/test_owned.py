@@ -7,9 +7,9 @@ import json
 import pytest
 
 from kvpool.cells import Cell
-from kvpool.cells import cells as kvpool_cells
 from kvpool.engine import owned
 from kvpool.engine.plan import fleet_plan
+from kvpool.matrix import cells as kvpool_cells
 from kvpool.settings import step_settings
 from kvpool.studies import study_a
 

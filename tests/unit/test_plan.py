@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cells import Cell, cells, pool_dirs, pool_predecessor
+from kvpool.cells import Cell, pool_dirs
 from kvpool.engine.plan import fleet_plan, reference_plan, with_port
+from kvpool.matrix import cells, pool_predecessor
 
 
 def plan_for(config, arm="shared", backend="lmcache-fs", tmp=Path("/tmp/cell"), ports=(18100, 18101)):

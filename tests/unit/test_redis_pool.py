@@ -12,12 +12,13 @@ import redis
 from support.fakes import family
 
 from kvpool import config as kvpool_config
-from kvpool.cells import Cell, cells, is_memory_pool
+from kvpool.cells import Cell
 from kvpool.engine import redis_pool
 from kvpool.engine.fleet import running_servers
 from kvpool.engine.plan import fleet_plan, with_server_ports
 from kvpool.engine.ports import free_ports
 from kvpool.engine.processes import RedisServer
+from kvpool.matrix import cells, is_memory_pool
 from kvpool.measure import kvbytes, timed
 
 REPO = Path(__file__).resolve().parents[2]

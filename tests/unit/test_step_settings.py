@@ -92,7 +92,7 @@ def test_measured_only_names_each_cell_whose_run_judged_it_with_other_settings(t
     import copy
     import json
 
-    from kvpool.cells import cells
+    from kvpool.matrix import cells
 
     config = default_config()
     recorded = copy.deepcopy(config)
@@ -119,7 +119,7 @@ def test_measured_only_is_refused_where_the_run_finished_cells_the_matrix_leaves
     import subprocess
     import sys
 
-    from kvpool.cells import cells
+    from kvpool.matrix import cells
     from kvpool.report import tables
 
     config = default_config()

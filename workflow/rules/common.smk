@@ -9,7 +9,8 @@ from kvpool.measure import runlock
 from kvpool.report import breakdown, tables
 from kvpool.report import contexts as contexts_report, crossover as crossover_report
 from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb
-from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Arm, Cell, cells, is_memory_pool, measured, pool_predecessor
+from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Arm, Cell
+from kvpool.matrix import cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
 from kvpool.report import load as load_report, studyb as studyb_report
 from kvpool.engine.model import RANDOM_MODEL_DIR

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool.cells import Backend
+from kvpool.engine.backends import configured
 
 MODE = "external"
 # What restores or restarts a fleet between units, which kvpool cannot do to a deployed one.
@@ -102,9 +102,10 @@ def problems(config: dict) -> list[str]:
     if len(config["backends"]) != 1 or len(config["chunk_sizes"]) != 1:
         found.append("an external fleet runs one backend at one chunk size (it cannot be reconfigured): "
                      f"backends lists {config['backends']}, chunk_sizes {config['chunk_sizes']}; give the fleet's own")
-    if served := sorted(set(config["backends"]) & {Backend.MP, Backend.REDIS}):
+    if served := [pool.name for pool in configured(config) if pool.server_kind is not None]:
         found.append(f"backends: {served[0]} is a pool of servers that kvpool starts per cell; an external fleet's "
-                     "cells are measured on in-process pools (lmcache-fs, lmcache-local-disk)")
+                     "cells are measured on pools its replicas reach themselves (lmcache-fs, lmcache-local-disk, "
+                     "vllm-fs)")
     if len(config["tiers"]) != 1:
         found.append(f"an external fleet's pool is on one tier; tiers lists {len(config['tiers'])}")
     for key, used in LAUNCH_ONLY.items():

@@ -21,8 +21,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool.cells import MP_BACKEND as BACKEND
-from kvpool.cells import SERVER_PER_REPLICA, Arm, Cell
+from kvpool.cells import SERVER_PER_REPLICA, Arm, Backend, Cell
 from kvpool.engine.model import engine_kv_bytes_per_token
 
 CONNECTOR = "LMCacheMPConnector"
@@ -39,6 +38,9 @@ L2_STORES = ("lmcache_mp_l2_store_submitted_objects", "lmcache_mp_l2_store_compl
 # worker reaper frees it after about two minutes). A timeout above 0 lets the engine core finish (vLLM's
 # "drain" mode; a stopped fleet has no request in flight). Below the 30 s a replica's stop waits for it.
 REPLICA_SHUTDOWN_TIMEOUT_S = 20
+
+
+BACKEND = Backend.MP
 
 
 def used(config: dict) -> bool:
@@ -81,6 +83,12 @@ def l1_size_gib(config: dict, tier: str) -> float:
     if needed is None:
         raise ValueError("lmcache_mp.l1_size_gib must be set for a model whose config.json cannot be read here")
     return math.ceil(needed / settings["l1_fill"] / 2**30 * 10) / 10
+
+
+def l1_size_gib_for(limit: int) -> float:
+    """The ``--l1-size-gb`` (GiB; LMCache takes ``int(value * 2**30)`` bytes) for ``limit`` KV bytes: four
+    decimals, rounded down, so its L1 never exceeds the capacity."""
+    return math.floor(limit / 2**30 * 1e4) / 1e4
 
 
 def problems(config: dict) -> list[str]:

@@ -13,70 +13,16 @@ import os
 import sys
 from pathlib import Path
 
-from kvpool.cells import Arm, Backend, Cell, is_memory_pool, pool_dirs
-from kvpool.engine import external, mp, pool_url, redis_pool
+from kvpool.cells import Arm, Cell, pool_dirs
+from kvpool.engine import external
+from kvpool.engine.backends import pool_backend
 from kvpool.engine.hosts import pool_server_host
 from kvpool.engine.plan_types import Plan, ReplicaPlan, ServerPlan
+from kvpool.matrix import is_memory_pool
 
 SERVED_MODEL_NAME = "kvpool-model"
-CPU_CONNECTOR_MODULE = "kvpool.cpu_connector"
-# Backends whose pool is held by servers the pipeline starts, and the ports each server takes.
-SERVER_BACKENDS = {Backend.MP: 2, Backend.REDIS: 1}
 # Set on every replica: no hub, no telemetry, and nothing that differs between replicas.
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
-
-
-def lmcache_config(config: dict, cell: Cell, pool_dir: Path, server_url: str | None = None) -> dict:
-    """LMCache settings for one replica of ``cell``; the pool path (or, for lmcache-redis, its server's
-    ``server_url``) is the arm's only difference."""
-    settings = {"chunk_size": cell.chunk, "local_cpu": False}
-    if cell.backend == Backend.REDIS:
-        if server_url is None:
-            raise ValueError(f"{cell.name}: an lmcache-redis replica needs its server's url")
-        settings.update(remote_url=server_url, remote_serde="naive")
-    elif cell.backend == Backend.FS:
-        # fs:// checks the directory on every lookup, so chunks written by any replica are found.
-        settings.update(_pool_setting(cell, pool_dir), remote_serde="naive")
-    elif cell.backend == Backend.MP:
-        raise ValueError("the lmcache-mp backend is configured on its server (mp.server_argv), not per replica")
-    elif cell.backend == Backend.LOCAL_DISK:
-        # The study's literal setting; its index lives in each replica's memory.
-        settings.update(_pool_setting(cell, pool_dir), max_local_disk_size=_disk_budget_gb(config))
-    else:
-        raise ValueError(f"unknown backend {cell.backend!r}")
-    if config["hash_keys"] == "sha256_cbor":
-        settings["pre_caching_hash_algorithm"] = "sha256_cbor"
-    settings.update(config["lmcache"])
-    return settings
-
-
-def _pool_setting(cell: Cell, pool_dir: Path) -> dict:
-    """The LMCache setting that puts the replica's pool in ``pool_dir``. A folder LMCache would read back
-    otherwise (a ``#`` in the tier path or in the working directory's name) is refused: the replicas would
-    share a pool outside the cell's folder that no run empties."""
-    key, value = pool_url.setting(cell.backend, pool_dir)
-    if (elsewhere := pool_url.misread(cell.backend, pool_dir)) is not None:
-        raise ValueError(f"{cell.name}: LMCache reads the pool folder {str(pool_dir)!r} out of {key} {value!r} as "
-                         f"{', '.join(map(repr, elsewhere))}; keep '#', '?', ',', tabs and line breaks out of the "
-                         "tier path and the working directory's path")
-    return {key: value}
-
-
-def _disk_budget_gb(config: dict) -> float:
-    """local_disk evicts past its size cap; give it room for the whole workload and then some."""
-    return max(1.0, 4 * config["min_pool_bytes"] / 1e9)
-
-
-def kv_transfer_config(engine_kind: str, load_failure_policy: str | None = None) -> dict:
-    """The kv_both LMCache connector; on CPU loaded through kvpool's adapter module. ``load_failure_policy``:
-    vLLM's ``kv_load_failure_policy`` (what a replica does when chunks the pool promised are gone: fail the
-    request or recompute them); None leaves vLLM's default."""
-    transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-    if engine_kind == "vllm-cpu":
-        transfer["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
-    if load_failure_policy is not None:
-        transfer["kv_load_failure_policy"] = load_failure_policy
-    return transfer
 
 
 def engine_argv(engine: dict, model: str, port: int, *, kv_transfer: dict | None, prefix_caching: bool,
@@ -136,10 +82,11 @@ def batch_invariant(engine: dict) -> bool:
     return bool(engine.get("batch_invariant")) or str(engine["env"].get("VLLM_BATCH_INVARIANT", "0")) == "1"
 
 
-def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Path | None,
+def replica_env(engine: dict, placement: dict, hash_keys: str, backend_env: dict | None = None,
                 dev_mode: bool = False) -> dict:
-    """A replica's environment; ``dev_mode`` opens vLLM's /reset_prefix_cache (VLLM_SERVER_DEV_MODE), which
-    a reuse phase of several follow-ups per document needs."""
+    """A replica's environment, with what its pool backend adds (``backend_env``: LMCache's config file, a hash
+    seed); ``dev_mode`` opens vLLM's /reset_prefix_cache (VLLM_SERVER_DEV_MODE), which a reuse phase of several
+    follow-ups per document needs."""
     env = dict(BASE_ENV)
     if batch_invariant(engine):
         env["VLLM_BATCH_INVARIANT"] = "1"
@@ -147,8 +94,7 @@ def replica_env(engine: dict, placement: dict, hash_keys: str, lmcache_file: Pat
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if hash_keys == "pythonhashseed":
         env["PYTHONHASHSEED"] = "0"
-    if lmcache_file is not None:
-        env["LMCACHE_CONFIG_FILE"] = str(lmcache_file)
+    env.update(backend_env or {})
     if placement["core"] is not None:
         # One OpenMP thread bound to the replica's own core; vLLM's "auto" piles replicas onto core 0.
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement["core"])
@@ -176,35 +122,26 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     util = _gpu_memory_share(engine)
     off = cell.arm == Arm.OFF
     dirs = [None] * replicas if off else pool_dirs(config, cell, root=pool_root)
-    servers = _servers(config, cell, dirs, server_ports or []) if cell.backend in SERVER_BACKENDS and not off else []
+    backend = pool_backend(cell.backend)
+    servers = [] if off else _servers(config, cell, dirs, server_ports or [])
     entries = []
     for index, (place, pool_dir, port) in enumerate(zip(places, dirs, ports, strict=True)):
         entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
                  "sequential_start": place["sequential_start"], "pool_dir": None if off else str(pool_dir)}
-        server = (servers[index] if cell.server_per_replica else servers[0]) if servers else None  # a ServerPlan
-        shutdown_timeout_s = None  # vLLM's default, but for a replica that must unregister from an MP server
         if off:
-            transfer = None
-            entry.update(lmcache_config_file=None, lmcache_config=None,
-                         env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
-        elif cell.backend == Backend.MP:
-            transfer = mp.kv_transfer_config(server.host, server.port)
-            shutdown_timeout_s = mp.REPLICA_SHUTDOWN_TIMEOUT_S
-            entry.update(server=server.index, lmcache_config_file=None, lmcache_config=None,
-                         env=replica_env(engine, place, config["hash_keys"], None, dev_mode))
+            launch = None
         else:
-            lmcache_file = Path(cell_dir) / f"lmcache-replica-{index}.yaml"
-            transfer = kv_transfer_config(engine["kind"], load_failure_policy)
-            server_url = None
-            if server is not None:  # lmcache-redis: the in-process connector, pointed at the replica's server
-                server_url = redis_pool.url(server.host, server.port)
-                entry["server"] = server.index
-            entry.update(lmcache_config_file=str(lmcache_file),
-                         lmcache_config=lmcache_config(config, cell, pool_dir, server_url),
-                         env=replica_env(engine, place, config["hash_keys"], lmcache_file, dev_mode))
-        entry["kv_transfer"] = transfer
-        entry["argv"] = engine_argv(engine, model, port, kv_transfer=transfer, prefix_caching=True,
-                                    gpu_memory_utilization=util, shutdown_timeout_s=shutdown_timeout_s)
+            server = (servers[index] if cell.server_per_replica else servers[0]) if servers else None
+            launch = backend.replica_launch(config, cell, index, pool_dir, server, Path(cell_dir), load_failure_policy)
+            if launch.server is not None:
+                entry["server"] = launch.server
+        entry.update(lmcache_config_file=launch and launch.lmcache_config_file,
+                     lmcache_config=launch and launch.lmcache_config,
+                     kv_transfer=launch and launch.kv_transfer,
+                     env=replica_env(engine, place, config["hash_keys"], launch and launch.env, dev_mode))
+        entry["argv"] = engine_argv(engine, model, port, kv_transfer=launch and launch.kv_transfer,
+                                    prefix_caching=True, gpu_memory_utilization=util,
+                                    shutdown_timeout_s=launch and launch.shutdown_timeout_s)
         entries.append(ReplicaPlan(**entry))
     return Plan(cell=cell.name, engine_kind=engine["kind"], model=model, port_source=port_source,
                 replicas=tuple(entries), servers=tuple(servers),
@@ -226,37 +163,21 @@ def external_plan(config: dict, cell: Cell, model: str) -> Plan:
 
 
 def server_port_count(cell: Cell, replicas: int) -> int:
-    """Ports ``cell``'s pool servers take: an MP server a ZMQ and an HTTP port, a Redis server one; one
-    server for the shared arm, one per replica for the isolated arm and for a shared MP pool of
-    ``servers: per-replica``, none for other backends."""
-    if cell.backend not in SERVER_BACKENDS or cell.arm == Arm.OFF:
+    """Ports ``cell``'s pool servers take (an MP server a ZMQ and an HTTP port, a Redis server one): one server
+    for the shared arm, one per replica for the isolated arm and for a shared MP pool of ``servers:
+    per-replica``; none for a backend without servers, or the off arm."""
+    per_server = pool_backend(cell.backend).ports_per_server
+    if not per_server or cell.arm == Arm.OFF:
         return 0
-    return (replicas if cell.server_per_replica else 1) * SERVER_BACKENDS[cell.backend]
+    return (replicas if cell.server_per_replica else 1) * per_server
 
 
 def _servers(config: dict, cell: Cell, dirs: list[Path], ports: list[int]) -> list[ServerPlan]:
-    """One pool server for the shared arm, one per replica for the isolated arm; a shared MP pool of
-    ``servers: per-replica`` gets one per replica too, each with the one shared folder as its L2."""
-    count = len(dirs) if cell.server_per_replica else 1
+    """The cell's pool servers on ``ports``, bound to this machine alone (kvpool.engine.hosts)."""
     if len(ports) != server_port_count(cell, len(dirs)):
         raise ValueError(f"{cell.name} needs {server_port_count(cell, len(dirs))} server ports, got {len(ports)}")
-    host = pool_server_host(config["engine"]["host"])  # never beyond this machine (kvpool.engine.hosts)
-    if cell.backend == Backend.REDIS:
-        return [ServerPlan(index=index, kind="redis", host=host, port=ports[index], http_port=None,
-                           workdir=str(dirs[index]), env=dict(BASE_ENV),
-                           argv=redis_pool.server_argv(config, host, ports[index], dirs[index]))
-                for index in range(count)]
-    memory = is_memory_pool(config, cell)
-    servers = []
-    for index in range(count):
-        port, http_port = ports[2 * index], ports[2 * index + 1]
-        l2_dir = None if memory else dirs[index]
-        servers.append(ServerPlan(index=index, kind="lmcache", host=host, port=port, http_port=http_port,
-                                  l1_size_gib=mp.l1_size_gib(config, cell.tier),
-                                  l2_dir=None if l2_dir is None else str(l2_dir),
-                                  env=mp.server_env(config, BASE_ENV),
-                                  argv=mp.server_argv(config, cell, host, port, http_port, l2_dir)))
-    return servers
+    return pool_backend(cell.backend).servers(config, cell, dirs, ports, pool_server_host(config["engine"]["host"]),
+                                              BASE_ENV)
 
 
 def plan_pool_dirs(plan: Plan) -> list[Path]:
@@ -312,14 +233,6 @@ def with_server_ports(plan: Plan, index: int, port: int, http_port: int | None) 
         return dataclasses.replace(server, port=port, http_port=http_port, argv=argv)
 
     servers = [moved(s) if s.index == index else s for s in plan.servers]
-    replicas = []
-    for replica in plan.replicas:
-        if replica.server == index and replica.lmcache_config is not None:  # lmcache-redis
-            replica = dataclasses.replace(replica, lmcache_config={
-                **replica.lmcache_config, "remote_url": redis_pool.url(servers[index].host, port)})
-        elif replica.server == index:
-            transfer = mp.kv_transfer_config(servers[index].host, port)
-            replica = dataclasses.replace(replica, kv_transfer=transfer, argv=_with_flag(
-                replica.argv, "--kv-transfer-config", json.dumps(transfer, sort_keys=True)))
-        replicas.append(replica)
+    backend = pool_backend(Cell.from_name(plan.cell).backend)
+    replicas = [backend.repointed(r, servers[index]) if r.server == index else r for r in plan.replicas]
     return dataclasses.replace(plan, servers=tuple(servers), replicas=tuple(replicas))

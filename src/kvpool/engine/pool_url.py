@@ -19,32 +19,30 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlparse
 
-from kvpool.cells import Backend
-
-# The backends whose replicas are given their pool's folder inside an LMCache setting (an MP server's L2
-# folder is a JSON string and a Redis server's --dir an argument of its own: both are taken verbatim).
-FOLDER_BACKENDS = (Backend.FS, Backend.LOCAL_DISK)
+# The settings that name a pool's folder: lmcache-fs's remote URL and lmcache-local-disk's folder list (an MP
+# server's L2 folder is a JSON string and a Redis server's --dir an argument of its own: both are taken verbatim).
+REMOTE_URL, LOCAL_DISK = "remote_url", "local_disk"
 
 
-def setting(backend: str, folder: Path | str) -> tuple[str, str]:
-    """The LMCache config key and value that give ``backend`` its pool ``folder``."""
-    if backend == Backend.FS:
+def setting(key: str, folder: Path | str) -> tuple[str, str]:
+    """The LMCache config ``key`` and its value that give a pool the ``folder``."""
+    if key == REMOTE_URL:
         # the port is not used by the fs connector, but parse_remote_url requires one
-        return "remote_url", f"fs://localhost:0{folder}/"
-    if backend == Backend.LOCAL_DISK:
-        return "local_disk", f"file://{folder}/"
-    raise ValueError(f"{backend} is not configured with a folder in its URL")
+        return key, f"fs://localhost:0{folder}/"
+    if key == LOCAL_DISK:
+        return key, f"file://{folder}/"
+    raise ValueError(f"{key} does not name a pool folder")
 
 
-def folders_read(backend: str, value: str) -> list[str]:
-    """The folders LMCache keeps ``backend``'s pool in, given its setting ``value``."""
-    if backend == Backend.FS:
+def folders_read(key: str, value: str) -> list[str]:
+    """The folders LMCache keeps a pool in, given setting ``key``'s ``value``."""
+    if key == REMOTE_URL:
         path = urlparse(value).path
         return [part.strip() for part in path.split(",")] if "," in path else [path]
     return [part.strip().removeprefix("file://") for part in value.split(",") if part.strip()]
 
 
-def misread(backend: str, folder: Path | str) -> list[str] | None:
+def misread(key: str, folder: Path | str) -> list[str] | None:
     """The folders LMCache would use instead of the absolute ``folder``, or None where it reads ``folder`` whole."""
-    found = folders_read(backend, setting(backend, folder)[1])
+    found = folders_read(key, setting(key, folder)[1])
     return None if found == [f"{folder}/"] else found

@@ -15,13 +15,13 @@ the most it held in any read, what it evicted, and whether it holds a document w
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from pathlib import Path
 
 from kvpool.cells import Backend
 from kvpool.engine import mp, pool_files, redis_pool, sized_pool
+from kvpool.engine.backends import lmcache_fs
 from kvpool.engine.plan import plan_pool_dirs
 from kvpool.engine.plan_types import Plan
 
@@ -64,10 +64,7 @@ def redis_maxmemory(empty_overhead: int, limit: int) -> int:
     return empty_overhead + limit
 
 
-def mp_l1_size_gib(limit: int) -> float:
-    """The MP server's ``--l1-size-gb`` (GiB; LMCache takes ``int(value * 2**30)`` bytes) for ``limit``
-    KV bytes: four decimals, rounded down, so its L1 never exceeds the capacity."""
-    return math.floor(limit / 2**30 * 1e4) / 1e4
+mp_l1_size_gib = mp.l1_size_gib_for  # the MP server's L1 for a capacity
 
 
 @contextlib.contextmanager
@@ -220,6 +217,7 @@ class FilePool(PoolView):
 
     backend = Backend.FS
     SUFFIX, TEMP = ".data", pool_files.TEMP_SUFFIX
+    refuses = lmcache_fs.BACKEND.capacity.refuses  # what refuses its stores by design
 
     def __init__(self, folder: Path, mounted: dict, doc_chunks: int):
         self.folder, self.mounted, self.doc_chunks = Path(folder), mounted, doc_chunks

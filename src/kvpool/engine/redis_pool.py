@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from kvpool.cells import REDIS_BACKEND as BACKEND
+from kvpool.cells import Backend
 
 KV_SUFFIX = "kv_bytes"
 # What a server's metrics() holds: the KV values' bytes and count (the pool), and Redis's own memory.
@@ -28,6 +28,7 @@ POOL_BYTES = "redis_pool_kv_bytes"
 POOL_CHUNKS = "redis_pool_chunks"
 USED_MEMORY = "redis_used_memory_bytes"
 OWNED_SERVER_FLAGS = {"--port", "--bind", "--dir", "--save", "--appendonly", "--protected-mode", "--maxmemory-policy"}
+BACKEND = Backend.REDIS
 
 
 def used(config: dict) -> bool:

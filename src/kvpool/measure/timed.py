@@ -236,12 +236,14 @@ async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica) -
 
 
 def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: float = 0.5,
-                   timeout_s: float = 60.0) -> dict:
+                   timeout_s: float = 60.0, min_files: int = 0) -> dict:
     """Wait for the pool to stop changing: LMCache stores a request's chunks after its answer (its remote
     backend puts them asynchronously), so on a fleet that keeps running after populate the last stores may
     still be on their way. Settled is two reads ``poll_s`` apart that agree, with no temp file among the
-    pool's files (the chunk files' names and sizes, and each server's pool bytes); at ``timeout_s`` the last
-    read stands, and the gate's checks of what populate stored judge it. Returns what was waited for."""
+    pool's files (the chunk files' names and sizes, and each server's pool bytes) and at least ``min_files``
+    whole files (a backend whose stores go on in the engine in two asynchronous hops, vllm-fs, gives the
+    files every document's whole chunks make); at ``timeout_s`` the last read stands, and the gate's checks of
+    what populate stored judge it. Returns what was waited for."""
     def server_bytes(server: PoolServer) -> float | None:
         try:
             return server.metrics().get(server.pool_bytes_metric)
@@ -260,13 +262,14 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
     while not settled and time.monotonic() - started < timeout_s:
         time.sleep(poll_s)
         now = read()
-        settled = now == last and not any(name.endswith(TEMP_SUFFIX) for name in now[0])
+        whole = [name for name in now[0] if not name.endswith(TEMP_SUFFIX)]
+        settled = now == last and len(whole) == len(now[0]) and len(whole) >= min_files
         last = now
     if not settled:
         log.warning("the pool was still changing after %.0f s of waiting for its stores", timeout_s)
     files, held = last
     return {"settled": settled, "waited_s": round(time.monotonic() - started, 3), "files": len(files),
-            "bytes": sum(files.values()), "server_pool_bytes": list(held)}
+            "bytes": sum(files.values()), "server_pool_bytes": list(held), "min_files": min_files}
 
 
 def drop_pool(plan: Plan, use_proc_drop_caches: bool) -> dict:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvpool.cells import MP_BACKEND, Arm, Cell, backend_of
-from kvpool.engine.plan import SERVER_BACKENDS
+from kvpool.cells import Arm, Cell
+from kvpool.engine.backends import pool_backend
 from kvpool.measure import kvbytes
 from kvpool.measure.checks import skipped, tally
 from kvpool.measure.files import read_frame_or_empty, read_json
@@ -126,7 +126,7 @@ def pool_server_table(cells: list[Cell], files: dict[str, list[str]]) -> pd.Data
     at the phase's end."""
     rows = []
     for i, cell in enumerate(cells):
-        if cell.backend not in SERVER_BACKENDS:
+        if pool_backend(cell.backend).server_kind is None:
             continue
         for phase in ("populate", "reuse"):
             meta = read_json(files[f"{phase}_meta"][i])
@@ -148,9 +148,8 @@ def caveats(results: Results) -> list[str]:
         "Hash keys: " + ("PYTHONHASHSEED=0 on every replica." if cfg["hash_keys"] == "pythonhashseed"
                          else "LMCache sha256_cbor content hash.") + " The populate preflight checked them.",
     ]
-    if (results.cells["backend"].map(backend_of) == MP_BACKEND).any():
-        notes.append("lmcache-mp cells: the LMCache server keys chunks by a blake3 content hash, so hash_keys does "
-                     "not apply to them; their preflight checked that replicas find each other's chunks.")
+    notes += [caveat for label in dict.fromkeys(results.cells["backend"])
+              if (caveat := pool_backend(label).caveat) is not None]
     for _, cell in results.cells.iterrows():
         notes.append(f"Cold reads, {cell['cell']}: {cell['cold_reads']}.")
     if results.cells["mean_power_w"].isna().all():

@@ -44,14 +44,17 @@ import numpy as np
 import pandas as pd
 import psutil
 
-from kvpool.cells import Arm, Backend, Cell, is_memory_pool, run_pools, tier_root
-from kvpool.cells import cells as matrix_cells
+from kvpool.cells import Arm, Cell, run_pools, tier_root
 from kvpool.engine import external, prompts, sized_pool
+from kvpool.engine.backends import REGISTRY, configured, lmcache_fs, pool_backend
+from kvpool.engine.backends.base import FOLDER, SERVER
 from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.plan import plan_gpus
 from kvpool.engine.plan_types import Plan
 from kvpool.engine.pool_files import is_memory_backed
-from kvpool.engine.pool_views import FilePool, mp_l1_size_gib, pool_of, sized_pool_folder
+from kvpool.engine.pool_views import FilePool, pool_of, sized_pool_folder
+from kvpool.matrix import cells as matrix_cells
+from kvpool.matrix import is_memory_pool
 from kvpool.measure import legacy, provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
@@ -66,9 +69,9 @@ from kvpool.studies.capacity_requests import Asking, draws, request_energy
 
 log = logging.getLogger(__name__)
 
-BACKENDS = (Backend.REDIS, Backend.MP, Backend.FS)
-FILE_POLICY = "none: a full filesystem fails new stores"
-FILE_REFUSALS = "the pool's filesystem, sized to the capacity"  # what refuses a pool of files' stores by design
+FILE_POLICY = lmcache_fs.FILE_POLICY  # a pool of files evicts nothing
+FILE_REFUSALS = lmcache_fs.BACKEND.capacity.refuses
+
 COLUMNS = ["cell", "backend", "chunk", "tier", "fraction", "policy", "valid", "requests", "errors", "hit_rate",
            "hit_rate_low", "hit_rate_high", "recomputed", "silent_misses", "evicted_keys", "capacity_bytes",
            "held_kv_bytes", "ttft_p50_s", "ttft_p50_ci_low_s", "ttft_p50_ci_high_s", "ttft_mean_s",
@@ -89,8 +92,16 @@ def unit_label(fraction: float) -> str:
 def cells(config: dict) -> list[Cell]:
     """The shared cells whose pool can be given a size limit: a server's memory (a Redis server, an MP
     server's L1 on a memory tier), or a folder of files on a filesystem of the capacity's size."""
-    return [cell for cell in matrix_cells(config)
-            if cell.arm == Arm.SHARED and (is_memory_pool(config, cell) or cell.backend == Backend.FS)]
+    return [cell for cell in matrix_cells(config) if cell.arm == Arm.SHARED and limit_kind(config, cell) is not None]
+
+
+def limit_kind(config: dict, cell: Cell) -> str | None:
+    """How ``cell``'s pool is limited (its backend's ``Capacity.kind``: a server's memory or a sized folder), or
+    None where it cannot be (a server pool's files on a drive tier, a backend with no capacity)."""
+    capacity = pool_backend(cell.backend).capacity
+    if capacity is None or (capacity.kind == SERVER and not is_memory_pool(config, cell)):
+        return None
+    return capacity.kind
 
 
 def units(config: dict) -> list[tuple[Cell, float]]:
@@ -117,9 +128,11 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
         return []
     found, limited = _label_problems(asked), cells(config)
     if not limited:
-        found.append(f"capacity.fractions needs a shared {Backend.REDIS} or {Backend.FS} cell, or a shared "
-                     f"{Backend.MP} cell on a memory tier (lmcache_mp.memory_tiers): an MP server's L2 folder on a "
-                     "drive tier has no limit here")
+        limitable = ", ".join(name for name, pool in REGISTRY.items() if pool.capacity is not None)
+        refusals = "; ".join(f"{pool.name}: {pool.capacity_refusal}" for pool in configured(config)
+                             if pool.capacity_refusal)
+        found.append(f"capacity.fractions needs a shared cell whose pool can be limited ({limitable}: a server's "
+                     f"memory or a pool of files on a sized folder); {refusals or 'the matrix has no shared cell'}")
     if external.is_external(config):
         found.append("capacity.fractions needs kvpool's own fleet and pool server (it limits the server and empties "
                      "the replicas' caches): an external fleet's pool is not kvpool's to limit")
@@ -163,7 +176,7 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
     """What this host lacks for the units: the RAM a server's pool or a tmpfs pool takes, the free space a
     drive tier's sized pool needs, root and the tools to mount a pool of files."""
     found = []
-    files = {cell.tier: tier_root(config, cell.tier) for cell in limited if cell.backend == Backend.FS}
+    files = {cell.tier: tier_root(config, cell.tier) for cell in limited if limit_kind(config, cell) == FOLDER}
     if files:
         found += sized_pool.problems(files)
     # a Redis server holds the whole working set once (populate runs with no limit), an MP server's L1 and a
@@ -173,12 +186,12 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
     for cell in limited:
         whole = capacity_bytes(config, cell.chunk, 1.0, per_token)
         largest = max(asked) * whole
-        if cell.backend == Backend.FS and not is_memory_backed(files[cell.tier]):
+        if limit_kind(config, cell) == FOLDER and not is_memory_backed(files[cell.tier]):
             continue
         held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
-                      if cell.backend == Backend.REDIS else
-                      (largest, f"at capacity {max(asked):g} is the MP server's L1 (host RAM)")
-                      if cell.backend == Backend.MP else
+                      if pool_backend(cell.backend).capacity.capped_after_populate else
+                      (largest, f"at capacity {max(asked):g} is the server's memory (host RAM)")
+                      if limit_kind(config, cell) == SERVER else
                       (largest, f"at capacity {max(asked):g} is a tmpfs on tier {cell.tier} (host RAM)"))
         if held > ram / 2:
             found.append(f"capacity.fractions: the working set's KV ({held:,.0f} bytes) {when}, and this host has "
@@ -197,7 +210,7 @@ def drive_tier_images(config: dict, tier: str) -> list[int]:
     if not asked or per_token is None or is_memory_backed(root):
         return []
     return [sized_pool.image_bytes(capacity_bytes(config, cell.chunk, max(asked), per_token))
-            for cell in cells(config) if cell.backend == Backend.FS and cell.tier == tier]
+            for cell in cells(config) if limit_kind(config, cell) == FOLDER and cell.tier == tier]
 
 
 def source(row: dict, doc_tokens: int, min_hit_fraction: float) -> str | None:
@@ -272,25 +285,21 @@ def _unit_sections(config: dict, wildcards=None) -> dict:
     """A unit reads its own fraction from its path, not capacity.fractions: a new fraction leaves the measured
     units as they are. An MP unit reads its server's settings too."""
     found = {"capacity": {key: value for key, value in config["capacity"].items() if key != "fractions"}}
-    if wildcards is not None and Cell.from_wildcards(wildcards).backend == Backend.MP:
-        found["lmcache_mp"] = config["lmcache_mp"]
+    if wildcards is not None:
+        found.update({section: config[section] for section in pool_backend(wildcards.backend).sections})
     return found
 
 
 def limited_config(config: dict, cell: Cell, limit: int) -> dict:
-    """The config a unit's plan is made from: an MP server's L1 sized to the capacity (``limit`` bytes,
-    ``mp_l1_size_gib``); a Redis server is capped after populate, so its config is as it was."""
-    if cell.backend != Backend.MP:
-        return config
-    return {**config, "lmcache_mp": {**config["lmcache_mp"], "l1_size_gib": mp_l1_size_gib(limit)}}
+    """The config a unit's plan is made from, its pool limited to ``limit`` bytes where the backend sets the limit
+    at the start (an MP server's L1); a Redis server is capped after populate, so its config is as it was."""
+    return pool_backend(cell.backend).capacity_config(config, cell, limit)
 
 
 def eviction_policy(config: dict, cell: Cell) -> str:
     """The pool's eviction policy: Redis's ``maxmemory-policy`` (``capacity.policy``), the MP server's
     ``--eviction-policy`` (``lmcache_mp.eviction_policy``), or none for a pool of files."""
-    if cell.backend == Backend.FS:
-        return FILE_POLICY
-    return config["lmcache_mp"]["eviction_policy"] if cell.backend == Backend.MP else config["capacity"]["policy"]
+    return pool_backend(cell.backend).eviction_policy(config)
 
 
 @reads(*PHASE_SETTINGS, "min_hit_fraction", "hash_keys", "lmcache", "lmcache_redis", "random_model",
@@ -309,7 +318,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
                                   dev_mode=settings["reset_own_cache"],
                                   load_failure_policy=settings["kv_load_failure_policy"]))
     workload = prompts.read_workload(Path(prompts_path))
-    if cell.backend == Backend.FS:
+    if limit_kind(config, cell) == FOLDER:
         sized_pool.release_stale(root)
     paths = UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir, plan_out, manifest_out)
     unit = run_unit(
@@ -361,7 +370,7 @@ def capacity_unit(plan: Plan, workload: list[dict], cfg: dict, limit: int, polic
     refused = {}
     if isinstance(pool, FilePool):
         pool_record["documents_whole"] = sorted(whole)
-        refused = {"stores_refused_by": FILE_REFUSALS}  # its limit at work, not a fault
+        refused = {"stores_refused_by": pool.refuses}  # its limit at work, not a fault
     return fleet.result(records.frame(CapacityRecord, rows), pool=pool_record, policy=limits["policy"], **refused,
                         popularity_exponent=settings["popularity_exponent"],
                         kv_load_failure_policy=settings["kv_load_failure_policy"] or "vLLM's default",

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.cells import Arm, Backend, Cell, run_pools
-from kvpool.cells import cells as matrix_cells
+from kvpool.cells import Arm, Cell, run_pools
+from kvpool.engine.backends import pool_backend
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan_types import Plan
+from kvpool.matrix import cells as matrix_cells
 from kvpool.measure import provenance, reference
 from kvpool.measure.checks import NOT_APPLICABLE, check, status, verdict
 from kvpool.measure.files import read_json
@@ -44,8 +45,6 @@ from kvpool.studies.studyb import run_block
 
 BLOCK = "contexts-on"  # the rows' block name: kvpool.studies.studyb's ON arm, the only one a unit runs
 LOCAL_STEPS = ("local-1", "local-2")
-# a local or external source that cannot deliver a cross-replica hit (no pool shared between replicas)
-NOT_SHARING = (Backend.LOCAL_DISK,)
 COLUMNS = ["cell", "backend", "chunk", "tier", "context", "prompt_tokens", "valid", "chains", "prefill_s", "local_s",
            "reload_s", "speedup", "loaded_tokens", "kv_bytes", "prefill_fit_s", "reload_fit_s",
            "break_even_read_gbps", "fit_read_gbps", "fit_overhead_s", "crossover_tokens", "drive_read_gb_per_s"]
@@ -57,7 +56,7 @@ def lengths(config: dict) -> list[int]:
 
 def cells(config: dict) -> list[Cell]:
     """The matrix's shared-pool cells a length sweep runs on: one per backend that shares, chunk and tier."""
-    return [cell for cell in matrix_cells(config) if cell.arm == Arm.SHARED and cell.backend not in NOT_SHARING]
+    return [cell for cell in matrix_cells(config) if cell.arm == Arm.SHARED and pool_backend(cell.backend).shares]
 
 
 def units(config: dict) -> list[tuple[Cell, int]]:

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.cells import Arm, Cell, backend_of, cells, is_memory_pool, pool_root, run_pools, tier_root
-from kvpool.engine import external, mp, owned, prompts, redis_pool
+from kvpool.cells import Arm, Cell, pool_root, run_pools, tier_root
+from kvpool.engine import external, owned, prompts
 from kvpool.engine import pool_files as pool
+from kvpool.engine.backends import pool_backend
+from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.errors import LaunchRefused
 from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.model import engine_kv_bytes_per_token, vocabulary
@@ -26,6 +28,7 @@ from kvpool.engine.plan import (
     server_port_count,
 )
 from kvpool.engine.plan_types import Plan, read_plan, write_plan
+from kvpool.matrix import cells
 from kvpool.measure import kvbytes, link, provenance, records, reference, validity
 from kvpool.measure.drive import block_devices, sequential_read_ceiling
 from kvpool.measure.files import read_frame_or_empty, read_json, write_json
@@ -52,11 +55,7 @@ log = logging.getLogger(__name__)
 def _plan_sections(config: dict, wildcards) -> dict:
     """The sections only some cells' plans read: an external fleet's, and the pool servers' of their backend."""
     picked = external_fleet(config)
-    backend = backend_of(wildcards.backend)
-    if backend == mp.BACKEND:
-        picked["lmcache_mp"] = config["lmcache_mp"]
-    if backend == redis_pool.BACKEND:
-        picked["lmcache_redis"] = config["lmcache_redis"]
+    picked.update({section: config[section] for section in pool_backend(wildcards.backend).sections})
     return picked
 
 
@@ -125,10 +124,11 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
                                            expect_shared=cell.arm == Arm.SHARED, replicas=replicas),
         UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), "populate").meta
     dirs = plan_pool_dirs(plan)
-    meta["stores_settled"] = settled_stores(dirs, servers)  # before the pool is measured and hashed
+    # before the pool is measured and hashed; a backend that stores asynchronously gets every document's chunks
+    meta["stores_settled"] = settled_stores(dirs, servers, **pool_backend(cell.backend).populate_settle(config, cell))
     if plan.memory_pool:  # no files: the pool is what the servers hold in memory
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
-        measure = redis_pool.POOL_BYTES if cell.backend == redis_pool.BACKEND else mp.L1_BYTES
+        measure = pool_backend(cell.backend).pool_measure()
         meta["pool"] = {"files": 0, "bytes": int(held), "resident_bytes": None, "resident_fraction": None,
                         "source": f"{measure} of the pool's servers after populate"}
     else:
@@ -265,10 +265,10 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
 
 
 def one_fleet(config: dict, cell: Cell) -> bool:
-    """Whether ``cell`` runs populate, drop and reuse on one fleet (``run_cell``), as Study A ran a cell. Not
-    an lmcache-mp cell on a drive tier: its reuse must read the drive, so its server starts again with an
-    empty L1 between the phases, and the replicas, which register with it, start again with it."""
-    return not (cell.backend == mp.BACKEND and not is_memory_pool(config, cell))
+    """Whether ``cell`` runs populate, drop and reuse on one fleet (``run_cell``), as Study A ran a cell, or its
+    backend needs a fresh fleet for the reuse (an lmcache-mp cell on a drive tier: an empty L1 must read the
+    drive)."""
+    return pool_backend(cell.backend).one_fleet(config, cell)
 
 
 @reads(*MEMORY_POOL_CELL_SETTINGS)
@@ -359,9 +359,8 @@ def run_kv_bytes(config: dict, cells_run: list[Cell], digests_csvs: list[str], c
                for c, path in zip(cells_run, digests_csvs, strict=True)}
     # an MP memory pool is the server's L1: nothing of it is a file, so there are no bytes to hash (a
     # Redis pool's values are read from its servers and hashed like files)
-    no_files = {(c.label, c.chunk, c.tier): "the pool is the LMCache MP server's L1 (host RAM), which writes no "
-                "files; the greedy outputs against the recompute (output_matches_recompute) check its KV instead"
-                for c in cells_run if is_memory_pool(config, c) and c.backend == mp.BACKEND}
+    no_files = {(c.label, c.chunk, c.tier): why for c in cells_run
+                if (why := pool_backend(c.backend).not_applicable(config, c).get(BYTE_DIGESTS)) is not None}
     no_files |= {(c.label, c.chunk, c.tier): external.not_verified(config, c.arm)["pool_unchanged"]
                  for c in cells_run if "pool_unchanged" in external.not_verified(config, c.arm)}
     table = kvbytes.kv_bytes_table(digests, config, no_files)

@@ -11,10 +11,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvpool.cells import Cell
 from kvpool.engine import external
+from kvpool.engine.backends import pool_backend
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.cross_router import followup_route, populate_route
+from kvpool.engine.plan import plan_pool_dirs
 from kvpool.engine.plan_types import Plan
+from kvpool.engine.pool_files import TEMP_SUFFIX, pool_files
 from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import records
 from kvpool.measure.records import RequestRecord
@@ -30,15 +34,17 @@ class PreflightFailed(RuntimeError):
 
 
 async def _preflight(session, replicas: list[Replica], probe: list[int], probe_followup: list[int],
-                     output_tokens: int, timeout_s: float, expect_shared: bool) -> dict:
+                     output_tokens: int, timeout_s: float, expect_shared: bool, landed=None) -> dict:
     """Replica 0 stores a probe; replica 1 asks for its extension. Shared pools must hit, isolated must not.
 
     Replica 0 then answers the extension itself, on the probe's KV in its own GPU cache. The pool and
     that cache both cover the probe's two whole chunks, so a shared pool that returned the KV replica 0
     stored gives replica 1 the same greedy tokens; a pool that returns damaged KV is caught here,
-    before the populate phase is spent.
+    before the populate phase is spent. ``landed`` (a backend whose stores reach the pool's files after the
+    answer: ``StoreWatch``) waits for the probe's chunks and records how many were there at the answer.
     """
     stored = await complete(session, replicas[0].url, probe, output_tokens, timeout_s)
+    store = await asyncio.to_thread(landed) if landed is not None else None
     found, counts = await measured_request(session, replicas[1], probe_followup, output_tokens, timeout_s)
     local = await complete(session, replicas[0].url, probe_followup, output_tokens, timeout_s)
     hits = counts.get("external_kv_transfer", 0)
@@ -46,9 +52,10 @@ async def _preflight(session, replicas: list[Replica], probe: list[int], probe_f
     outputs_match = not errors and found.output_text == local.output_text
     # Only a pool hit puts the pool's KV under test; an isolated arm's replica 1 computes cold.
     ok = not errors and ((hits > 0 and outputs_match) if expect_shared else hits == 0)
-    return {"ok": ok, "expect_shared": expect_shared, "probe_tokens": len(probe), "hit_tokens": hits,
-            "outputs_match": outputs_match, "pool_output": found.output_text, "local_output": local.output_text,
-            "errors": errors}
+    found = {"ok": ok, "expect_shared": expect_shared, "probe_tokens": len(probe), "hit_tokens": hits,
+             "outputs_match": outputs_match, "pool_output": found.output_text, "local_output": local.output_text,
+             "errors": errors}
+    return found if store is None else {**found, "probe_store": store}
 
 
 def preflight_failure(cell: str, preflight: dict) -> str:
@@ -66,10 +73,34 @@ def preflight_failure(cell: str, preflight: dict) -> str:
             f"{preflight['probe_tokens']}-token probe replica 0 stored ({expected})")
 
 
-async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool) -> tuple[list[dict], dict]:
+class StoreWatch:
+    """The probe's chunks landing in a pool of files that a backend stores to after the answer (vllm-fs): the
+    files whole at the answer (``at_answer``, counted at once) and the wait until ``chunks`` more are there."""
+
+    def __init__(self, dirs: list[Path], chunks: int, timeout_s: float, poll_s: float = 0.05):
+        self.dirs, self.chunks, self.timeout_s, self.poll_s = dirs, chunks, timeout_s, poll_s
+        self.before = self._whole()
+
+    def _whole(self) -> int:
+        return sum(1 for path in pool_files(self.dirs) if not path.name.endswith(TEMP_SUFFIX))
+
+    def __call__(self) -> dict:
+        started = time.monotonic()
+        at_answer = self._whole() - self.before
+        now = at_answer
+        while now < self.chunks and time.monotonic() - started < self.timeout_s:
+            time.sleep(self.poll_s)
+            now = self._whole() - self.before
+        return {"chunks": self.chunks, "at_answer": at_answer, "landed": now,
+                "waited_s": round(time.monotonic() - started, 3)}
+
+
+async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool,
+                    landed: StoreWatch | None = None) -> tuple[list[dict], dict]:
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     async with new_session() as session:
-        preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s, expect_shared=expect_shared)
+        preflight = await _preflight(session, replicas, *probe, output_tokens, timeout_s, expect_shared=expect_shared,
+                                     landed=landed)
         log.info("preflight %s: replica 1 loaded %d tokens of the %d-token probe replica 0 stored (%s)",
                  "passed" if preflight["ok"] else "FAILED", preflight["hit_tokens"], preflight["probe_tokens"],
                  "a hit expected" if expect_shared else "none expected")
@@ -105,8 +136,13 @@ def populate_phase(plan: Plan, workload: list[dict], cfg: dict, probe: tuple[lis
     with timed_fleet(plan, cfg, log_dir, servers, replicas) as fleet:
         # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
         endpoints = [external.describe(r.url) for r in fleet.replicas] if plan.external else None
+        cell = Cell.from_name(plan.cell)
+        landed = None
+        if pool_backend(cell.backend).stores_after_answer and not plan.external:
+            landed = StoreWatch(plan_pool_dirs(plan), len(probe[0]) // cell.chunk, cfg["engine"]["request_timeout_s"])
         with fleet.window("populate", disks):
-            rows, preflight = asyncio.run(_populate(fleet.replicas, workload, route, cfg, probe, expect_shared))
+            rows, preflight = asyncio.run(_populate(fleet.replicas, workload, route, cfg, probe, expect_shared,
+                                                    landed))
     if not preflight["ok"]:
         message = preflight_failure(plan.cell, preflight)
         if cfg["preflight_on_failure"] == "abort":

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvpool.cells import Arm, Backend, Cell, run_pools
+from kvpool.cells import Arm, Cell, run_pools
 from kvpool.engine import metrics
+from kvpool.engine.backends import configured, pool_backend
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
 from kvpool.engine.plan_types import Plan, write_plan
@@ -57,8 +58,8 @@ CHAIN = (("cold", "A"), ("local-1", "A"), ("local-2", "A"), ("cross", "B"), ("lo
 def resolved(config: dict) -> dict:
     """``study_b`` with its pool named (backend, tier, chunk) and checked against the matrix."""
     study = legacy.study_b(config["study_b"])
-    sharing = [backend for backend in config["backends"] if backend != Backend.LOCAL_DISK]
-    study["backend"] = study["backend"] or (sharing[0] if sharing else Backend.LOCAL_DISK.value)
+    sharing = [pool.name for pool in configured(config) if pool.shares]
+    study["backend"] = study["backend"] or (sharing[0] if sharing else config["backends"][0])
     study["tier"] = study["tier"] or ("ram" if "ram" in config["tiers"] else next(iter(config["tiers"])))
     study["chunk"] = config["chunk_sizes"][0] if study["chunk"] is None else study["chunk"]
     if study["backend"] not in config["backends"]:
@@ -66,12 +67,14 @@ def resolved(config: dict) -> dict:
     if study["tier"] not in config["tiers"]:
         raise ValueError(f"study_b.tier {study['tier']!r} is not one of tiers {sorted(config['tiers'])}")
     # a step that injects no fault does not declare the setting
-    if config.get("fault_injection", {}).get("corrupt_stored_chunk") and study["backend"] != Backend.FS:
-        raise ValueError(f"fault_injection.corrupt_stored_chunk needs study_b.backend lmcache-fs (a pool of files "
-                         f"the replicas read), not {study['backend']}")
-    if study["backend"] == Backend.LOCAL_DISK:
-        raise ValueError("study_b.backend lmcache-local-disk cannot share a pool between replicas: add lmcache-fs "
-                         "or lmcache-mp to backends (study_b uses the first), or set study_b.enabled: false")
+    backend = pool_backend(study["backend"])
+    if config.get("fault_injection", {}).get("corrupt_stored_chunk") and not backend.corruptible:
+        raise ValueError(f"fault_injection.corrupt_stored_chunk needs a study_b.backend whose replicas read a pool of "
+                         f"files kvpool can corrupt (lmcache-fs), not {study['backend']}")
+    if not backend.shares:
+        raise ValueError(f"study_b.backend {backend.name} cannot share a pool between replicas: add a backend that "
+                         "does (lmcache-fs, lmcache-mp, vllm-fs) to backends (study_b uses the first), or set "
+                         "study_b.enabled: false")
     partial = [c for c in study["contexts"] if c % study["chunk"]]
     if partial:
         raise ValueError(f"study_b.contexts {partial} are not whole chunks of {study['chunk']} tokens: "
