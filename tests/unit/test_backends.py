@@ -6,7 +6,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 from support import REPO
 
 from kvpool.cells import Backend, Cell

@@ -19,7 +19,7 @@ def test_a_cell_built_from_the_enums_holds_plain_strings_yaml_can_write():
     assert type(cell.backend) is str and type(cell.arm) is str
     assert yaml.safe_load(yaml.safe_dump({"backend": cell.backend, "arm": cell.arm})) == {
         "backend": "lmcache-mp", "arm": "shared"}
-    assert BACKENDS == ("lmcache-fs", "lmcache-local-disk", "lmcache-mp", "lmcache-redis")
+    assert BACKENDS == ("lmcache-fs", "lmcache-local-disk", "lmcache-mp", "lmcache-redis", "vllm-fs")
 
 
 def test_a_cells_keys_are_the_tables_columns_that_name_it():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvpool.cells import Arm, Cell, pool_dirs
 from kvpool.engine import external
-from kvpool.engine.backends import pool_backend
+from kvpool.engine.backends import pool_backend, serving
 from kvpool.engine.hosts import pool_server_host
 from kvpool.engine.plan_types import Plan, ReplicaPlan, ServerPlan
 from kvpool.matrix import is_memory_pool
@@ -233,6 +233,6 @@ def with_server_ports(plan: Plan, index: int, port: int, http_port: int | None) 
         return dataclasses.replace(server, port=port, http_port=http_port, argv=argv)
 
     servers = [moved(s) if s.index == index else s for s in plan.servers]
-    backend = pool_backend(Cell.from_name(plan.cell).backend)
+    backend = serving(servers[index].kind)
     replicas = [backend.repointed(r, servers[index]) if r.server == index else r for r in plan.replicas]
     return dataclasses.replace(plan, servers=tuple(servers), replicas=tuple(replicas))

@@ -190,7 +190,7 @@ def host_problems(config: dict, limited: list[Cell], asked: list[float], per_tok
             continue
         held, when = ((whole, "is populated whole into the Redis server's memory before the cap")
                       if pool_backend(cell.backend).capacity.capped_after_populate else
-                      (largest, f"at capacity {max(asked):g} is the server's memory (host RAM)")
+                      (largest, f"at capacity {max(asked):g} is {pool_backend(cell.backend).capacity.held_in}")
                       if limit_kind(config, cell) == SERVER else
                       (largest, f"at capacity {max(asked):g} is a tmpfs on tier {cell.tier} (host RAM)"))
         if held > ram / 2:
@@ -286,7 +286,8 @@ def _unit_sections(config: dict, wildcards=None) -> dict:
     units as they are. An MP unit reads its server's settings too."""
     found = {"capacity": {key: value for key, value in config["capacity"].items() if key != "fractions"}}
     if wildcards is not None:
-        found.update({section: config[section] for section in pool_backend(wildcards.backend).sections})
+        cell = Cell.from_wildcards(wildcards)
+        found.update({section: config[section] for section in pool_backend(cell.backend).sections})
     return found
 
 

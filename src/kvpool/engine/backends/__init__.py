@@ -19,6 +19,11 @@ def pool_backend(name: str) -> PoolBackend:
     return REGISTRY[backend_of(name)]
 
 
+def serving(server_kind: str) -> PoolBackend:
+    """The backend whose pool servers are of ``server_kind`` (a plan's ``ServerPlan.kind``)."""
+    return next(pool for pool in REGISTRY.values() if pool.server_kind == server_kind)
+
+
 def configured(config: dict) -> list[PoolBackend]:
     """The configured backends, in the config's order."""
     return [pool_backend(name) for name in config["backends"]]

@@ -43,8 +43,10 @@ class Capacity:
     """How a capacity unit limits the backend's pool: ``kind`` is ``"server"`` (the server's memory, set at
     its start or capped after populate) or ``"folder"`` (a filesystem of the capacity's size); ``refuses`` is
     what refuses stores once the pool is full by design, where nothing is evicted; ``capped_after_populate``:
-    the limit is set once the whole working set is in (a Redis server's maxmemory), not at the start."""
+    the limit is set once the whole working set is in (a Redis server's maxmemory), not at the start;
+    ``held_in``: where the limited pool lives, as a refusal names it."""
     kind: str
+    held_in: str
     refuses: str | None = None
     capped_after_populate: bool = False
 

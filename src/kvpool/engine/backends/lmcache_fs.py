@@ -22,7 +22,7 @@ class LMCacheFS(PoolBackend):
     hit_proof = lmcache_inprocess.HIT_PROOF
     folder_key = pool_url.REMOTE_URL
     corruptible = True
-    capacity = Capacity(FOLDER, refuses="the pool's filesystem, sized to the capacity")
+    capacity = Capacity(FOLDER, "a sized folder on its tier", refuses="the pool's filesystem, sized to the capacity")
 
     def replica_launch(self, config: dict, cell: Cell, index: int, pool_dir: Path, server, cell_dir: Path,
                        load_failure_policy: str | None) -> ReplicaLaunch:

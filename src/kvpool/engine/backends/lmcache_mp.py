@@ -33,8 +33,9 @@ class LMCacheMP(PoolBackend):
     server_kind = "lmcache"
     ports_per_server = 2
     sections = ("lmcache_mp",)
-    capacity = Capacity(SERVER)
-    capacity_refusal = "an MP server's L2 folder on a drive tier has no limit here"
+    capacity = Capacity(SERVER, "the MP server's L1 (host RAM)")
+    capacity_refusal = ("an MP server's L2 folder on a drive tier has no limit here; its L1 on a memory tier "
+                        "(lmcache_mp.memory_tiers) has")
     caveat = ("lmcache-mp cells: the LMCache server keys chunks by a blake3 content hash, so hash_keys does not "
               "apply to them; their preflight checked that replicas find each other's chunks.")
 

@@ -24,7 +24,7 @@ class LMCacheRedis(PoolBackend):
     server_kind = "redis"
     ports_per_server = 1
     sections = ("lmcache_redis",)
-    capacity = Capacity(SERVER, capped_after_populate=True)
+    capacity = Capacity(SERVER, "the Redis server's memory", capped_after_populate=True)
 
     def forms_cells(self, config: dict, tier: str) -> bool:
         return tier in config["lmcache_redis"]["tiers"]
