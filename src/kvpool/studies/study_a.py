@@ -14,7 +14,7 @@ import pandas as pd
 from kvpool.cells import Arm, Cell, pool_root, run_pools, tier_root
 from kvpool.engine import external, owned, prompts
 from kvpool.engine import pool_files as pool
-from kvpool.engine.backends import pool_backend
+from kvpool.engine.backends import configured, pool_backend
 from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.errors import LaunchRefused
 from kvpool.engine.fleet import running_fleet, running_servers
@@ -73,7 +73,12 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
 
 
 # random_model: an MP server's L1 is sized from the model's KV bytes per token
-@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "lmcache_mp", "lmcache_redis", "workload", "random_model")
+def _backend_sections(config: dict, wildcards=None) -> dict:
+    """The sections of every configured backend (its servers' or its connector's settings)."""
+    return {section: config[section] for pool in configured(config) for section in pool.sections}
+
+
+@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "workload", "random_model", picked=_backend_sections)
 def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> None:
     """Every cell's replica and pool-server launches, and the reference replica's, read by the programs that
     will run them (kvpool.engine.owned): a setting kvpool owns that the config's ``extra_args`` or ``env``
