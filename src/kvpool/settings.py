@@ -16,6 +16,7 @@ PHASE_SETTINGS = (
     "replicas",
     "lmcache_mp",
     "lmcache_redis",
+    "vllm_fs",
     "preflight_on_failure",
     "telemetry_hz",
     "drop_caches",
