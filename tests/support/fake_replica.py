@@ -31,6 +31,12 @@ if mode == "orderly":  # like vLLM's API server: on SIGTERM it stops its engine 
 elif mode == "regroup":  # a child that left the replica's process group, as a daemonized engine might
     child = subprocess.Popen([sys.executable, "-c", "import os, time; os.setpgid(0, 0); time.sleep(600)"])
     mode = "serve"
+elif mode == "offload":  # like a vllm-fs engine core: maps its CPU tier from /dev/shm, which nothing of it removes
+    ENGINE = ("import mmap, os, sys, time, uuid; path = f'/dev/shm/vllm_offload_{uuid.uuid4()}.mmap'; "
+              "fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600); os.ftruncate(fd, 1 << 20); "
+              "region = mmap.mmap(fd, 1 << 20); print('fake engine mapped', path, flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", ENGINE])
+    mode = "serve"
 elif mode == "slowstop":  # an API server that takes seconds to shut down on SIGTERM
     import signal
     import time

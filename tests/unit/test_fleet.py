@@ -4,6 +4,8 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -14,6 +16,7 @@ from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_fleet
 from kvpool.engine.plan_types import write_plan
 from kvpool.engine.ports import free_ports, resolve_ports
+from kvpool.engine.processes import offload_regions
 
 
 def test_fleet_starts_and_leaves_nothing_behind(tmp_path):
@@ -277,6 +280,25 @@ def test_a_log_s_last_start_is_its_section_from_the_last_start_line():
     assert this_start("old line\n" + first + second) == second
     assert this_start("a log from before start lines\n") == "a log from before start lines\n"
     assert this_start("quoted: === kvpool starts x\n" + first) == first  # only at a line's start
+
+
+def test_a_stopped_replica_s_offload_region_in_dev_shm_is_removed_and_no_other(tmp_path):
+    """vLLM's offloading connector (vllm-fs) maps each replica's CPU tier from /dev/shm and a stopped engine core
+    leaves it (16 GiB a replica on the H100): the fleet removes what its replicas mapped, nothing else."""
+    other = Path("/dev/shm") / f"vllm_offload_{uuid.uuid4()}.mmap"
+    other.write_bytes(b"")  # another run's region: not mapped by this fleet
+    try:
+        with running_fleet(fake_plan("offload"), tmp_path, timeout_s=30) as replicas:
+            for replica in replicas:  # the fake engine maps its region just after it starts
+                for _ in range(100):
+                    if "fake engine mapped" in replica.log_text():
+                        break
+                    time.sleep(0.05)
+            regions = offload_regions([p for r in replicas for p in family(r.proc.pid)])
+            assert len(regions) == 2 and all(path.exists() for path in regions) and other not in regions
+        assert not [path for path in regions if path.exists()] and other.exists()
+    finally:
+        other.unlink(missing_ok=True)
 
 
 def test_a_stopped_replica_s_lmcache_sockets_are_found_from_its_log_and_no_other_engine_s(tmp_path):

@@ -154,6 +154,25 @@ class ManagedProcess:
 LMCACHE_SOCKET = re.compile(r"socket path (/\S*?/engine_[0-9a-f-]+_service_)\S*")
 
 
+# vLLM's offloading connector (vllm-fs) maps each replica's CPU tier from /dev/shm/vllm_offload_<engine id>.mmap
+# (the whole cpu_bytes_to_use, faulted in at start), which only the engine core's own teardown removes. On the lent
+# H100 (2026-12-06, vLLM 0.26.0) every stopped replica left its 16 GiB region behind, and three of them took the
+# host memory the next cells needed: a replica's engine core and an MP server were killed (-9).
+OFFLOAD_REGION = re.compile(r"/dev/shm/vllm_offload_[0-9a-f-]+\.mmap")
+
+
+def offload_regions(processes: list[psutil.Process]) -> set[Path]:
+    """The offload regions (``OFFLOAD_REGION``) ``processes`` have mapped and not yet removed."""
+    found = set()
+    for process in processes:
+        try:
+            maps = process.memory_maps(grouped=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        found |= {Path(region.path) for region in maps if OFFLOAD_REGION.fullmatch(region.path)}
+    return found
+
+
 def lmcache_sockets(log_text: str) -> list[Path]:
     """The socket files of the LMCache engines a replica's log names, that exist: every service of each."""
     prefixes = {Path(match[1]) for match in LMCACHE_SOCKET.finditer(log_text)}
@@ -168,6 +187,7 @@ class Replica(ManagedProcess):
 
     def __init__(self, entry: dict, log_path: Path):
         super().__init__(entry, log_path, f"http://{entry.host}:{entry.port}")
+        self.regions: set[Path] = set()  # its offload regions, as seen healthy and at its stop
 
     def start(self) -> None:
         if self.entry.lmcache_config_file:
@@ -175,10 +195,14 @@ class Replica(ManagedProcess):
         super().start()
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """Stop it, then remove the RPC socket files its LMCache engine left (two in /tmp per start)."""
+        """Stop it, then remove the RPC socket files its LMCache engine left (two in /tmp per start) and the
+        offload regions its engine mapped (a vllm-fs replica's CPU tier in /dev/shm)."""
+        if self.proc is not None:
+            self.remember_family()
+            self.regions |= offload_regions(self.family)
         super().stop(grace_s)
         if self.proc is not None:
-            for path in lmcache_sockets(self.log_text()):
+            for path in lmcache_sockets(self.log_text()) + sorted(self.regions):
                 path.unlink(missing_ok=True)
 
     def port_owner_problem(self) -> str | None:
@@ -206,9 +230,12 @@ class Replica(ManagedProcess):
                     return False
             with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
                 served = [m.get("id") for m in json.loads(response.read()).get("data", [])]
-            return SERVED_MODEL_NAME in served
         except (urllib.error.URLError, OSError, ValueError):
             return False
+        if SERVED_MODEL_NAME in served and self.proc is not None:  # its engine is up: note what it mapped
+            self.remember_family()
+            self.regions |= offload_regions(self.family)
+        return SERVED_MODEL_NAME in served
 
     def served(self) -> dict:
         """What this replica runs, by its own word, once healthy: the model length /v1/models reports and the
@@ -232,6 +259,7 @@ class ExternalReplica(Replica):
 
     def __init__(self, entry: dict):
         ManagedProcess.__init__(self, entry, Path(os.devnull), entry.url.rstrip("/"))
+        self.regions = set()
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Nothing to stop: the fleet outlives the phase."""

