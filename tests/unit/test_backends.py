@@ -11,7 +11,7 @@ from support import REPO
 from kvpool.cells import Backend, Cell
 from kvpool.config import problems
 from kvpool.engine.backends import REGISTRY, pool_backend
-from kvpool.engine.backends.base import BYTE_DIGESTS, RETRIEVE_LOGS
+from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.plan import fleet_plan
 from kvpool.matrix import cells, is_memory_pool
 from kvpool.measure.timed import settled_stores
@@ -111,10 +111,10 @@ def test_vllm_fs_is_a_pool_of_files_that_shares_and_cannot_be_limited(config, tm
 def test_checks_a_backend_cannot_make_are_named_with_why(config):
     gpu(config)
     fs, memory = Cell("vllm-fs", "shared", 256, "ram"), Cell("lmcache-mp", "shared", 256, "ram")
-    assert RETRIEVE_LOGS in pool_backend("vllm-fs").not_applicable(config, fs)
-    assert BYTE_DIGESTS not in pool_backend("vllm-fs").not_applicable(config, fs)  # its files are hashed
+    assert pool_backend("vllm-fs").not_applicable(config, fs) == {}  # its files are hashed and read back
     config["lmcache_mp"]["memory_tiers"] = ["ram"]
     assert "writes no files" in pool_backend("lmcache-mp").not_applicable(config, memory)[BYTE_DIGESTS]
+    assert pool_backend("lmcache-mp").not_applicable(config, Cell("lmcache-mp", "shared", 256, "disk")) == {}
     assert pool_backend("lmcache-fs").not_applicable(config, Cell("lmcache-fs", "shared", 256, "ram")) == {}
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 from kvpool.cells import ONE_SERVER, Arm, Cell
 from kvpool.engine.plan_types import ReplicaPlan, ServerPlan
 
-# kvpool's checks a backend may leave out, each with its reason (``PoolBackend.not_applicable``).
-POOL_FILES = "pool_files"  # the pool's files listed, sized, hashed and dropped from the page cache
+# kvpool's checks a backend may leave out, each with its reason (``PoolBackend.not_applicable``). A pool in a
+# server's memory (``memory_pool``) has no files to drop, hash or read back unchanged: those checks say so
+# themselves.
 BYTE_DIGESTS = "byte_digests"  # each chunk's bytes compared across the arms' pools (kv_bytes.csv)
-RETRIEVE_LOGS = "retrieve_logs"  # LMCache's retrieve line per request in the replica's log
-CHUNK_SETTING = "chunk_setting"  # the chunk size the replica's LMCache logged, against the cell's
 
 
 @dataclass(frozen=True)

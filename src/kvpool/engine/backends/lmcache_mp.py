@@ -12,7 +12,6 @@ from kvpool.cells import ONE_SERVER, Arm, Backend, Cell
 from kvpool.engine import mp
 from kvpool.engine.backends.base import (
     BYTE_DIGESTS,
-    RETRIEVE_LOGS,
     SERVER,
     Capacity,
     PoolBackend,
@@ -81,13 +80,11 @@ class LMCacheMP(PoolBackend):
         return dataclasses.replace(replica, kv_transfer=transfer, argv=argv)
 
     def not_applicable(self, config: dict, cell: Cell) -> dict[str, str]:
-        """A memory tier's L1 writes no files to hash; the replicas log no retrieve line (LMCache is the server)."""
-        found = {RETRIEVE_LOGS: "LMCache runs in the server, so the replicas log no retrieve line"}
-        if self.memory_pool(config, cell):
-            found[BYTE_DIGESTS] = ("the pool is the LMCache MP server's L1 (host RAM), which writes no files; the "
-                                   "greedy outputs against the recompute (output_matches_recompute) check its KV "
-                                   "instead")
-        return found
+        """A memory tier's L1 writes no files to hash."""
+        if not self.memory_pool(config, cell):
+            return {}
+        return {BYTE_DIGESTS: "the pool is the LMCache MP server's L1 (host RAM), which writes no files; the greedy "
+                              "outputs against the recompute (output_matches_recompute) check its KV instead"}
 
     def problems(self, config: dict) -> list[str]:
         return mp.problems(config)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpool.cells import Backend, Cell
-from kvpool.engine.backends.base import CHUNK_SETTING, RETRIEVE_LOGS, PoolBackend, ReplicaLaunch, arm_meanings
+from kvpool.engine.backends.base import PoolBackend, ReplicaLaunch, arm_meanings
 
 CONNECTOR = "OffloadingConnector"
 SPEC = "TieringOffloadingSpec"
@@ -66,10 +66,6 @@ class VllmFS(PoolBackend):
         return (f"{cell.name}: the serving replica's CPU tier keeps what a reload brought up from the files (vLLM's "
                 "/reset_prefix_cache empties its GPU cache, not the offloading tiers), so a later follow-up of the "
                 "document would not read the pool")
-
-    def not_applicable(self, config: dict, cell: Cell) -> dict[str, str]:
-        return {RETRIEVE_LOGS: "vLLM's offloading connector logs no retrieve line per request",
-                CHUNK_SETTING: "no LMCache: the block size is the connector's block_size, set from the cell's chunk"}
 
     def problems(self, config: dict) -> list[str]:
         found = []
