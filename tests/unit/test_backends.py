@@ -14,7 +14,7 @@ from kvpool.engine.backends import REGISTRY, pool_backend
 from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.plan import fleet_plan
 from kvpool.matrix import cells, is_memory_pool
-from kvpool.measure.timed import settled_stores
+from kvpool.measure.timed import landed_stores, settled_stores
 from kvpool.studies import capacity, studyb
 from kvpool.studies.study_a_phases import StoreWatch
 
@@ -162,3 +162,20 @@ def test_populate_waits_until_every_documents_chunks_are_files(tmp_path):
     writer.join()
     assert settled["settled"] and settled["files"] == 4 and settled["waited_s"] > 2
     assert not settled_stores([tmp_path], None, poll_s=0.05, timeout_s=0.3, min_files=5)["settled"]
+
+
+def test_a_chain_or_router_waits_for_vllm_fs_stores_and_for_no_other_backend(config, tmp_path):
+    gpu(config)["workload"].update(documents=2, doc_tokens=512)  # two documents of two whole chunks each
+    config["vllm_fs"]["store_timeout_s"] = 20
+    config["tiers"]["ram"] = str(tmp_path / "ram")
+    plan = fleet_plan(config, Cell("vllm-fs", "shared", 256, "ram"), "/m", tmp_path, [1, 2], "config")
+    folder = Path(plan.replicas[0].pool_dir)
+    folder.mkdir(parents=True)
+    writer = threading.Thread(target=_land, args=(folder, ["a", "b", "c", "d"], 0.4))
+    writer.start()
+    landed = landed_stores(plan, config, whole_workload=True)
+    writer.join()
+    assert landed["settled"] and landed["files"] == 4 and landed["min_files"] == 4
+    assert landed_stores(plan, config)["min_files"] == 0  # one request's stores: stable, no temp file
+    lmcache = fleet_plan(config, Cell("lmcache-fs", "shared", 256, "ram"), "/m", tmp_path, [1, 2], "config")
+    assert landed_stores(lmcache, config) is None

@@ -18,7 +18,6 @@ from kvpool.engine import external
 from kvpool.engine.backends import pool_backend, serving
 from kvpool.engine.hosts import pool_server_host
 from kvpool.engine.plan_types import Plan, ReplicaPlan, ServerPlan
-from kvpool.matrix import is_memory_pool
 
 SERVED_MODEL_NAME = "kvpool-model"
 # Set on every replica: no hub, no telemetry, and nothing that differs between replicas.
@@ -145,7 +144,7 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
         entries.append(ReplicaPlan(**entry))
     return Plan(cell=cell.name, engine_kind=engine["kind"], model=model, port_source=port_source,
                 replicas=tuple(entries), servers=tuple(servers),
-                memory_pool=bool(servers) and is_memory_pool(config, cell))
+                memory_pool=bool(servers) and backend.memory_pool(config, cell))
 
 
 def external_plan(config: dict, cell: Cell, model: str) -> Plan:

@@ -19,7 +19,9 @@ import aiohttp
 import pandas as pd
 from tqdm import tqdm
 
+from kvpool.cells import Cell
 from kvpool.engine import metrics, mp
+from kvpool.engine.backends import pool_backend
 from kvpool.engine.client import RequestResult, complete, new_session
 from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import running_fleet, running_servers
@@ -272,6 +274,21 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
             "bytes": sum(files.values()), "server_pool_bytes": list(held), "min_files": min_files}
 
 
+def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False) -> dict | None:
+    """Where the plan's backend stores to its pool's files only after the answer (vllm-fs), wait until they are
+    whole and stop changing (``whole_workload``: until every document's whole chunks are files, as populate's
+    end does); None for every other backend, whose stores kvpool's phases already wait for."""
+    dirs = plan_pool_dirs(plan)
+    if plan.external or not dirs:  # no pool of kvpool's to wait for (a reference replica, an external fleet)
+        return None
+    cell = Cell.from_name(plan.cell)
+    backend = pool_backend(cell.backend)
+    if not backend.stores_after_answer:
+        return None
+    settle = backend.populate_settle(cfg, cell)
+    return settled_stores(dirs, None, poll_s=0.1, **(settle if whole_workload else {**settle, "min_files": 0}))
+
+
 def drop_pool(plan: Plan, use_proc_drop_caches: bool) -> dict:
     """Evict the plan's pool files from the page cache and verify; a memory pool has none to drop."""
     record = drop_from_page_cache(plan_pool_dirs(plan), use_proc_drop_caches)
@@ -407,8 +424,11 @@ def chain_fleet(plan: Plan, cfg: dict, log_dir: Path, body, sampled: tuple[str, 
         async def requests():
             async with new_session() as session:
                 async def send(replica: int, prompt: list[int]):
-                    return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
+                    sent = await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
                                                   token_ids=True)
+                    # one request at a time: the next one (another step, the next turn) finds what this stored
+                    await asyncio.to_thread(landed_stores, fleet.plan, cfg)
+                    return sent
 
                 async def send_together(replica: int, prompt: list[int]):
                     result = await complete(session, by_index[replica].url, prompt, output_tokens, timeout_s,

@@ -52,6 +52,7 @@ from kvpool.measure.timed import (
     REPO,
     counter_window,
     drop_pool,
+    landed_stores,
     measured_request,
     request_row,
     scrape_serving,
@@ -339,6 +340,7 @@ def router_unit(plan: Plan, workload: list[dict], router_name: str, cfg: dict, l
         with fleet.window(f"router~{router_name}", disks):
             rows = asyncio.run(_routed_one_at_a_time(by_index, router, "first",
                                                      [(d, tokens[d]) for d in doc_ids], tokens, seen, cfg))
+            landed = landed_stores(fleet.plan, cfg, whole_workload=True)  # vllm-fs: every document's chunks
             drop = drop_pool(fleet.plan, cfg["drop_caches"])
             order = followup_order(doc_ids, settings["seed"])
             rows += asyncio.run(_routed_one_at_a_time(by_index, router, "follow-up",
@@ -358,5 +360,6 @@ def router_unit(plan: Plan, workload: list[dict], router_name: str, cfg: dict, l
                 order = followup_order(doc_ids, settings["seed"] + 1)
                 rows += asyncio.run(_routed_one_at_a_time(by_index, router, "after-loss",
                                                           [(d, followups[d]) for d in order], tokens, seen, cfg))
+    landed = {} if landed is None else {"stores_landed": landed}
     return fleet.result(records.frame(RoutedRecord, rows), router=router_name, drop_before_followups=drop,
-                        windows=windows, loss=loss)
+                        windows=windows, loss=loss, **landed)
