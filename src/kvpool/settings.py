@@ -5,18 +5,19 @@ nothing above the engine."""
 from __future__ import annotations
 
 from kvpool.engine import external
+from kvpool.engine.backends import REGISTRY
 
-# What the timed phases read: the engine's timeouts and host, the workload, where pools live, the MP
-# server's timeouts, the preflight policy, sampling, the drop and whether a pool is kept. A rule hands
-# its script only the sections it declares, so a phase reading another one fails with a KeyError.
+# Every pool backend's own section (its servers' timeouts, its connector's settings), in the registry's order.
+BACKEND_SECTIONS = tuple(section for pool in REGISTRY.values() for section in pool.sections)
+# What the timed phases read: the engine's timeouts and host, the workload, where pools live, the backends'
+# sections, the preflight policy, sampling, the drop and whether a pool is kept. A rule hands its script only
+# the sections it declares, so a phase reading another one fails with a KeyError.
 PHASE_SETTINGS = (
     "engine",
     "workload",
     "tiers",
     "replicas",
-    "lmcache_mp",
-    "lmcache_redis",
-    "vllm_fs",
+    *BACKEND_SECTIONS,
     "preflight_on_failure",
     "telemetry_hz",
     "drop_caches",

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "kvpool"
 # Lowest first. A module not named here by its own name is placed by its folder.
 FLOORS = {
-    "kvpool": 1, "kvpool.cells": 1, "kvpool.stats": 1, "kvpool.cpu_connector": 1,
+    "kvpool": 1, "kvpool.cells": 1, "kvpool.stats": 1, "kvpool.cpu_connector": 1, "kvpool.traces": 1,
     "kvpool.engine": 2,
     "kvpool.matrix": 3,
     "kvpool.settings": 3,
