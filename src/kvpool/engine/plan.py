@@ -16,6 +16,7 @@ from pathlib import Path
 from kvpool.cells import Arm, Cell, pool_dirs
 from kvpool.engine import external
 from kvpool.engine.backends import pool_backend, serving
+from kvpool.engine.backends.base import ReplicaLaunch
 from kvpool.engine.hosts import pool_server_host
 from kvpool.engine.plan_types import Plan, ReplicaPlan, ServerPlan
 
@@ -127,20 +128,18 @@ def fleet_plan(config: dict, cell: Cell, model: str, cell_dir: Path, ports: list
     for index, (place, pool_dir, port) in enumerate(zip(places, dirs, ports, strict=True)):
         entry = {"index": index, "host": engine["host"], "port": port, "core": place["core"], "gpu": place["gpu"],
                  "sequential_start": place["sequential_start"], "pool_dir": None if off else str(pool_dir)}
-        if off:
-            launch = None
+        if off:  # no connector: vLLM's own prefix cache alone
+            launch = ReplicaLaunch(kv_transfer=None)
         else:
             server = (servers[index] if cell.server_per_replica else servers[0]) if servers else None
             launch = backend.replica_launch(config, cell, index, pool_dir, server, Path(cell_dir), load_failure_policy)
             if launch.server is not None:
                 entry["server"] = launch.server
-        entry.update(lmcache_config_file=launch and launch.lmcache_config_file,
-                     lmcache_config=launch and launch.lmcache_config,
-                     kv_transfer=launch and launch.kv_transfer,
-                     env=replica_env(engine, place, config["hash_keys"], launch and launch.env, dev_mode))
-        entry["argv"] = engine_argv(engine, model, port, kv_transfer=launch and launch.kv_transfer,
-                                    prefix_caching=True, gpu_memory_utilization=util,
-                                    shutdown_timeout_s=launch and launch.shutdown_timeout_s)
+        entry.update(lmcache_config_file=launch.lmcache_config_file, lmcache_config=launch.lmcache_config,
+                     kv_transfer=launch.kv_transfer,
+                     env=replica_env(engine, place, config["hash_keys"], launch.env, dev_mode))
+        entry["argv"] = engine_argv(engine, model, port, kv_transfer=launch.kv_transfer, prefix_caching=True,
+                                    gpu_memory_utilization=util, shutdown_timeout_s=launch.shutdown_timeout_s)
         entries.append(ReplicaPlan(**entry))
     return Plan(cell=cell.name, engine_kind=engine["kind"], model=model, port_source=port_source,
                 replicas=tuple(entries), servers=tuple(servers),

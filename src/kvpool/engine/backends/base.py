@@ -25,8 +25,9 @@ BYTE_DIGESTS = "byte_digests"  # each chunk's bytes compared across the arms' po
 class ReplicaLaunch:
     """How one replica of a cell reaches its pool: vLLM's ``--kv-transfer-config``, an LMCache config file
     (``lmcache_config``, written to ``lmcache_config_file``), the pool server it uses, the environment the
-    backend adds, and vLLM's ``--shutdown-timeout`` where the backend needs one."""
-    kv_transfer: dict
+    backend adds, and vLLM's ``--shutdown-timeout`` where the backend needs one. The off arm's has no connector
+    (``kv_transfer`` None)."""
+    kv_transfer: dict | None
     lmcache_config_file: str | None = None
     lmcache_config: dict | None = None
     server: int | None = None
