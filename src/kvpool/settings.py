@@ -5,19 +5,20 @@ nothing above the engine."""
 from __future__ import annotations
 
 from kvpool.engine import external
-from kvpool.engine.backends import REGISTRY
+from kvpool.engine.backends import pool_backend
 
-# Every pool backend's own section (its servers' timeouts, its connector's settings), in the registry's order.
-BACKEND_SECTIONS = tuple(section for pool in REGISTRY.values() for section in pool.sections)
-# What the timed phases read: the engine's timeouts and host, the workload, where pools live, the backends'
-# sections, the preflight policy, sampling, the drop and whether a pool is kept. A rule hands its script only
-# the sections it declares, so a phase reading another one fails with a KeyError.
+# What the timed phases read: the engine's timeouts and host, the workload, where pools live, the MP and Redis
+# servers' timeouts, the preflight policy, sampling, the drop and whether a pool is kept. A rule hands its script
+# only the sections it declares, so a phase reading another one fails with a KeyError. A backend added since
+# (vllm-fs) has its section handed to its own cells' steps alone (``step_settings``), so the steps of cells
+# measured before keep their settings, and Snakemake re-runs none of them.
 PHASE_SETTINGS = (
     "engine",
     "workload",
     "tiers",
     "replicas",
-    *BACKEND_SECTIONS,
+    "lmcache_mp",
+    "lmcache_redis",
     "preflight_on_failure",
     "telemetry_hz",
     "drop_caches",
@@ -52,6 +53,8 @@ def step_settings(step, config: dict, wildcards=None) -> dict:
     values = {key: config[key] for key in step.reads}
     if step.picked is not None:
         values.update(step.picked(config, wildcards))
+    if (label := getattr(wildcards, "backend", None)) is not None:  # a cell's step: its backend's own sections
+        values.update({section: config[section] for section in pool_backend(label).sections if section in config})
     for section, keys in DIMENSIONS.items():
         if isinstance(values.get(section), dict):
             values[section] = {k: v for k, v in values[section].items() if k not in keys}

@@ -5,6 +5,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from support import REPO
 
@@ -15,7 +16,8 @@ from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.plan import fleet_plan
 from kvpool.matrix import cells, is_memory_pool
 from kvpool.measure.timed import landed_stores, settled_stores
-from kvpool.studies import capacity, studyb
+from kvpool.settings import PHASE_SETTINGS, step_settings
+from kvpool.studies import capacity, study_a, studyb
 from kvpool.studies.study_a_phases import StoreWatch
 
 SRC = REPO / "src" / "kvpool"
@@ -179,3 +181,15 @@ def test_a_chain_or_router_waits_for_vllm_fs_stores_and_for_no_other_backend(con
     assert landed_stores(plan, config)["min_files"] == 0  # one request's stores: stable, no temp file
     lmcache = fleet_plan(config, Cell("lmcache-fs", "shared", 256, "ram"), "/m", tmp_path, [1, 2], "config")
     assert landed_stores(lmcache, config) is None
+
+
+def test_a_cells_steps_read_its_own_backends_section_and_cells_measured_before_keep_their_settings(config):
+    """Adding vllm-fs's section to every timed phase would change the settings of every cell measured before it,
+    and Snakemake would re-run them all: the section goes to vllm-fs's own cells alone."""
+    gpu(config)
+    cell = {"arm": "shared", "chunk": "256", "tier": "ram"}
+    fs = step_settings(study_a.run_cell, config, SimpleNamespace(backend="vllm-fs", **cell))
+    lmcache = step_settings(study_a.run_cell, config, SimpleNamespace(backend="lmcache-fs", **cell))
+    assert fs["vllm_fs"] == config["vllm_fs"] and "vllm_fs" not in lmcache
+    assert "vllm_fs" not in PHASE_SETTINGS and {"lmcache_mp", "lmcache_redis"} <= set(PHASE_SETTINGS)
+    assert {key: value for key, value in fs.items() if key != "vllm_fs"} == lmcache

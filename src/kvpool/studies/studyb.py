@@ -395,8 +395,13 @@ def studyb_pool_root(config: dict, study: dict) -> Path:
 
 
 def _fault_in_on_blocks(config: dict, wildcards) -> dict:
-    """Only an ON block injects a fault (fault_injection): turning it on re-measures no OFF block."""
-    return {"fault_injection": config["fault_injection"]} if wildcards.block.endswith(f"-{ON}") else {}
+    """Only an ON block injects a fault (fault_injection): turning it on re-measures no OFF block. An ON block reads
+    its pool's backend's own section too (vllm-fs's store settings)."""
+    if not wildcards.block.endswith(f"-{ON}"):
+        return {}
+    pool = pool_backend(resolved(config)["backend"])
+    return {"fault_injection": config["fault_injection"],
+            **{section: config[section] for section in pool.sections if section not in PHASE_SETTINGS}}
 
 
 @reads("backends", "tiers", "chunk_sizes", "engine", "workload", "replicas", *PHASE_SETTINGS, "hash_keys", "lmcache",
