@@ -53,8 +53,10 @@ def step_settings(step, config: dict, wildcards=None) -> dict:
     values = {key: config[key] for key in step.reads}
     if step.picked is not None:
         values.update(step.picked(config, wildcards))
-    if (label := getattr(wildcards, "backend", None)) is not None:  # a cell's step: its backend's own sections
-        values.update({section: config[section] for section in pool_backend(label).sections if section in config})
+    label = getattr(wildcards, "backend", None)
+    if label is not None and set(PHASE_SETTINGS) <= set(step.reads):  # a cell's timed step: its backend's sections
+        values.update({section: config[section] for section in pool_backend(label).sections
+                       if section not in PHASE_SETTINGS and section in config})
     for section, keys in DIMENSIONS.items():
         if isinstance(values.get(section), dict):
             values[section] = {k: v for k, v in values[section].items() if k not in keys}

@@ -150,6 +150,8 @@ def test_the_preflight_waits_for_the_probes_chunks_and_records_how_many_were_the
     writer.join()
     assert record["chunks"] == 3 and record["landed"] == 3 and record["at_answer"] < 3
     assert 0.3 < record["waited_s"] < 10
+    (tmp_path / "x_y.tmp").write_bytes(b"")  # a store still being written is not a chunk
+    assert StoreWatch([tmp_path], chunks=0, timeout_s=0.2, suffix=".bin").settled_chunks() == 3
 
 
 def test_the_preflight_records_a_store_that_never_lands_instead_of_waiting_forever(tmp_path):
@@ -158,12 +160,13 @@ def test_the_preflight_records_a_store_that_never_lands_instead_of_waiting_forev
 
 
 def test_populate_waits_until_every_documents_chunks_are_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # the fs tier's own file beside its blocks: not a chunk
     writer = threading.Thread(target=_land, args=(tmp_path, [f"c{i}" for i in range(4)], 0.7))
     writer.start()
-    settled = settled_stores([tmp_path], None, poll_s=0.1, timeout_s=20, min_files=4)
+    settled = settled_stores([tmp_path], None, poll_s=0.1, timeout_s=20, min_files=4, chunk_suffix=".bin")
     writer.join()
-    assert settled["settled"] and settled["files"] == 4 and settled["waited_s"] > 2
-    assert not settled_stores([tmp_path], None, poll_s=0.05, timeout_s=0.3, min_files=5)["settled"]
+    assert settled["settled"] and settled["files"] == 5 and settled["waited_s"] > 2
+    assert not settled_stores([tmp_path], None, poll_s=0.05, timeout_s=0.3, min_files=5, chunk_suffix=".bin")["settled"]
 
 
 def test_a_chain_or_router_waits_for_vllm_fs_stores_and_for_no_other_backend(config, tmp_path):

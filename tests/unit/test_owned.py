@@ -99,3 +99,17 @@ def test_the_check_runs_on_the_settings_its_rule_hands_it_for_mp_cells(config, t
     config["lmcache_mp"]["extra_args"] = ["--max-gpu-workers", "4"]
     with pytest.raises(ValueError, match=r"changes max_gpu_workers \(from 2 to 4\)"):
         study_a.check_launches(step_settings(study_a.check_launches, config), cells[1:], "/models/m", str(out))
+
+
+@pytest.mark.parametrize("backends", [["lmcache-fs"], ["lmcache-fs", "lmcache-redis"], ["vllm-fs"]])
+def test_the_check_runs_on_the_settings_its_rule_hands_it_for_every_backend(config, tmp_path, backends):
+    """Each backend's section reaches the check, and a matrix without lmcache-mp runs too (a KeyError on
+    lmcache_mp stopped every lmcache-fs run's launch check for one commit)."""
+    if "vllm-fs" in backends:
+        config["engine"].update(kind="vllm", gpus=[0], replicas_per_gpu=2)
+    config["backends"], config["tiers"] = backends, {"ram": "/dev/shm/kvpool"}
+    config["lmcache_redis"]["tiers"] = ["ram"]
+    out = tmp_path / "launch-check.json"
+    study_a.check_launches(step_settings(study_a.check_launches, config), kvpool_cells(config), "/models/m", str(out))
+    # two replicas a cell and the reference (the check reads vLLM's and LMCache MP servers' command lines)
+    assert len(json.loads(out.read_text())["launches"]) == len(kvpool_cells(config)) * 2 + 1

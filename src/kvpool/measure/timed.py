@@ -238,14 +238,14 @@ async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica) -
 
 
 def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: float = 0.5,
-                   timeout_s: float = 60.0, min_files: int = 0) -> dict:
+                   timeout_s: float = 60.0, min_files: int = 0, chunk_suffix: str = "") -> dict:
     """Wait for the pool to stop changing: LMCache stores a request's chunks after its answer (its remote
     backend puts them asynchronously), so on a fleet that keeps running after populate the last stores may
     still be on their way. Settled is two reads ``poll_s`` apart that agree, with no temp file among the
     pool's files (the chunk files' names and sizes, and each server's pool bytes) and at least ``min_files``
-    whole files (a backend whose stores go on in the engine in two asynchronous hops, vllm-fs, gives the
-    files every document's whole chunks make); at ``timeout_s`` the last read stands, and the gate's checks of
-    what populate stored judge it. Returns what was waited for."""
+    whole chunk files, named ``*chunk_suffix`` (a backend whose stores go on in the engine in two asynchronous
+    hops, vllm-fs, gives the files every document's whole chunks make); at ``timeout_s`` the last read stands,
+    and the gate's checks of what populate stored judge it. Returns what was waited for."""
     def server_bytes(server: PoolServer) -> float | None:
         try:
             return server.metrics().get(server.pool_bytes_metric)
@@ -265,7 +265,8 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
         time.sleep(poll_s)
         now = read()
         whole = [name for name in now[0] if not name.endswith(TEMP_SUFFIX)]
-        settled = now == last and len(whole) == len(now[0]) and len(whole) >= min_files
+        chunks = sum(1 for name in whole if name.endswith(chunk_suffix))
+        settled = now == last and len(whole) == len(now[0]) and chunks >= min_files
         last = now
     if not settled:
         log.warning("the pool was still changing after %.0f s of waiting for its stores", timeout_s)
@@ -286,7 +287,7 @@ def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False) -> dict |
     if not backend.stores_after_answer:
         return None
     settle = backend.populate_settle(cfg, cell)
-    return settled_stores(dirs, None, poll_s=0.1, **(settle if whole_workload else {**settle, "min_files": 0}))
+    return settled_stores(dirs, None, **(settle if whole_workload else {**settle, "min_files": 0}))
 
 
 def drop_pool(plan: Plan, use_proc_drop_caches: bool) -> dict:

@@ -148,8 +148,8 @@ def caveats(results: Results) -> list[str]:
         "Hash keys: " + ("PYTHONHASHSEED=0 on every replica." if cfg["hash_keys"] == "pythonhashseed"
                          else "LMCache sha256_cbor content hash.") + " The populate preflight checked them.",
     ]
-    notes += [caveat for label in dict.fromkeys(results.cells["backend"])
-              if (caveat := pool_backend(label).caveat) is not None]
+    notes += [pool.caveat for pool in dict.fromkeys(map(pool_backend, results.cells["backend"]))
+              if pool.caveat is not None]
     for _, cell in results.cells.iterrows():
         notes.append(f"Cold reads, {cell['cell']}: {cell['cold_reads']}.")
     if results.cells["mean_power_w"].isna().all():

@@ -74,11 +74,13 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
 
 # random_model: an MP server's L1 is sized from the model's KV bytes per token
 def _backend_sections(config: dict, wildcards=None) -> dict:
-    """The sections of every configured backend (its servers' or its connector's settings)."""
-    return {section: config[section] for pool in configured(config) for section in pool.sections}
+    """The sections of the configured backends that the timed phases do not read already (vllm-fs's)."""
+    return {section: config[section] for pool in configured(config) for section in pool.sections
+            if section not in PHASE_SETTINGS}
 
 
-@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "workload", "random_model", picked=_backend_sections)
+@reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "lmcache_mp", "lmcache_redis", "workload", "random_model",
+       picked=_backend_sections)
 def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> None:
     """Every cell's replica and pool-server launches, and the reference replica's, read by the programs that
     will run them (kvpool.engine.owned): a setting kvpool owns that the config's ``extra_args`` or ``env``
@@ -129,8 +131,12 @@ def run_populate(config: dict, cell: Cell, *, plan_path: str, prompts_path: str,
                                            expect_shared=cell.arm == Arm.SHARED, replicas=replicas),
         UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), "populate").meta
     dirs = plan_pool_dirs(plan)
-    # before the pool is measured and hashed; a backend that stores asynchronously gets every document's chunks
-    meta["stores_settled"] = settled_stores(dirs, servers, **pool_backend(cell.backend).populate_settle(config, cell))
+    # before the pool is measured and hashed; a backend that stores after its answers gets every document's chunks
+    # on top of what the preflight stored (none to wait for where kvpool sees no pool folder: an external fleet)
+    settle = pool_backend(cell.backend).populate_settle(config, cell) if dirs else {}
+    if "min_files" in settle:
+        settle["min_files"] += meta["preflight"].get("chunks_before_documents", 0)
+    meta["stores_settled"] = settled_stores(dirs, servers, **settle)
     if plan.memory_pool:  # no files: the pool is what the servers hold in memory
         held = sum(record["l1_bytes"] or 0 for record in meta["pool_server"].values())
         measure = pool_backend(cell.backend).pool_measure()

@@ -23,7 +23,14 @@ from kvpool.engine.processes import PoolServer, Replica
 from kvpool.measure import records
 from kvpool.measure.records import RequestRecord
 from kvpool.measure.reference import followups
-from kvpool.measure.timed import drop_pool, measured_request, request_row, reset_prefix_cache, timed_fleet
+from kvpool.measure.timed import (
+    drop_pool,
+    measured_request,
+    request_row,
+    reset_prefix_cache,
+    settled_stores,
+    timed_fleet,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +82,21 @@ def preflight_failure(cell: str, preflight: dict) -> str:
 
 class StoreWatch:
     """The probe's chunks landing in a pool of files that a backend stores to after the answer (vllm-fs): the
-    files whole at the answer (``at_answer``, counted at once) and the wait until ``chunks`` more are there."""
+    chunk files (named ``*suffix``) whole at the answer (``at_answer``, counted at once) and the wait until
+    ``chunks`` more are there. ``settled_chunks`` counts the pool's chunk files once its stores went quiet."""
 
-    def __init__(self, dirs: list[Path], chunks: int, timeout_s: float, poll_s: float = 0.05):
-        self.dirs, self.chunks, self.timeout_s, self.poll_s = dirs, chunks, timeout_s, poll_s
+    def __init__(self, dirs: list[Path], chunks: int, timeout_s: float, suffix: str = "", poll_s: float = 0.05):
+        self.dirs, self.chunks, self.timeout_s, self.suffix, self.poll_s = dirs, chunks, timeout_s, suffix, poll_s
         self.before = self._whole()
 
     def _whole(self) -> int:
-        return sum(1 for path in pool_files(self.dirs) if not path.name.endswith(TEMP_SUFFIX))
+        return sum(1 for path in pool_files(self.dirs)
+                   if path.name.endswith(self.suffix) and not path.name.endswith(TEMP_SUFFIX))
+
+    def settled_chunks(self) -> int:
+        """The pool's chunk files once two reads half a second apart agree (the preflight's own stores in)."""
+        settled_stores(self.dirs, None, timeout_s=self.timeout_s)
+        return self._whole()
 
     def __call__(self) -> dict:
         started = time.monotonic()
@@ -106,6 +120,8 @@ async def _populate(replicas, workload, route, cfg, probe, expect_shared: bool,
                  "a hit expected" if expect_shared else "none expected")
         if not preflight["ok"] and cfg["preflight_on_failure"] == "abort":
             return [], preflight
+        if landed is not None:  # what the preflight stored, which populate's wait for the documents counts on top
+            preflight["chunks_before_documents"] = await asyncio.to_thread(landed.settled_chunks)
         rows: list[dict] = []
         bar = tqdm(total=len(workload), desc="populate", unit="doc")
 
@@ -137,9 +153,11 @@ def populate_phase(plan: Plan, workload: list[dict], cfg: dict, probe: tuple[lis
         # what an external fleet says of itself (kvpool's own replicas are in the plan and manifest)
         endpoints = [external.describe(r.url) for r in fleet.replicas] if plan.external else None
         cell = Cell.from_name(plan.cell)
-        landed = None
-        if pool_backend(cell.backend).stores_after_answer and not plan.external:
-            landed = StoreWatch(plan_pool_dirs(plan), len(probe[0]) // cell.chunk, cfg["engine"]["request_timeout_s"])
+        landed, backend = None, pool_backend(cell.backend)
+        if backend.stores_after_answer and not plan.external and plan_pool_dirs(plan):
+            settle = backend.populate_settle(cfg, cell)
+            landed = StoreWatch(plan_pool_dirs(plan), len(probe[0]) // cell.chunk, settle["timeout_s"],
+                                settle["chunk_suffix"])
         with fleet.window("populate", disks):
             rows, preflight = asyncio.run(_populate(fleet.replicas, workload, route, cfg, probe, expect_shared,
                                                     landed))

@@ -21,8 +21,8 @@ SPEC = "TieringOffloadingSpec"
 # vLLM seeds its prefix-cache block hashes from PYTHONHASHSEED (random without it), and the fs tier names a
 # block's file by its hash: replicas find each other's files only under one seed.
 HASH_SEED = "0"
-# vLLM's own counters of the connector's copies, by transfer_type (CPU_to_GPU, GPU_to_CPU)
-OFFLOAD_BYTES = "vllm:kv_offload_total_bytes_total"
+# the fs tier's block files: <root>/<model>_<digest>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin (a config.json beside)
+CHUNK_SUFFIX = ".bin"
 # vLLM's API server kills its engine core at once when it stops (--shutdown-timeout 0, its default), before the
 # engine's offloading worker tears down; a timeout lets it finish (kvpool removes what it leaves anyway:
 # kvpool.engine.processes.OFFLOAD_REGION).
@@ -60,7 +60,7 @@ class VllmFS(PoolBackend):
         isolated arm: the documents are spread over them), up to ``vllm_fs.store_timeout_s``."""
         workload = config["workload"]
         return {"min_files": workload["documents"] * (workload["doc_tokens"] // cell.chunk),
-                "timeout_s": config["vllm_fs"]["store_timeout_s"]}
+                "timeout_s": config["vllm_fs"]["store_timeout_s"], "chunk_suffix": CHUNK_SUFFIX}
 
     def followup_problem(self, config: dict, cell: Cell) -> str:
         return (f"{cell.name}: the serving replica's CPU tier keeps what a reload brought up from the files (vLLM's "
