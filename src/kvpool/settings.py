@@ -5,7 +5,7 @@ nothing above the engine."""
 from __future__ import annotations
 
 from kvpool.engine import external
-from kvpool.engine.backends import pool_backend
+from kvpool.engine.backends import configured, pool_backend
 
 # What the timed phases read: the engine's timeouts and host, the workload, where pools live, the MP and Redis
 # servers' timeouts, the preflight policy, sampling, the drop and whether a pool is kept. A rule hands its script
@@ -61,6 +61,12 @@ def step_settings(step, config: dict, wildcards=None) -> dict:
         if isinstance(values.get(section), dict):
             values[section] = {k: v for k, v in values[section].items() if k not in keys}
     return values
+
+
+def backend_sections(config: dict, wildcards=None) -> dict:
+    """The sections of the configured backends that the timed phases do not read already (vllm-fs's)."""
+    return {section: config[section] for pool in configured(config) for section in pool.sections
+            if section not in PHASE_SETTINGS}
 
 
 def external_fleet(config: dict, wildcards=None) -> dict:

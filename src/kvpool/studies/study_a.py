@@ -14,19 +14,12 @@ import pandas as pd
 from kvpool.cells import Arm, Cell, pool_root, run_pools, tier_root
 from kvpool.engine import external, owned, prompts
 from kvpool.engine import pool_files as pool
-from kvpool.engine.backends import configured, pool_backend
+from kvpool.engine.backends import pool_backend
 from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.errors import LaunchRefused
 from kvpool.engine.fleet import running_fleet, running_servers
 from kvpool.engine.model import engine_kv_bytes_per_token, vocabulary
-from kvpool.engine.plan import (
-    fleet_plan,
-    placements,
-    plan_gpus,
-    plan_pool_dirs,
-    reference_plan,
-    server_port_count,
-)
+from kvpool.engine.plan import fleet_plan, placements, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
 from kvpool.engine.plan_types import Plan, read_plan, write_plan
 from kvpool.matrix import cells
 from kvpool.measure import kvbytes, link, provenance, records, reference, validity
@@ -46,7 +39,14 @@ from kvpool.measure.timed import (
 )
 from kvpool.measure.unit import UnitPaths, run_unit
 from kvpool.measure.unit_plan import checked_ports, fresh_pool, new_plan, reference_replica
-from kvpool.settings import MEMORY_POOL_CELL_SETTINGS, PHASE_SETTINGS, external_fleet, reads, step_settings
+from kvpool.settings import (
+    MEMORY_POOL_CELL_SETTINGS,
+    PHASE_SETTINGS,
+    backend_sections,
+    external_fleet,
+    reads,
+    step_settings,
+)
 from kvpool.studies.study_a_phases import populate_phase, reuse_phase
 
 log = logging.getLogger(__name__)
@@ -73,14 +73,8 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
 
 
 # random_model: an MP server's L1 is sized from the model's KV bytes per token
-def _backend_sections(config: dict, wildcards=None) -> dict:
-    """The sections of the configured backends that the timed phases do not read already (vllm-fs's)."""
-    return {section: config[section] for pool in configured(config) for section in pool.sections
-            if section not in PHASE_SETTINGS}
-
-
 @reads("replicas", "engine", "tiers", "hash_keys", "lmcache", "lmcache_mp", "lmcache_redis", "workload", "random_model",
-       picked=_backend_sections)
+       picked=backend_sections)
 def check_launches(config: dict, cells: list[Cell], model: str, out: str) -> None:
     """Every cell's replica and pool-server launches, and the reference replica's, read by the programs that
     will run them (kvpool.engine.owned): a setting kvpool owns that the config's ``extra_args`` or ``env``
