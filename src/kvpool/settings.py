@@ -55,18 +55,21 @@ def step_settings(step, config: dict, wildcards=None) -> dict:
         values.update(step.picked(config, wildcards))
     label = getattr(wildcards, "backend", None)
     if label is not None and set(PHASE_SETTINGS) <= set(step.reads):  # a cell's timed step: its backend's sections
-        values.update({section: config[section] for section in pool_backend(label).sections
-                       if section not in PHASE_SETTINGS and section in config})
+        values.update(pool_sections(config, [pool_backend(label)], besides=PHASE_SETTINGS))
     for section, keys in DIMENSIONS.items():
         if isinstance(values.get(section), dict):
             values[section] = {k: v for k, v in values[section].items() if k not in keys}
     return values
 
 
+def pool_sections(config: dict, pools, besides=()) -> dict:
+    """The config sections of the backends ``pools`` declare (``PoolBackend.sections``), but those in ``besides``."""
+    return {section: config[section] for pool in pools for section in pool.sections if section not in besides}
+
+
 def backend_sections(config: dict, wildcards=None) -> dict:
     """The sections of the configured backends that the timed phases do not read already (vllm-fs's)."""
-    return {section: config[section] for pool in configured(config) for section in pool.sections
-            if section not in PHASE_SETTINGS}
+    return pool_sections(config, configured(config), besides=PHASE_SETTINGS)
 
 
 def external_fleet(config: dict, wildcards=None) -> dict:

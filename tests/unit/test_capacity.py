@@ -196,7 +196,7 @@ def test_an_mp_pool_evicting_during_populate_counts_each_documents_store_from_it
 
 @pytest.mark.parametrize("limit", [1, 2**30, 3 * 2**30 + 12345, int(0.25 * 16 * 16384 * 65536)])
 def test_the_mp_servers_l1_is_the_capacity_rounded_down(limit):
-    gib = pool_views.mp_l1_size_gib(limit)
+    gib = mp.l1_size_gib_for(limit)
     l1_bytes = int(float(f"{gib:g}") * 2**30)  # what LMCache takes from --l1-size-gb (mp.server_argv's format)
     assert l1_bytes <= limit and limit - l1_bytes <= 1e-4 * 2**30 + 1
 
@@ -247,7 +247,7 @@ def test_an_mp_cell_on_a_memory_tier_takes_capacity_units_and_a_drive_tier_is_re
         "eviction_policy"]
     limit = capacity.capacity_bytes(made, cell.chunk, 0.25, 65536)
     argv = mp.server_argv(capacity.limited_config(made, cell, limit), cell, "127.0.0.1", 5555, 8080, None)
-    assert argv[argv.index("--l1-size-gb") + 1] == f"{pool_views.mp_l1_size_gib(limit):g}"
+    assert argv[argv.index("--l1-size-gb") + 1] == f"{mp.l1_size_gib_for(limit):g}"
     # the unit's step is handed the MP server's settings; a Redis unit's is not
     wildcards = {"backend": "lmcache-mp", "arm": "shared", "chunk": str(cell.chunk), "tier": "ram"}
     monkeypatch.setattr(Cell, "from_wildcards", classmethod(lambda cls, wc: Cell(wc["backend"], wc["arm"],

@@ -4,7 +4,7 @@ the most it held in any read, what it evicted, and whether it holds a document w
 - ``RedisPool``: a Redis server (``lmcache-redis``), read over a connection of its own and capped after
   populate by ``maxmemory`` (``redis_maxmemory``);
 - ``MPPool``: an LMCache MP server's L1 (``lmcache-mp``), read from its Prometheus counters; its limit is its
-  L1 size, set at its start (``mp_l1_size_gib``);
+  L1 size, set at its start (``mp.l1_size_gib_for``);
 - ``FilePool``: a pool of files (``lmcache-fs``) on a filesystem of the capacity's size
   (``kvpool.engine.sized_pool``, ``sized_pool_folder``), read from its folder; nothing is evicted.
 
@@ -64,7 +64,6 @@ def redis_maxmemory(empty_overhead: int, limit: int) -> int:
     return empty_overhead + limit
 
 
-mp_l1_size_gib = mp.l1_size_gib_for  # the MP server's L1 for a capacity
 
 
 @contextlib.contextmanager

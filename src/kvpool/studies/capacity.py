@@ -63,7 +63,7 @@ from kvpool.measure.timed import REPO, timed_fleet, write_unit
 from kvpool.measure.unit import UnitPaths, run_unit
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
-from kvpool.settings import PHASE_SETTINGS, reads
+from kvpool.settings import PHASE_SETTINGS, pool_sections, reads
 from kvpool.stats import mean_ci, proportion_ci, reported_percentile
 from kvpool.studies.capacity_requests import Asking, draws, request_energy
 
@@ -287,7 +287,7 @@ def _unit_sections(config: dict, wildcards=None) -> dict:
     found = {"capacity": {key: value for key, value in config["capacity"].items() if key != "fractions"}}
     if wildcards is not None:
         cell = Cell.from_wildcards(wildcards)
-        found.update({section: config[section] for section in pool_backend(cell.backend).sections})
+        found.update(pool_sections(config, [pool_backend(cell.backend)]))
     return found
 
 

@@ -44,6 +44,7 @@ from kvpool.settings import (
     PHASE_SETTINGS,
     backend_sections,
     external_fleet,
+    pool_sections,
     reads,
     step_settings,
 )
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 def _plan_sections(config: dict, wildcards) -> dict:
     """The sections only some cells' plans read: an external fleet's, and the pool servers' of their backend."""
     picked = external_fleet(config)
-    picked.update({section: config[section] for section in pool_backend(wildcards.backend).sections})
+    picked.update(pool_sections(config, [pool_backend(wildcards.backend)]))
     return picked
 
 

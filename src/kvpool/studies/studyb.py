@@ -39,7 +39,7 @@ from kvpool.measure.timed import REPO, chain_fleet, recompute_in_splits, recordi
 from kvpool.measure.unit import with_retrievals
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
-from kvpool.settings import PHASE_SETTINGS, reads
+from kvpool.settings import PHASE_SETTINGS, pool_sections, reads
 from kvpool.studies.studyb_reference import PREDICTED, known_answers, predicted_pool_splits
 
 
@@ -400,8 +400,7 @@ def _fault_in_on_blocks(config: dict, wildcards) -> dict:
     if not wildcards.block.endswith(f"-{ON}"):
         return {}
     pool = pool_backend(resolved(config)["backend"])
-    return {"fault_injection": config["fault_injection"],
-            **{section: config[section] for section in pool.sections if section not in PHASE_SETTINGS}}
+    return {"fault_injection": config["fault_injection"], **pool_sections(config, [pool], besides=PHASE_SETTINGS)}
 
 
 @reads("backends", "tiers", "chunk_sizes", "engine", "workload", "replicas", *PHASE_SETTINGS, "hash_keys", "lmcache",

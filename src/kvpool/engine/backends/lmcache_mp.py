@@ -101,7 +101,7 @@ class LMCacheMP(PoolBackend):
         return mp.L1_BYTES
 
     def capacity_config(self, config: dict, cell: Cell, limit: int) -> dict:
-        """The server's L1 sized to the capacity (``mp_l1_size_gib``), set at its start."""
+        """The server's L1 sized to the capacity (``mp.l1_size_gib_for``), set at its start."""
         return {**config, "lmcache_mp": {**config["lmcache_mp"], "l1_size_gib": mp.l1_size_gib_for(limit)}}
 
     def eviction_policy(self, config: dict) -> str:
