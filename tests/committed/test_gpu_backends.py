@@ -1,8 +1,9 @@
-"""The committed backend comparison of issue 49 (docs/results/h200-backends: two replicas packed on one lent GPU,
-the 7.1B random Llama, 20 documents of 12,000 tokens, a multiple of no block or chunk size): vLLM's own tiered
-offloading (vllm-fs) on /dev/shm and on the disk, LMCache's MP server (RAM) and LMCache's in-process fs:// pool,
-re-read by the pipeline's own code: each gate again from its records, each reload's source from vLLM's counters,
-the plans' connectors, and the two failures with the causes the records name."""
+"""The committed backend comparisons of issue 49 (docs/results/h200-backends and its second sitting,
+h200-backends-rerun: two replicas packed on one lent GPU, the 7.1B random Llama, 20 documents of 12,000 tokens, a
+multiple of no block or chunk size): vLLM's own tiered offloading (vllm-fs) on /dev/shm and on the disk, LMCache's
+MP server (RAM) and LMCache's in-process fs:// pool, re-read by the pipeline's own code: each gate again from its
+records, each reload's source from vLLM's counters, the plans' connectors, and the first sitting's two failures
+with the causes the records name."""
 
 from pathlib import Path
 
@@ -130,3 +131,59 @@ def test_the_table_puts_the_backends_side_by_side():
                                                                                         "ttft_p50_ci_low_s"]
     # from the disk the fs tier is slower than recomputing the document (the MP isolated cell, same machine)
     assert p50[VALID[1].name] > p50[VALID[3].name]
+
+
+# The second sitting (docs/results/h200-backends-rerun): after the offload-region fix, both backends' RAM cells
+# and vllm-fs's disk cells, both arms, on one machine within 14 minutes, all at one commit.
+RERUN = RUN.parent / "h200-backends-rerun"
+RERUN_COMMIT = "2384354983acc7d32e567adfa1345f0cd13d6b30"
+RERUN_CELLS = [Cell(backend, arm, 256, tier) for backend, tier in
+               [("vllm-fs", "ram"), ("vllm-fs", "disk"), ("lmcache-mp", "ram")] for arm in ("shared", "isolated")]
+
+
+def rerun_folder(cell: Cell) -> Path:
+    return RERUN / "results" / "cells" / cell.name
+
+
+def test_the_second_sitting_ran_every_cell_on_one_machine_at_one_commit():
+    manifests = [read_json(rerun_folder(cell) / "manifest.json") for cell in RERUN_CELLS]
+    assert {(m["git"]["commit"], m["git"]["dirty"]) for m in manifests} == {(RERUN_COMMIT, False)}
+    assert len({str(m["hardware"]) for m in manifests}) == 1
+    assert manifests[0]["hardware"]["gpu"]["devices"] == ["NVIDIA H100 80GB HBM3"]
+    started = sorted(pd.Timestamp(m["created_at"]) for m in manifests)
+    assert started[-1] - started[0] < pd.Timedelta(minutes=15)
+    assert (RERUN / "results" / "reference" / "outputs.csv").read_bytes() == \
+        (RUN / "results" / "reference" / "outputs.csv").read_bytes()  # one workload, one split-matched reference
+
+
+@pytest.mark.parametrize("cell", RERUN_CELLS, ids=lambda cell: cell.name)
+def test_every_cell_of_the_second_sitting_is_valid_again_with_twenty_reloads(cell, tmp_path):
+    cell_dir = rerun_folder(cell)
+    config = read_json(cell_dir / "manifest.json")["config"]
+    study_a.run_validity(config, cell, populate_csv=cell_dir / "populate.csv", populate_json=cell_dir / "populate.json",
+                         reuse_csv=cell_dir / "reuse.csv", reuse_json=cell_dir / "reuse.json",
+                         reference_csv=RERUN / "results" / "reference" / "outputs.csv",
+                         populate_digests=cell_dir / "populate-digests.csv",
+                         reuse_digests=cell_dir / "pool-digests.csv", out=tmp_path / "validity.json")
+    gate = read_json(tmp_path / "validity.json")
+    assert gate == read_json(cell_dir / "validity.json") and gate["valid"]
+    outputs = gate["checks"]["output_matches_recompute"]["value"]
+    assert outputs["compared"] == outputs["equal"] == outputs["exact"] == 20
+    rows = read_records(str(cell_dir / "reuse.csv"))
+    assert len(rows) == 20 and (rows["prefill_replica"] != rows["serve_replica"]).all() and not rows["error"].any()
+    assert (rows["external_hit_tokens"] == (WHOLE if cell.arm == "shared" else 0)).all()
+
+
+def test_the_isolated_vllm_fs_pools_hold_the_same_bytes_as_the_shared_one():
+    kv = pd.read_csv(RERUN / "results" / "kv_bytes.csv")
+    across = kv[kv["comparison"] == "store_across_arms"]
+    assert len(across) == 2 and (across["keys"] == 920).all() and (across["equal"] == across["keys"]).all()
+
+
+def test_the_second_sitting_orders_the_backends_as_the_first():
+    table = pd.read_csv(RERUN / "results" / "cell_table.csv").set_index("cell")
+    fs_ram, fs_disk, mp = (Cell(backend, "shared", 256, tier).name for backend, tier in
+                           [("vllm-fs", "ram"), ("vllm-fs", "disk"), ("lmcache-mp", "ram")])
+    assert table.loc[mp, "ttft_p50_ci_high_s"] < table.loc[fs_ram, "ttft_p50_ci_low_s"]
+    recompute = Cell("vllm-fs", "isolated", 256, "disk").name
+    assert table.loc[fs_disk, "ttft_p50_ci_low_s"] > table.loc[recompute, "ttft_p50_ci_high_s"]
