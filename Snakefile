@@ -39,6 +39,7 @@ if not MEASURED_ONLY:
     include: "workflow/rules/ceiling.smk"
     include: "workflow/rules/load.smk"
     include: "workflow/rules/routers.smk"
+    include: "workflow/rules/trace.smk"
     include: "workflow/rules/contexts.smk"
     include: "workflow/rules/capacity.smk"
     include: "workflow/rules/studyb.smk"

@@ -22,7 +22,7 @@ from kvpool.engine.model import engine_kv_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
 from kvpool.engine.plan import BASE_ENV
 from kvpool.matrix import cells, is_memory_pool
-from kvpool.studies import capacity, contexts, peer, studyb
+from kvpool.studies import capacity, contexts, peer, studyb, trace_replay
 from kvpool.studies.load import LEVEL_PATTERN, Level
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
@@ -386,7 +386,8 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
             + _input_problems(config) + _pool_url_problems(config, workdir)
             + [problem for pool in configured(config) for problem in pool.problems(config)]
             + external.problems(config)
-            + peer.problems(config))
+            + peer.problems(config)
+            + trace_replay.problems(config, check_paths))
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:

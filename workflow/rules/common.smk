@@ -8,7 +8,7 @@ from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import runlock
 from kvpool.report import breakdown, tables
 from kvpool.report import contexts as contexts_report, crossover as crossover_report
-from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb
+from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb, trace_replay
 from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Arm, Cell
 from kvpool.matrix import cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
@@ -211,6 +211,16 @@ ROUTER_UNITS = [
 ROUTER_TARGETS = {"csv": "results/routers.csv", "md": "results/routers.md"} if ROUTER_UNITS else {}
 
 
+# A production trace replayed (kvpool.studies.trace_replay): per cell of the shared arm's matrix, arm in trace.arms
+# and router, one unit on a fresh pool of its own, independent of every cell's records; none unless trace.arms.
+TRACE_UNITS = [
+    (cell, router)
+    for cell, router in trace_replay.units(config)
+    if not MEASURED_ONLY or Path(f"results/cells/{cell.name}/trace~{router}/run.json").exists()
+]
+TRACE_TARGETS = {"csv": "results/trace.csv", "md": "results/trace.md"} if TRACE_UNITS else {}
+
+
 # Document length (kvpool.studies.contexts): per shared cell and length in contexts.doc_tokens, one unit on a
 # fresh pool of its own, independent of the cell's records, so a new length builds only its units.
 CONTEXT_UNITS = [
@@ -356,7 +366,8 @@ def final_outputs():
     return [
         study_a if CELLS else [],
         CAPACITY_TARGETS.get("md", []),
-        "results/gate.ok" if CAPACITY_UNITS and not CELLS else [],
+        TRACE_TARGETS.get("md", []),
+        "results/gate.ok" if (CAPACITY_UNITS or TRACE_UNITS) and not CELLS else [],
         STUDYB_TARGETS.get("md", []),
         STUDYB_TARGETS.get("validity", []),
         STUDYB_TARGETS.get("crossover", []),

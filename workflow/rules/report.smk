@@ -23,6 +23,8 @@ rule report:
         contexts=CONTEXT_TARGETS.get("csv", []),
         # pool capacity as a dimension, when the run has capacity units (the figure beside the table)
         capacity=CAPACITY_TARGETS.get("csv", []),
+        # a production trace replayed, when the run has trace units (the figures beside the table)
+        trace=TRACE_TARGETS.get("csv", []),
         # where each follow-up's TTFT goes, and its figure (read from beside the table: an input, so a tree
         # that lacks the figure has it drawn again)
         breakdown="results/breakdown.csv" if CELLS else [],

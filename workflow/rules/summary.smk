@@ -88,6 +88,27 @@ rule router_table:
         "../scripts/router_table.py"
 
 
+rule trace_table:
+    """results/trace.csv: per trace unit, the reuse it recovered against the trace's bounds, TTFT, SLO goodput,
+    energy and pool (kvpool.studies.trace_replay), and its figures."""
+    input:
+        csvs=[f"results/cells/{cell.name}/trace~{router}/requests.csv" for cell, router in TRACE_UNITS],
+        metas=[f"results/cells/{cell.name}/trace~{router}/run.json" for cell, router in TRACE_UNITS],
+    output:
+        csv="results/trace.csv",
+        md="results/trace.md",
+        figures=directory("results/trace"),
+    log:
+        "logs/summary/trace.log",
+    conda:
+        CONDA_ENV
+    params:
+        units=[[cell.name, router] for cell, router in TRACE_UNITS],
+        slo_s=config["slo_s"],
+    script:
+        "../scripts/trace_table.py"
+
+
 rule contexts_table:
     """results/contexts.csv: per shared cell, cold, own-cache and pool TTFT against the document's
     length, with the prefill and reload models fitted (kvpool.studies.contexts)."""

@@ -55,6 +55,7 @@ rule gate:
         routers=ROUTER_TARGETS.get("csv", []),
         contexts=CONTEXT_TARGETS.get("csv", []),
         capacity=CAPACITY_TARGETS.get("csv", []),
+        trace=TRACE_TARGETS.get("csv", []),
     output:
         "results/gate.ok",
     log:

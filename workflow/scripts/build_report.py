@@ -14,4 +14,5 @@ page.build_report(snakemake.params.config, cells, files, list(snakemake.input.ce
                   studyb=snakemake.params.studyb or None, peer=snakemake.input.get("peer") or None,
                   routers=snakemake.input.get("routers") or None, contexts=snakemake.input.get("contexts") or None,
                   breakdown=snakemake.input.get("breakdown") or None,
-                  capacity=snakemake.input.get("capacity") or None)
+                  capacity=snakemake.input.get("capacity") or None,
+                  trace_csv=snakemake.input.get("trace") or None)

@@ -137,6 +137,37 @@ class RoutedRecord:
     error: str | None
 
 
+@dataclasses.dataclass
+class TraceRecord:
+    """One request of a trace unit (kvpool.studies.trace_replay): its place in the trace and the replay, where
+    the router sent it, where its tokens came from, and the trace's reuse bounds for it: with one cache for the
+    fleet (``bound_tokens``) and one per replica under the router's placement (``placed_bound_tokens``)."""
+
+    router: str
+    seq: int
+    key: str
+    trace_index: int
+    group: str
+    due_s: float
+    sent_s: float
+    serve_replica: int
+    whole_blocks: int
+    output_tokens: int
+    ttft_s: float | None
+    e2e_s: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    local_cache_hit_tokens: int | None
+    external_hit_tokens: int | None
+    local_compute_tokens: int | None
+    output_text: str | None
+    error: str | None
+    stores_waited_s: float | None = None
+    bound_tokens: int | None = None
+    placed_bound_tokens: int | None = None
+    sampled: bool | None = None
+
+
 def columns(kind: type) -> list[str]:
     """The CSV columns of a record kind, in order: its own, then the times (``RequestTimes``) it carries."""
     fields = dataclasses.fields(kind)

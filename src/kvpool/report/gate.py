@@ -36,14 +36,14 @@ VALIDITY_COLUMNS = ["cell", "valid", "checks_passed", "checks_failed", "reasons"
 
 def gate(validity_csv: str | None, kv_bytes_csv: str | None, out: str, load_csv: str | None = None,
          studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
-         contexts_csv: str | None = None, capacity_csv: str | None = None) -> None:
+         contexts_csv: str | None = None, capacity_csv: str | None = None, trace_csv: str | None = None) -> None:
     """Fail, naming every invalid cell and every setting whose pools hold chunks that differ where they
     must agree bit for bit, and why; the measured data stays where it is. A run of capacity units alone has
     no cells (``validity_csv`` None)."""
     table = (pd.read_csv(validity_csv, keep_default_na=False) if validity_csv is not None
              else pd.DataFrame(columns=["cell", "valid", "reasons"]))
     lines, counted, invalid, damaged, study = judge(table, kv_bytes_csv, load_csv, studyb_json, peer_csv,
-                                                    routers_csv, contexts_csv, capacity_csv)
+                                                    routers_csv, contexts_csv, capacity_csv, trace_csv)
     if lines:
         failed = (f"{len(invalid)} of {len(table)} cells (or their load levels)" if len(table)
                   else f"{len(lines)} units (the run has no cell)")
@@ -59,7 +59,7 @@ def gate(validity_csv: str | None, kv_bytes_csv: str | None, out: str, load_csv:
 
 def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = None,
           studyb_json: str | None = None, peer_csv: str | None = None, routers_csv: str | None = None,
-          contexts_csv: str | None = None, capacity_csv: str | None = None
+          contexts_csv: str | None = None, capacity_csv: str | None = None, trace_csv: str | None = None
           ) -> tuple[list[str], list[str], pd.DataFrame, pd.DataFrame, dict | None]:
     """The run's verdict, for the gate and the report page alike: a line per failure (an invalid cell, load
     level, replay, router or length unit, damaged KV bytes, Study B), the units beyond the cells it rests on,
@@ -104,6 +104,12 @@ def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = 
                   for row in bad.itertuples()]
         invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
         counted.append(f"{len(units)} capacity units")
+    if trace_csv is not None:  # a trace unit that erred, missed silently, leaked, or answered apart
+        units = pd.read_csv(trace_csv)
+        bad = units[~units["valid"].astype(bool)]
+        lines += [f"  {row.cell} trace~{row.router}: its run.json names the failed checks" for row in bad.itertuples()]
+        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
+        counted.append(f"{len(units)} trace units")
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]

@@ -24,7 +24,7 @@ from kvpool.measure.files import read_frame_or_empty, read_json
 from kvpool.measure.records import read_records
 from kvpool.measure.telemetry import energy_mean_power
 from kvpool.measure.validity import failures
-from kvpool.report import breakdown, capacity, figures
+from kvpool.report import breakdown, capacity, figures, trace
 from kvpool.report.figures import ROUTER_FIGURES
 from kvpool.report.gate import judge
 from kvpool.report.lede import first_sentence, scope_words
@@ -195,7 +195,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
                  kv_bytes: str | None, out_html: str, figures_dir: str, tables_dir: str,
                  load: str | None = None, studyb: dict | None = None, peer: str | None = None,
                  routers: str | None = None, contexts: str | None = None,
-                 breakdown: str | None = None, capacity: str | None = None) -> None:
+                 breakdown: str | None = None, capacity: str | None = None, trace_csv: str | None = None) -> None:
     """Figures (PNG, SVG) and the self-contained page from the run's tables (``cell_table``,
     ``tier_table``, ``kv_bytes``: computed once, by their rules; None where a partial run has none)
     and, for the figures that draw every request and sample, the cells' records (``files`` and
@@ -249,7 +249,8 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
     studyb_part = _studyb_section(studyb) if studyb else None
     failed, counted, *_ = judge(results.cells[["cell", "valid", "reasons"]],
                                 kv_bytes if kv_bytes and Path(kv_bytes).exists() else None, load,
-                                studyb["validity"] if studyb else None, peer, routers, contexts, capacity)
+                                studyb["validity"] if studyb else None, peer, routers, contexts, capacity,
+                                trace_csv)
     render_page(Path(__file__).with_name("templates") / "report.html.j2", Path(out_html), {
         "lede": first_sentence(table1_long, scope_words(config, manifest), failed),
         "verdict": verdict(results.cells, failed, counted, studyb_part),
@@ -273,6 +274,7 @@ def build_report(config: dict, cells: list[Cell], files: dict[str, list[str]], c
         "routers": _routers_section(routers) if routers else None,
         "contexts": _contexts_section(contexts) if contexts else None,
         "capacity": _capacity_section(capacity) if capacity else None,
+        "trace": trace.section(trace_csv) if trace_csv else None,
         "breakdown": _breakdown_section(breakdown) if breakdown else None,
         "load_figures": [drawn[s] for s, _ in under_load],
         "studyb": studyb_part,
