@@ -25,16 +25,17 @@ INVALID = {Cell("vllm-fs", "isolated", 256, "ram"): {"zero_errors"},
            Cell("lmcache-fs", "shared", 256, "ram"): {"preflight", "output_matches_recompute"}}
 
 
-def folder(cell: Cell) -> Path:
-    return RUN / "results" / "cells" / cell.name
+def folder(cell: Cell, run: Path = RUN) -> Path:
+    return run / "results" / "cells" / cell.name
 
 
-def gate_again(cell: Cell, tmp_path: Path) -> dict:
-    cell_dir = folder(cell)
+def gate_again(cell: Cell, tmp_path: Path, run: Path = RUN) -> dict:
+    """The cell's gate again from its records in ``run``, equal to the one committed."""
+    cell_dir = folder(cell, run)
     config = read_json(cell_dir / "manifest.json")["config"]
     study_a.run_validity(config, cell, populate_csv=cell_dir / "populate.csv", populate_json=cell_dir / "populate.json",
                          reuse_csv=cell_dir / "reuse.csv", reuse_json=cell_dir / "reuse.json",
-                         reference_csv=RUN / "results" / "reference" / "outputs.csv",
+                         reference_csv=run / "results" / "reference" / "outputs.csv",
                          populate_digests=cell_dir / "populate-digests.csv",
                          reuse_digests=cell_dir / "pool-digests.csv", out=tmp_path / "validity.json")
     again, committed = read_json(tmp_path / "validity.json"), read_json(cell_dir / "validity.json")
@@ -141,12 +142,8 @@ RERUN_CELLS = [Cell(backend, arm, 256, tier) for backend, tier in
                [("vllm-fs", "ram"), ("vllm-fs", "disk"), ("lmcache-mp", "ram")] for arm in ("shared", "isolated")]
 
 
-def rerun_folder(cell: Cell) -> Path:
-    return RERUN / "results" / "cells" / cell.name
-
-
 def test_the_second_sitting_ran_every_cell_on_one_machine_at_one_commit():
-    manifests = [read_json(rerun_folder(cell) / "manifest.json") for cell in RERUN_CELLS]
+    manifests = [read_json(folder(cell, RERUN) / "manifest.json") for cell in RERUN_CELLS]
     assert {(m["git"]["commit"], m["git"]["dirty"]) for m in manifests} == {(RERUN_COMMIT, False)}
     assert len({str(m["hardware"]) for m in manifests}) == 1
     assert manifests[0]["hardware"]["gpu"]["devices"] == ["NVIDIA H100 80GB HBM3"]
@@ -158,18 +155,11 @@ def test_the_second_sitting_ran_every_cell_on_one_machine_at_one_commit():
 
 @pytest.mark.parametrize("cell", RERUN_CELLS, ids=lambda cell: cell.name)
 def test_every_cell_of_the_second_sitting_is_valid_again_with_twenty_reloads(cell, tmp_path):
-    cell_dir = rerun_folder(cell)
-    config = read_json(cell_dir / "manifest.json")["config"]
-    study_a.run_validity(config, cell, populate_csv=cell_dir / "populate.csv", populate_json=cell_dir / "populate.json",
-                         reuse_csv=cell_dir / "reuse.csv", reuse_json=cell_dir / "reuse.json",
-                         reference_csv=RERUN / "results" / "reference" / "outputs.csv",
-                         populate_digests=cell_dir / "populate-digests.csv",
-                         reuse_digests=cell_dir / "pool-digests.csv", out=tmp_path / "validity.json")
-    gate = read_json(tmp_path / "validity.json")
-    assert gate == read_json(cell_dir / "validity.json") and gate["valid"]
+    gate = gate_again(cell, tmp_path, RERUN)
+    assert gate["valid"]
     outputs = gate["checks"]["output_matches_recompute"]["value"]
     assert outputs["compared"] == outputs["equal"] == outputs["exact"] == 20
-    rows = read_records(str(cell_dir / "reuse.csv"))
+    rows = read_records(str(folder(cell, RERUN) / "reuse.csv"))
     assert len(rows) == 20 and (rows["prefill_replica"] != rows["serve_replica"]).all() and not rows["error"].any()
     assert (rows["external_hit_tokens"] == (WHOLE if cell.arm == "shared" else 0)).all()
 

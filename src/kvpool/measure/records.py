@@ -115,17 +115,11 @@ class ChainRecord(RequestTimes):
     error: str | None
 
 
-@dataclasses.dataclass
-class RoutedRecord:
-    """One request of a router unit: its phase, where the router sent it, and where its tokens came from."""
+@dataclasses.dataclass(kw_only=True)
+class AttributedRequest:
+    """A request sent alone through a router, and where its prompt tokens came from (the serving replica's counters
+    around it): the columns a router unit's and a trace unit's records end with."""
 
-    router: str
-    phase: str
-    seq: int
-    doc_id: int
-    first_replica: int | None
-    serve_replica: int
-    seen_before: bool
     ttft_s: float | None
     e2e_s: float | None
     prompt_tokens: int | None
@@ -138,7 +132,20 @@ class RoutedRecord:
 
 
 @dataclasses.dataclass
-class TraceRecord:
+class RoutedRecord(AttributedRequest):
+    """One request of a router unit: its phase, where the router sent it, and where its tokens came from."""
+
+    router: str
+    phase: str
+    seq: int
+    doc_id: int
+    first_replica: int | None
+    serve_replica: int
+    seen_before: bool
+
+
+@dataclasses.dataclass
+class TraceRecord(AttributedRequest):
     """One request of a trace unit (kvpool.studies.trace_replay): its place in the trace and the replay, where
     the router sent it, where its tokens came from, and the trace's reuse bounds for it: with one cache for the
     fleet (``bound_tokens``) and one per replica under the router's placement (``placed_bound_tokens``)."""
@@ -153,15 +160,6 @@ class TraceRecord:
     serve_replica: int
     whole_blocks: int
     output_tokens: int
-    ttft_s: float | None
-    e2e_s: float | None
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    local_cache_hit_tokens: int | None
-    external_hit_tokens: int | None
-    local_compute_tokens: int | None
-    output_text: str | None
-    error: str | None
     stores_waited_s: float | None = None
     bound_tokens: int | None = None
     placed_bound_tokens: int | None = None
