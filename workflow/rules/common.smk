@@ -300,10 +300,10 @@ STUDYB_BLOCKS = [
 ]
 if STUDYB and not STUDYB_BLOCKS:
     STUDYB_MISSING = f"measured_only: no block of Study B has finished under {Path.cwd()}/{STUDYB_DIR}"
-if not CELLS and not STUDYB_BLOCKS and not CONTEXT_UNITS and not ROUTER_UNITS and not CAPACITY_UNITS:
+if not (CELLS or STUDYB_BLOCKS or CONTEXT_UNITS or ROUTER_UNITS or CAPACITY_UNITS or TRACE_UNITS):
     raise ValueError(
         f"measured_only: no cell of this config has finished its reuse phase under {Path.cwd()}/results/cells, "
-        f"no length, router or capacity unit its requests there, and no block of Study B under "
+        f"no length, router, capacity or trace unit its requests there, and no block of Study B under "
         f"{Path.cwd()}/results/studyb"
     )
 # In all and the gate when enabled (and, with measured_only, when a block finished)
