@@ -16,6 +16,7 @@ from kvpool.report.breakdown import run_breakdown
 from kvpool.report.figures import placeholder_note, save
 from kvpool.report.page import build_report
 from kvpool.report.tables import run_table1, run_tier_compare
+from kvpool.report.trace import run_trace_table
 
 TREE = Path(__file__).parents[1] / "fixtures" / "results-tree"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,12 +60,19 @@ def build(root: Path) -> Path:
     shutil.copy(REPO / "docs" / "results" / "cpu-contexts" / "results" / "contexts.csv", results / "contexts.csv")
     save(placeholder_note("TTFT against document length", "drawn by the contexts rule"), results / "contexts",
          "contexts")
+    # a trace replay's table and figures (the committed CPU one), as its rule makes them
+    traced = [(Cell("lmcache-fs", arm, 256, "disk"), router) for arm in ("shared", "off")
+              for router in ("round-robin", "prefix-affinity")]
+    units = [REPO / "docs" / "results" / "cpu-trace" / "results" / "cells" / c.name / f"trace~{r}" for c, r in traced]
+    run_trace_table(traced, csvs=[str(u / "requests.csv") for u in units], metas=[str(u / "run.json") for u in units],
+                    slo_s=5.0, csv_out=str(results / "trace.csv"), md_out=str(results / "trace.md"),
+                    figures_dir=str(results / "trace"))
     build_report(config, CELLS, files, [results / "tiers" / "disk" / "ceiling.json"],
                  cell_table=results / "cell_table.csv", table1_csv=results / "table1.csv",
                  tier_table=results / "tier_table.csv",
                  kv_bytes=None, out_html=results / "report.html", figures_dir=results / "report" / "figures",
                  tables_dir=results / "report" / "tables", breakdown=str(results / "breakdown.csv"),
-                 contexts=str(results / "contexts.csv"))
+                 contexts=str(results / "contexts.csv"), trace_csv=str(results / "trace.csv"))
     return results
 
 
@@ -93,7 +101,8 @@ def test_page_has_every_table_and_figure(built):
     html = (built / "report.html").read_text()
     for heading in ("Run summary", "Table 1", "Table 2", "Figure 1.", "Figure 2.", "Figure 3.", "Figure 4.",
                     "ECDF", "Timeline per cell and phase", "Energy per follow-up", "measured ceiling", "Caveats",
-                    "Where a follow-up's TTFT goes", "Document length: where the pool starts paying"):
+                    "Where a follow-up's TTFT goes", "Document length: where the pool starts paying",
+                    "A production trace replayed", "| lmcache-fs / off / chunk 256 / disk | prefix-affinity | valid |"):
         assert heading in html, heading
     assert "No request carried its replica's own times" in html  # said, not an empty table
     assert "replica CPU seconds per follow-up" in html  # no GPU in the fixture: labelled, not called watts
@@ -209,7 +218,8 @@ def test_the_timeline_draws_a_full_study_a_matrix(tmp_path):
 def test_the_page_opens_on_the_verdict_and_the_headline_figure_then_the_details(built):
     html = (built / "report.html").read_text()
     verdict = re.search(r'<p class="verdict invalid"><b><span class="flag">INVALID</span></b>: ([^<]*)</p>', html)
-    assert verdict and verdict.group(1).startswith(f"2 of 3 cells valid; 10 length units judged. Failed: {INVALID}: ")
+    assert verdict and verdict.group(1).startswith(
+        f"2 of 3 cells valid; 10 length units judged; 4 trace units judged. Failed: {INVALID}: ")
     order = [html.index(marker) for marker in ('class="verdict', "Figure 1. Cross-replica TTFT, p50",
                                                "Isolated / shared", 'id="summary"', 'id="table1"', 'id="figures"')]
     assert order == sorted(order)

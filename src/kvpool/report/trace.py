@@ -94,7 +94,7 @@ def section(trace_csv: str) -> dict:
 
 
 FIGURES = {"recovered": "Reusable prefill recovered so far, per arm and router",
-           "ttft": "TTFT per request over the trace, per arm and router"}
+           "ttft": "Each request's TTFT over the trace, per arm and router"}
 
 
 def run_trace_table(units: list[tuple[Cell, str]], *, csvs: list[str], metas: list[str], slo_s: float, csv_out: str,
