@@ -16,13 +16,13 @@ rule trace_unit:
         reference=update(cell_path("trace~{router}/reference.csv")),
         drive=update(cell_path("trace~{router}/drive-samples.csv")),
         power=update(cell_path("trace~{router}/power-samples.csv")),
-    wildcard_constraints:
-        arm="shared|isolated|off",
-        router="round-robin|random|prefix-affinity",
     log:
         f"logs/trace/{CELL_PATTERN}/trace~{{router}}.log",
     benchmark:
         cell_path("benchmarks/trace~{router}.tsv")
+    wildcard_constraints:
+        arm="shared|isolated|off",
+        router="round-robin|random|prefix-affinity",
     conda:
         CONDA_ENV
     resources:
