@@ -422,7 +422,11 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     lengths = [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token
                for tokens in config["contexts"]["doc_tokens"] for cell in contexts.cells(config) if cell in on_tier]
     images = capacity.drive_tier_images(config, tier)
-    units = routers + lengths + images
+    # A trace unit's pool stores each sent prompt's whole chunks at most once (kvpool.studies.trace_replay)
+    traced = [cell for cell, _ in trace_replay.units(config) if cell.tier == tier and cell.arm != Arm.OFF
+              and not is_memory_pool(config, cell)]
+    replays = [trace_replay.pool_bound_tokens(config) * per_token] * len(traced) if traced else []
+    units = routers + lengths + images + replays
     # kept pools accumulate; otherwise the tier holds one cell's pool at a time, the largest, and at
     # most one unit's (a router's or a length's) beside it
     pools = sum(sizes + units) if config["keep_pools"] else max(sizes) + max(units, default=0)
@@ -434,7 +438,7 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     held = (f"{len(sizes) + len(units)} pools" if config["keep_pools"]
             else "the largest pool"
             + (" and a router unit's" if routers else " and a length unit's" if lengths
-               else " and a capacity unit's image" if images else ""))
+               else " and a capacity unit's image" if images else " and a trace unit's" if replays else ""))
     return [f"tiers.{tier}: {root} has {available / 1e9:.2f} GB available but needs {needed / 1e9:.2f} GB "
             f"({held}, {pools / 1e9:.2f} GB, plus the {config['drive_ceiling_bytes'] / 1e9:.2f} GB "
             f"ceiling file); free space, lower workload.documents"

@@ -176,3 +176,23 @@ def test_the_gate_and_the_page_read_the_trace_table(tmp_path):
     assert shown["markdown"].startswith("| cell | router | gate |") and "**INVALID**" in shown["markdown"]
     assert "| 1 |" in shown["markdown"] and "50.0%" in shown["markdown"]
     assert [Path(f["png"]).name for f in shown["figures"]] == ["recovered.png", "ttft.png"]
+
+
+def test_the_tiers_room_counts_a_trace_units_pool_beside_the_largest_cell(tmp_path, free_disk):
+    import re
+
+    from kvpool.config import problems
+    from kvpool.engine.model import engine_kv_bytes_per_token
+
+    free_disk(0)
+    without = config({"keep_pools": False}, arms=[])
+    with_trace = config({"keep_pools": False}, window_s=[0, 1200], groups=0.01)
+
+    def needed(found: list[str]) -> tuple[float, str]:
+        (line,) = [p for p in found if "GB available but needs" in p]
+        return float(re.search(r"needs ([\d.]+) GB", line).group(1)), line
+
+    before, _ = needed(problems(without, tmp_path))
+    after, line = needed(problems(with_trace, tmp_path))
+    bound = trace_replay.pool_bound_tokens(with_trace) * engine_kv_bytes_per_token(with_trace)
+    assert "and a trace unit's" in line and after - before == pytest.approx(bound / 1e9, abs=0.01)

@@ -142,6 +142,17 @@ def replayed(config: dict, requests: list[traces.TraceRequest]) -> tuple[list[tr
     return fitting, len(scaled) - len([r for r in scaled if r.prompt_tokens + r.output_tokens <= limit])
 
 
+def pool_bound_tokens(config: dict) -> int:
+    """The most tokens of KV a trace unit's pool can hold: every sent prompt's once (a pool stores a chunk once
+    per distinct prefix, and a prompt's chunks only where it computed them). 0 for a trace that cannot be read:
+    ``problems`` names why."""
+    try:
+        sent, _ = replayed(config, traces.read_trace(trace_file(config)))
+    except (OSError, ValueError):
+        return 0
+    return sum(request.prompt_tokens for request in sent)
+
+
 def prompts(sent: list[traces.ScaledRequest], allowed: list[int], block_tokens: int, seed: int) -> list[list[int]]:
     """Each request's prompt in the model's usable token ids (kvpool.engine.model.vocabulary): equal block ids are
     equal tokens in every request."""
