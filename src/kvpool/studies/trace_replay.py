@@ -40,6 +40,7 @@ from kvpool.engine import model as engine_model
 from kvpool.engine.client import new_session
 from kvpool.engine.plan import plan_pool_dirs
 from kvpool.engine.plan_types import Plan
+from kvpool.engine.pool_files import pool_files
 from kvpool.engine.pool_views import MPPool
 from kvpool.engine.processes import Replica
 from kvpool.measure import provenance, records
@@ -323,7 +324,7 @@ def pool_bytes(plan: Plan) -> int | None:
     dirs = plan_pool_dirs(plan)
     if not dirs:
         return None
-    return sum(path.stat().st_size for folder in set(dirs) for path in Path(folder).rglob("*") if path.is_file())
+    return sum(path.stat().st_size for path in pool_files(dirs))
 
 
 def trace_unit(plan: Plan, sent: list[traces.ScaledRequest], texts: dict[str, list[int]], router_name: str,
