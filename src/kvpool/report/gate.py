@@ -85,31 +85,27 @@ def judge(table: pd.DataFrame, kv_bytes_csv: str | None, load_csv: str | None = 
         bad = replays[~replays["valid"].astype(bool)] if len(replays) else replays
         lines += [f"  {row.cell} load~{level_name(getattr(row, 'order', ORDERS[0]))}: the cell or vllm bench serve's "
                   f"replay of it is invalid (its level.json names the failed checks)" for row in bad.itertuples()]
-    if routers_csv is not None:  # a router unit whose pool missed, leaked, or whose tokens are unattributed
-        units = pd.read_csv(routers_csv).drop_duplicates(["cell", "router"])
+    # the unit kinds beyond the cells, each judged by its own table, one unit per cell and value of its column (the
+    # routers table has a row per phase and group): (table, that column, how a unit is named in its folder, the
+    # record naming its failed checks, the kind's name in the gate's line)
+    unit_kinds = [
+        # a router unit whose pool missed, leaked, or whose tokens are unattributed
+        (routers_csv, "router", lambda row: f"router~{row.router}", "run.json", "router"),
+        # a length's unit whose chain missed the pool, read warm, or answered apart
+        (contexts_csv, "context", lambda row: f"doc~{row.context}", "unit.json", "length"),
+        # a capacity unit that erred, missed silently, or held more than allowed
+        (capacity_csv, "fraction", lambda row: f"capacity~{row.fraction:g}", "unit.json", "capacity"),
+        # a trace unit that erred, missed silently, leaked, or answered apart
+        (trace_csv, "router", lambda row: f"trace~{row.router}", "run.json", "trace"),
+    ]
+    for csv, column, name, record, kind in unit_kinds:
+        if csv is None:
+            continue
+        units = pd.read_csv(csv).drop_duplicates(["cell", column])
         bad = units[~units["valid"].astype(bool)]
-        lines += [f"  {row.cell} router~{row.router}: its run.json names the failed checks" for row in bad.itertuples()]
+        lines += [f"  {row.cell} {name(row)}: its {record} names the failed checks" for row in bad.itertuples()]
         invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
-        counted.append(f"{len(units)} router units")
-    if contexts_csv is not None:  # a length's unit whose chain missed the pool, read warm, or answered apart
-        units = pd.read_csv(contexts_csv)
-        bad = units[~units["valid"].astype(bool)]
-        lines += [f"  {row.cell} doc~{row.context}: its unit.json names the failed checks" for row in bad.itertuples()]
-        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
-        counted.append(f"{len(units)} length units")
-    if capacity_csv is not None:  # a capacity unit that erred, missed silently, or held more than allowed
-        units = pd.read_csv(capacity_csv)
-        bad = units[~units["valid"].astype(bool)]
-        lines += [f"  {row.cell} capacity~{row.fraction:g}: its unit.json names the failed checks"
-                  for row in bad.itertuples()]
-        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
-        counted.append(f"{len(units)} capacity units")
-    if trace_csv is not None:  # a trace unit that erred, missed silently, leaked, or answered apart
-        units = pd.read_csv(trace_csv)
-        bad = units[~units["valid"].astype(bool)]
-        lines += [f"  {row.cell} trace~{row.router}: its run.json names the failed checks" for row in bad.itertuples()]
-        invalid = pd.concat([invalid, bad[["cell"]]]) if len(bad) else invalid
-        counted.append(f"{len(units)} trace units")
+        counted.append(f"{len(units)} {kind} units")
     lines += [f"  backend~{row.backend}/chunk~{row.chunk}/tier~{row.tier}: kv_bytes {row.comparison}: {row.differ} of "
               f"{row.keys} chunks differ where they must agree bit for bit (e.g. {row.example_key})"
               for row in damaged.itertuples()]
