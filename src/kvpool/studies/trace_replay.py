@@ -139,9 +139,10 @@ def replayed(config: dict, requests: list[traces.TraceRequest]) -> tuple[list[tr
     scaled = traces.scale(requests, scaling(config))
     limit = config["engine"]["max_model_len"]
     fitting = [request for request in scaled if request.prompt_tokens + request.output_tokens <= limit]
+    too_long = len(scaled) - len(fitting)
     if config["trace"]["max_requests"]:
         fitting = fitting[:config["trace"]["max_requests"]]
-    return fitting, len(scaled) - len([r for r in scaled if r.prompt_tokens + r.output_tokens <= limit])
+    return fitting, too_long
 
 
 def pool_bound_tokens(config: dict) -> int:
@@ -199,10 +200,11 @@ def checks(arm: str, rows: pd.DataFrame, chunk: int, block_tokens: int, evicted:
     result["hit_attribution"] = check(missing == 0, missing, "every request's tokens by source")
     served = served_tokens(ok)
     if arm == Arm.SHARED:
-        due = [servable(b, p, chunk) for b, p in zip(ok["bound_tokens"], ok["prompt_tokens"], strict=True)]
-        short = ok[served < np.asarray(due, dtype=float)]
-        value = {"requests": len(short), "tokens": int((np.asarray(due)[served < due] - served[served < due]).sum()),
-                 "evicted_chunks": evicted}
+        due = np.array([servable(b, p, chunk) for b, p in zip(ok["bound_tokens"], ok["prompt_tokens"], strict=True)],
+                       dtype=float)
+        missed = (due - served.to_numpy()).clip(min=0)
+        short = ok[missed > 0]
+        value = {"requests": len(short), "tokens": int(missed.sum()), "evicted_chunks": evicted}
         examples = [f"{row.key}: {row.local_cache_hit_tokens + row.external_hit_tokens:.0f} of "
                     f"{row.bound_tokens} reusable tokens served" for row in short.head(3).itertuples()]
         if evicted:
