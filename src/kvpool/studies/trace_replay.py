@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import random
@@ -114,7 +115,7 @@ def problems(config: dict, check_paths: bool = True) -> list[str]:
             found.append(f"trace.path {settings['path']}: no such file")
         else:
             try:
-                kept, _ = replayed(config, traces.read_trace(path))
+                kept, _ = replayed(config, trace_requests(config))
             except ValueError as exc:
                 found.append(f"trace.path: {exc}")
             else:
@@ -131,6 +132,19 @@ def trace_file(config: dict) -> Path:
     if path.is_absolute() or path.exists():
         return path
     return REPO / path if (REPO / path).exists() else path
+
+
+def trace_requests(config: dict) -> list[traces.TraceRequest]:
+    """The configured trace's requests, read once per file as it is on disk: the checks at start (``problems``, the
+    tier's room) and a unit read the same file."""
+    path = trace_file(config)
+    stat = path.stat()
+    return list(_read_trace(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_trace(path: str, mtime_ns: int, size: int) -> tuple[traces.TraceRequest, ...]:
+    return tuple(traces.read_trace(path))
 
 
 def replayed(config: dict, requests: list[traces.TraceRequest]) -> tuple[list[traces.ScaledRequest], int]:
@@ -150,7 +164,7 @@ def pool_bound_tokens(config: dict) -> int:
     per distinct prefix, and a prompt's chunks only where it computed them). 0 for a trace that cannot be read:
     ``problems`` names why."""
     try:
-        sent, _ = replayed(config, traces.read_trace(trace_file(config)))
+        sent, _ = replayed(config, trace_requests(config))
     except (OSError, ValueError):
         return 0
     return sum(request.prompt_tokens for request in sent)
@@ -253,7 +267,7 @@ def run_trace_unit(config: dict, cell: Cell, router: str, *, model: str, plan_ou
     through ``router``; the rows with their bounds, the sample's split-matched reference (``reference_out``),
     the unit's gate and its telemetry summary."""
     settings = config["trace"]
-    sent, too_long = replayed(config, traces.read_trace(trace_file(config)))
+    sent, too_long = replayed(config, trace_requests(config))
     allowed = engine_model.vocabulary(model)
     texts = dict(zip(map(request_key, sent), prompts(sent, allowed, settings["block_tokens"], settings["seed"]),
                      strict=True))
