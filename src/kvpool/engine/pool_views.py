@@ -64,8 +64,6 @@ def redis_maxmemory(empty_overhead: int, limit: int) -> int:
     return empty_overhead + limit
 
 
-
-
 @contextlib.contextmanager
 def sized_pool_folder(plan: Plan, limit: int):
     """A pool of files' shared folder sized to ``limit`` bytes for the unit (``sized_pool``), as the folder
