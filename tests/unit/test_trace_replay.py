@@ -102,6 +102,17 @@ def test_a_shared_pool_that_served_less_than_a_requests_bound_missed_silently():
     assert evicted["no_silent_miss"]["status"] == "not_verified"
 
 
+def test_a_pool_servers_evictions_are_zero_before_its_lazy_counter_appears_and_unknown_if_unread():
+    read = {"metrics": {"lmcache_mp_l1_eviction_loop_ticks_total": 104.0}, "l1_bytes": 4.0e10}
+    # LMCache exports the evicted-chunks counter only from the first eviction on
+    assert trace_replay.server_pool({"0": read}) == (0, 40_000_000_000)
+    evicted = {"metrics": {"lmcache_mp_l1_evicted_chunks_total": 7.0}, "l1_bytes": 1.0e9}
+    assert trace_replay.server_pool({"0": read, "1": evicted}) == (7, 41_000_000_000)
+    died = {"metrics": {}, "l1_bytes": None, "error": "lmcache server 1: exited 1"}
+    assert trace_replay.server_pool({"0": read, "1": died}) == (None, None)
+    assert trace_replay.server_pool(None) == (None, None)
+
+
 def test_isolated_and_off_arms_serve_nothing_beyond_the_serving_replicas_own_history():
     def frame(served, placed, external):
         return rows([{"key": "trace-0", "prompt_tokens": 2000, "bound_tokens": 1024, "placed_bound_tokens": placed,

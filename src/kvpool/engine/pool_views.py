@@ -167,14 +167,21 @@ class MPPool(ServerPool):
         self.peak_kv_bytes = max(self.peak_kv_bytes, int(metrics.get(self.HELD, 0)))
         return metrics
 
+    @classmethod
+    def evicted_in(cls, metrics: dict[str, float]) -> int:
+        """The chunks evicted, from one read of the server's counters. LMCache's evicted-chunks counter is lazy
+        (it carries a ``cache_salt`` attribute, so it is exported only once a chunk was evicted): a server
+        whose counters were read without it has evicted nothing."""
+        return int(metrics.get(cls.EVICTED, 0))
+
     def state(self) -> dict:
         metrics = self._read()
-        return {"kv_bytes": int(metrics.get(self.HELD, 0)), "evicted_keys": int(metrics.get(self.EVICTED, 0)),
+        return {"kv_bytes": int(metrics.get(self.HELD, 0)), "evicted_keys": self.evicted_in(metrics),
                 "written_chunks": int(metrics.get(self.WRITTEN, 0)),
                 "usage_ratio": metrics.get("lmcache_mp_l1_usage_ratio")}
 
     def evicted(self) -> int:
-        return int(self._read().get(self.EVICTED, 0))
+        return self.evicted_in(self._read())
 
     def limit(self, empty: dict, limit: int, policy: str) -> dict:
         """Nothing to set: the L1 was the limit from the server's start (its plan's ``l1_size_gib``)."""
@@ -185,7 +192,7 @@ class MPPool(ServerPool):
         eviction loop (1 s each; the loop decides from L1's usage, which no write has changed since), or
         at ``timeout_s``. Unchanged since the last settled read, it is returned at once."""
         def now(metrics):
-            return int(metrics.get(self.WRITTEN, 0)), int(metrics.get(self.EVICTED, 0))
+            return int(metrics.get(self.WRITTEN, 0)), self.evicted_in(metrics)
 
         def ticks(metrics):  # a server without the loop's counter: two seconds stand for its two ticks
             return metrics.get(self.TICKS, time.monotonic() - started)

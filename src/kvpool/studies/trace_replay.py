@@ -188,12 +188,15 @@ def servable(bound_tokens: int, prompt_tokens: int, chunk: int) -> int:
 
 
 def server_pool(pool_server: dict | None) -> tuple[int | None, int | None]:
-    """The pool servers' evicted chunks over the unit and their L1 bytes at its end, where they say (LMCache's MP
-    servers: ``kvpool.measure.timed.pool_servers``'s record)."""
+    """The pool servers' evicted chunks over the unit and their L1 bytes at its end, where every server's counters
+    were read (LMCache's MP servers: ``kvpool.measure.timed.pool_servers``'s record)."""
     if not pool_server:
         return None, None
-    servers = [record for record in pool_server.values() if isinstance(record, dict) and not record.get("error")]
-    evicted = [record["metrics"].get(MPPool.EVICTED) for record in servers]
+    records = [record for record in pool_server.values() if isinstance(record, dict)]
+    servers = [record for record in records if not record.get("error") and record.get("metrics")]
+    if len(servers) < len(records):
+        return None, None
+    evicted = [MPPool.evicted_in(record["metrics"]) for record in servers]
     held = [record.get("l1_bytes") for record in servers]
     return (int(sum(evicted)) if evicted and None not in evicted else None,
             int(sum(held)) if held and None not in held else None)
