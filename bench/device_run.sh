@@ -19,6 +19,10 @@ name=$(basename "$config" .yaml)
 work=/root/work/$name
 export PYTHONPATH=/root/site:$repo/src PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p "$work"
+# kvpool's vLLM plugin (the kvpool-random loader of a model with drawn weights) is found through the package's
+# entry point: install kvpool itself (editable, offline, no dependencies) into the machine's python.
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e "$repo" ||
+  echo "device_run: kvpool not installed: a model with drawn weights (random_model.weights) cannot load" >&2
 [ -n "${KVPOOL_GIT_COMMIT:-}" ] || echo "device_run: KVPOOL_GIT_COMMIT is unset; manifests will record this copy's stale .git" >&2
 # A replica (or an LMCache MP server) left by an earlier call of this config that was cut off would
 # hold GPU memory. Only those are stopped: kvpool starts them in the run's working directory.

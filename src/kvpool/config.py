@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from kvpool.cells import Arm, pool_dirs, run_pools, tier_root
-from kvpool.engine import external, host_memory, pool_url
+from kvpool.engine import external, host_memory, pool_url, shapes
 from kvpool.engine.backends import configured, pool_backend
 from kvpool.engine.hosts import is_loopback
 from kvpool.engine.model import engine_kv_bytes_per_token
@@ -32,7 +32,8 @@ from kvpool.studies.load import LEVEL_PATTERN, Level
 # underscores and LMCache's old key names.
 OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--dtype", "--max-model-len",
                       "--kv-transfer-config", "--gpu-memory-utilization", "--enable-prefix-caching",
-                      "--no-enable-prefix-caching", "--enable-prompt-tokens-details"}
+                      "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-cache-dtype",
+                      "--quantization", "--load-format", "--model-loader-extra-config"}
 # Environment variables kvpool sets per replica (kvpool.engine.plan.replica_env), each with the config key
 # that decides it: the LMCache config file, the hash seed that keys agree on, the replica's core and GPU,
 # the batch-invariant kernels, the dev endpoints a unit that empties a replica's cache opens, and the base
@@ -385,9 +386,12 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
     return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)
             + _input_problems(config) + _pool_url_problems(config, workdir)
             + [problem for pool in configured(config) for problem in pool.problems(config)]
+            + [f"backends: {pool.name} {pool.hybrid_refusal}" for pool in configured(config)
+               if pool.hybrid_refusal and shapes.is_hybrid(config)]
             + external.problems(config)
             + peer.problems(config)
-            + trace_replay.problems(config, check_paths))
+            + trace_replay.problems(config, check_paths)
+            + shapes.problems(config))
 
 
 def pool_bytes_per_cell(config: dict, arm: str) -> int | None:

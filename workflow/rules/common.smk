@@ -5,7 +5,7 @@ from pathlib import Path
 from kvpool import config as kvpool_config
 from kvpool import settings as kvpool_settings
 from kvpool.engine import external, mp, redis_pool
-from kvpool.measure import runlock
+from kvpool.measure import model_check, runlock
 from kvpool.report import breakdown, tables
 from kvpool.report import contexts as contexts_report, crossover as crossover_report
 from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb, trace_replay
@@ -100,13 +100,17 @@ def model_input(wildcards=None):
 
 
 LAUNCH_CHECK = "results/launch-check.json"
+MODEL_CHECK = "results/model-check.json"
+# Weights vLLM draws at each replica's start: the model check proves the replicas alike before a cell runs.
+DRAWN_WEIGHTS = config["engine"]["model"] is None and config["random_model"].get("weights") == "drawn"
 
 
 def launch_input(wildcards=None):
-    """The inputs of every job that starts replicas: the model (when this workflow builds it) and, for
-    a fleet it launches, the launch check. A check run again (another config) re-measures nothing by its
-    date alone: what it checks re-plans its cells through their own settings."""
-    return model_input() + ([] if external.is_external(config) else [ancient(LAUNCH_CHECK)])
+    """The inputs of every job that starts replicas: the model (when this workflow builds it), for a fleet it
+    launches the launch check, and for drawn weights the model check. A check run again (another config)
+    re-measures nothing by its date alone: what it checks re-plans its cells through their own settings."""
+    checks = [] if external.is_external(config) else [ancient(LAUNCH_CHECK)]
+    return model_input() + checks + ([ancient(MODEL_CHECK)] if DRAWN_WEIGHTS else [])
 
 
 def settings(step):

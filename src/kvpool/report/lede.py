@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvpool.engine import shapes
 from kvpool.engine.model import random_model_parameters
 from kvpool.report.format import fmt_interval, fmt_value
 from kvpool.stats import MIN_RATIO_SAMPLES
@@ -28,7 +29,10 @@ def model_words(config: dict) -> str:
     if model:
         return f"model {str(model).rstrip('/').rsplit('/', 1)[-1]}"
     spec = config.get("random_model")
-    return f"a {_count(random_model_parameters(spec))}-parameter random Llama" if spec else "a random Llama"
+    if not spec:
+        return "a random Llama"
+    name = shapes.NAMES[spec.get("architecture", "llama")]
+    return f"a {_count(random_model_parameters(spec))}-parameter random {name}"
 
 
 def engine_words(config: dict, versions: dict) -> str:

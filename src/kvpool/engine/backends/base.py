@@ -82,6 +82,8 @@ class PoolBackend:
     capacity_refusal: str = ""
     # a caveat the report prints for its cells (None: nothing beyond the common ones)
     caveat: str | None = None
+    # why it cannot serve a hybrid model (linear-attention layers), where it cannot (None: it is measured)
+    hybrid_refusal: str | None = None
 
     # -- the matrix -------------------------------------------------------------------------------------
     def forms_cells(self, config: dict, tier: str) -> bool:

@@ -16,6 +16,7 @@ FILE_POLICY = "none: a full filesystem fails new stores"
 
 class LMCacheFS(PoolBackend):
     name = Backend.FS.value
+    hybrid_refusal = lmcache_inprocess.HYBRID_REFUSAL
     summary = "LMCache in each replica, an fs:// remote pool: one file per chunk in the pool folder"
     arms = arm_meanings("every replica's remote_url names one folder", "each replica's names a folder of its own")
     emptied = "the pool folder is removed (the replicas' own caches by a restart or /reset_prefix_cache)"

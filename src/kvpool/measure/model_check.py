@@ -1,0 +1,92 @@
+"""Whether replicas of a model with drawn weights can be held to one another (issue 52), before any cell runs.
+
+Every gate holds a replica's answer to another process's: a reload to the reference replica's recompute, replica 1's
+pool hit to replica 0's own cache. With weights written to disk every process reads the same bytes. With weights
+drawn by vLLM at each start (``random_model.weights: drawn``, kvpool.engine.random_weights) that is a claim about a
+seeded draw, so it is measured here, and so is the other half of the check's power: that an answer depends on its
+context at all (vLLM's own ``dummy`` weights answer the same whatever comes before the last tokens).
+
+Two replicas of the reference replica's launch (the fleet's own, less its connector), started one after the other,
+each answer ``PROMPTS`` cold prompts that share their last ``TAIL`` tokens and differ in a ``HEAD``-token head:
+- **identical**: both replicas give the same answers, prompt for prompt (the weights are the same);
+- **context**: the answers to different heads are not all equal (damaged KV could change an answer).
+Either failing stops the run; the answers are in ``logs/model/model_check/verdict.json`` either way, and in
+``results/model-check.json`` where the check passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from pathlib import Path
+
+from kvpool.engine.client import complete, new_session
+from kvpool.engine.fleet import running_fleet
+from kvpool.engine.model import vocabulary
+from kvpool.measure.files import write_json
+from kvpool.measure.unit_plan import reference_replica
+from kvpool.settings import reads
+
+PROMPTS, HEAD, TAIL, OUTPUT_TOKENS, REPLICAS = 3, 512, 64, 8, 2
+
+log = logging.getLogger(__name__)
+
+
+class ModelRefused(RuntimeError):
+    """The model's replicas cannot be held to one another: the output checks would mean nothing."""
+
+
+def probe_prompts(allowed: list[int], seed: int = 0) -> list[list[int]]:
+    """``PROMPTS`` prompts of ``HEAD`` tokens of their own and the same ``TAIL`` tokens after."""
+    draw = random.Random(seed)
+    tail = [draw.choice(allowed) for _ in range(TAIL)]
+    return [[draw.choice(allowed) for _ in range(HEAD)] + tail for _ in range(PROMPTS)]
+
+
+def verdict(answers: list[list[str]], errors: list[str]) -> dict:
+    """The check of ``answers`` (per replica, per prompt): the replicas identical, the answers context-dependent."""
+    identical = not errors and all(replica == answers[0] for replica in answers[1:])
+    distinct = len(set(answers[0])) if answers else 0
+    reasons = list(errors)
+    if not errors and not identical:
+        reasons.append("replicas of one launch answered the same cold prompts differently: their weights differ, so "
+                       "no answer can be held to another replica's")
+    if not errors and distinct < 2:
+        reasons.append(f"all {PROMPTS} prompts got one answer although only their last {TAIL} tokens agree: the "
+                       "model ignores its context, so an answer from damaged KV would pass the output check")
+    return {"ok": not reasons, "identical": identical, "distinct_answers": distinct, "prompts": PROMPTS,
+            "head_tokens": HEAD, "tail_tokens": TAIL, "answers": answers, "reasons": reasons}
+
+
+async def _answers(url: str, prompts: list[list[int]], timeout_s: float) -> tuple[list[str], list[str]]:
+    found, errors = [], []
+    async with new_session() as session:
+        for prompt in prompts:
+            result = await complete(session, url, prompt, OUTPUT_TOKENS, timeout_s)
+            found.append(result.output_text)
+            if result.error:
+                errors.append(result.error)
+    return found, errors
+
+
+@reads("engine", "hash_keys")
+def run_model_check(config: dict, model: str, out: str, log_dir: str) -> None:
+    """Start ``REPLICAS`` reference replicas one after the other, ask each the probe prompts, write the verdict
+    to ``out`` and refuse (``ModelRefused``) where it fails."""
+    prompts = probe_prompts(vocabulary(model))
+    answers, errors = [], []
+    for index in range(REPLICAS):
+        plan = reference_replica(config, model)
+        with running_fleet(plan, Path(log_dir) / f"replica-{index}", config["engine"]["startup_timeout_s"]) as fleet:
+            found, failed = asyncio.run(_answers(fleet[0].url, prompts, config["engine"]["request_timeout_s"]))
+        answers.append(found)
+        errors += [f"replica {index}: {error}" for error in failed]
+    result = {**verdict(answers, errors), "argv": plan.replicas[0].argv}
+    kept = Path(log_dir) / "verdict.json"  # Snakemake removes a failed job's output: the refusal's answers stay here
+    write_json(kept, result)
+    log.info("model check: %s; %d distinct answers of %d, replicas identical: %s", "passed" if result["ok"] else
+             "FAILED", result["distinct_answers"], PROMPTS, result["identical"])
+    if not result["ok"]:
+        raise ModelRefused(f"{model}: " + "; ".join(result["reasons"]) + f" (answers in {kept})")
+    write_json(out, result)

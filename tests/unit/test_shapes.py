@@ -1,0 +1,168 @@
+"""A model given by its shape (kvpool.engine.shapes), its drawn weights (kvpool.engine.random_weights) and the
+check that replicas of it can be held to one another (kvpool.measure.model_check), on CPU without a GPU."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from support import REPO
+from transformers import AutoConfig
+
+from kvpool.config import problems, resolve_extends, validated
+from kvpool.engine import random_weights, shapes
+from kvpool.engine.model import build_model, build_tokenizer, engine_kv_bytes_per_token, kv_bytes_per_token_of
+from kvpool.engine.plan import reference_plan
+from kvpool.measure import model_check
+from kvpool.report.lede import model_words
+
+TINY = {"layers": 8, "hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 2, "head_dim": 64,
+        "vocab_words": 500, "max_positions": 4096, "seed": 3, "init_std": 0.05}
+EXPERTS = {"experts": 8, "experts_per_token": 2, "moe_intermediate": 64}
+HYBRID = {**EXPERTS, "shared_expert_intermediate": 64, "full_attention_interval": 4, "linear_key_heads": 2,
+          "linear_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel": 4}
+SHAPES = {"qwen3-moe": {**TINY, **EXPERTS, "architecture": "qwen3-moe", "weights": "drawn"},
+          "qwen3-next": {**TINY, **HYBRID, "architecture": "qwen3-next", "weights": "drawn"}}
+# Study A's model: Qwen3-30B-A3B's sizes, as its model card gives them
+STUDY_A = {"architecture": "qwen3-moe", "weights": "drawn", "layers": 48, "hidden": 2048, "intermediate": 6144,
+           "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128, "experts_per_token": 8,
+           "moe_intermediate": 768, "vocab_words": 151933, "max_positions": 262144, "seed": 0, "init_std": 0.05}
+
+
+def config(**overlay) -> dict:
+    found = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    for key, value in overlay.items():
+        found[key] = {**found.get(key, {}), **value}
+    resolve_extends(found, REPO)
+    validated(found, REPO)
+    return found
+
+
+@pytest.mark.parametrize("architecture", sorted(SHAPES))
+def test_a_shape_is_the_architecture_asked_for_as_transformers_reads_it(architecture, tmp_path):
+    spec = SHAPES[architecture]
+    build_model(str(tmp_path), spec, "cpu")
+    assert not list(tmp_path.glob("*.safetensors"))  # vLLM draws the weights: nothing written
+    read = AutoConfig.from_pretrained(tmp_path)
+    assert read.model_type == architecture.replace("-", "_")
+    assert read.architectures == [shapes.CAUSAL_LM[architecture]]  # a generator, not an embedding model
+    assert (read.num_hidden_layers, read.num_key_value_heads, read.head_dim) == (8, 2, 64)
+    assert (read.num_experts, read.num_experts_per_tok) == (8, 2)
+    kinds = shapes.layer_kinds(spec)
+    if architecture == "qwen3-next":
+        assert read.layer_types == kinds == ["linear_attention"] * 3 + ["full_attention"] + \
+            ["linear_attention"] * 3 + ["full_attention"]
+    # K and V of each full-attention layer: 2 x layers x 2 KV heads x 64 x 2 bytes
+    full = kinds.count("full_attention")
+    assert shapes.kv_bytes_per_token(spec, "bfloat16") == 2 * full * 2 * 64 * 2
+    assert kv_bytes_per_token_of(tmp_path, "bfloat16") == shapes.kv_bytes_per_token(spec, "bfloat16")
+    assert shapes.kv_bytes_per_token(spec, "bfloat16", "fp8") == full * 2 * 64 * 2
+    made = json.loads((tmp_path / "kvpool-model.json").read_text())
+    assert made["layers"] == {kind: kinds.count(kind) for kind in set(kinds)} and made["weights"] == "drawn"
+    assert made["parameters"] > 0
+    # linear attention keeps a state per sequence instead: 6 layers x (conv + recurrent) x 2 bytes
+    state = 6 * ((2 * 64 + 128) * 3 + 4 * 32 * 32) * 2 if architecture == "qwen3-next" else 0
+    assert made["state_bytes_per_sequence"] == state
+
+
+def test_study_as_shape_has_its_models_size_and_about_ten_gb_of_kv_for_a_99k_token_session():
+    hf = shapes.hf_config(STUDY_A, build_tokenizer(STUDY_A["vocab_words"]))
+    assert hf.vocab_size == 151936
+    assert 30.0e9 < shapes.parameters(hf) < 31.0e9  # "30B"
+    per_token = shapes.kv_bytes_per_token(STUDY_A, "bfloat16")
+    assert per_token == 96 * 1024 and 9.5e9 < 99_000 * per_token < 10.0e9
+    made = config(engine={"kind": "vllm", "dtype": "bfloat16"}, random_model=STUDY_A)
+    assert engine_kv_bytes_per_token(made) == per_token
+    assert model_words(made) == "a 31B-parameter random Qwen3 mixture of experts"  # 30.5B, rounded
+    made["engine"]["kv_cache_dtype"] = "fp8"
+    assert engine_kv_bytes_per_token(made) == per_token // 2
+
+
+def test_a_shape_with_written_weights_missing_sizes_or_unservable_settings_is_refused():
+    def refused(**overlay):
+        return shapes.problems(config(**overlay))
+
+    assert "needs random_model.weights: drawn" in refused(random_model={**SHAPES["qwen3-moe"], "weights": "written"})[0]
+    assert "random_model.full_attention_interval" in refused(
+        random_model={**SHAPES["qwen3-moe"], "architecture": "qwen3-next"})[0]
+    hybrid = {**SHAPES["qwen3-next"], "full_attention_interval": 9}
+    assert "no full-attention layer" in " ".join(refused(random_model=hybrid, engine={"dtype": "bfloat16"}))
+    assert "linear_key_heads" in refused(random_model={**SHAPES["qwen3-next"], "linear_value_heads": 3},
+                                         engine={"dtype": "bfloat16"})[0]
+    assert "needs the vllm engine" in refused(engine={"quantization": "fp8"})[0]
+    assert refused(random_model=SHAPES["qwen3-moe"]) == []
+    assert refused(random_model=SHAPES["qwen3-next"], engine={"dtype": "bfloat16"}) == []
+
+
+def test_a_hybrid_is_told_by_its_shape_or_its_folder_and_refused_on_lmcache_in_process(tmp_path):
+    hybrid = config(random_model=SHAPES["qwen3-next"], engine={"dtype": "bfloat16"})
+    assert shapes.is_hybrid(hybrid) and not shapes.is_hybrid(config(random_model=SHAPES["qwen3-moe"]))
+    build_model(str(tmp_path), SHAPES["qwen3-next"], "cpu")
+    assert shapes.is_hybrid(config(engine={"model": str(tmp_path)}))
+    found = problems(hybrid, tmp_path, check_paths=False)
+    assert [p for p in found if p.startswith("backends: lmcache-fs runs LMCache's in-process connector")]
+    assert not [p for p in problems(config(random_model=SHAPES["qwen3-moe"]), tmp_path, check_paths=False)
+                if "in-process connector" in p]
+
+
+def test_a_replica_of_a_folder_without_weights_draws_them_with_the_folders_seed(tmp_path):
+    build_model(str(tmp_path), SHAPES["qwen3-moe"], "cpu")
+    made = config(random_model=SHAPES["qwen3-moe"])
+    argv = reference_plan(made, str(tmp_path), 18100, "test").replicas[0].argv
+    at = argv.index("--load-format")
+    assert argv[at + 1] == random_weights.LOAD_FORMAT
+    assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"seed": 3, "std": 0.05}
+    assert random_weights.load_args(str(tmp_path / "absent")) == []
+    gpu = config(engine={"kind": "vllm", "kv_cache_dtype": "fp8", "quantization": "fp8"})
+    argv = reference_plan(gpu, str(tmp_path), 18100, "test").replicas[0].argv
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8" and argv[argv.index("--quantization") + 1] == "fp8"
+
+
+def test_the_loader_takes_its_seed_and_std_and_names_what_it_does_not_know():
+    assert random_weights.settings(None) == {"seed": 0, "std": 0.05}
+    assert random_weights.settings({"seed": 7}) == {"seed": 7, "std": 0.05}
+    with pytest.raises(ValueError, match=r"unknown --model-loader-extra-config keys \['sede'\]"):
+        random_weights.settings({"sede": 7})
+    with pytest.raises(ValueError, match="std positive"):
+        random_weights.settings({"std": 0})
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(64)
+        self.proj = torch.nn.Linear(64, 256)
+        self.down = torch.nn.Linear(256, 64, bias=False)
+
+
+def drawn(seed: int) -> Block:
+    block = Block()
+    draw = random_weights.Draw.for_model(block, seed, 0.05)
+    for layer in block.modules():  # as vLLM 0.26's dummy loader visits them
+        draw.layer(layer)
+    return block
+
+
+def test_the_draw_keeps_norms_is_wide_on_matrices_and_the_same_for_the_same_seed():
+    block, again, other = drawn(1), drawn(1), drawn(2)
+    assert torch.equal(block.norm.weight, torch.ones(64))  # the norm's own value
+    assert abs(block.proj.weight.std().item() - 0.05) < 0.003  # N(0, std), not vLLM's +-1e-3
+    assert block.proj.bias.abs().max().item() <= 1e-3
+    assert not torch.equal(block.proj.weight[:64, :64], block.down.weight[:64, :64].T)
+    for name, tensor in block.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[name]), name
+    assert not torch.equal(block.proj.weight, other.proj.weight)
+
+
+def test_the_model_check_needs_replicas_alike_and_answers_that_depend_on_their_heads():
+    assert model_check.verdict([["a", "b", "c"], ["a", "b", "c"]], [])["ok"]
+    differ = model_check.verdict([["a", "b", "c"], ["a", "x", "c"]], [])
+    assert not differ["ok"] and "weights differ" in differ["reasons"][0]
+    blind = model_check.verdict([["a", "a", "a"], ["a", "a", "a"]], [])
+    assert not blind["ok"] and blind["identical"] and "ignores its context" in blind["reasons"][0]
+    failed = model_check.verdict([["a", "", "c"], ["a", "b", "c"]], ["replica 0: HTTP 500"])
+    assert not failed["ok"] and failed["reasons"] == ["replica 0: HTTP 500"]
+    prompts = model_check.probe_prompts(list(range(10, 500)))
+    assert len(prompts) == model_check.PROMPTS and all(len(p) == model_check.HEAD + model_check.TAIL for p in prompts)
+    assert len({tuple(p[-model_check.TAIL:]) for p in prompts}) == 1
+    assert len({tuple(p[:model_check.HEAD]) for p in prompts}) == model_check.PROMPTS
