@@ -154,6 +154,22 @@ def test_the_draw_keeps_norms_is_wide_on_matrices_and_the_same_for_the_same_seed
     assert not torch.equal(block.proj.weight, other.proj.weight)
 
 
+def test_vllm_finds_the_loader_by_its_load_format_and_draws_through_its_own_dummy_loop():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import dummy_loader, get_model_loader
+
+    random_weights.register()  # what vLLM's plugin loader calls in each of its processes
+    loader = get_model_loader(LoadConfig(load_format=random_weights.LOAD_FORMAT,
+                                         model_loader_extra_config={"seed": 1, "std": 0.05}))
+    block, again = Block(), Block()
+    loader.load_weights(block, None)
+    loader.load_weights(again, None)
+    assert torch.equal(block.norm.weight, torch.ones(64)) and abs(block.proj.weight.std().item() - 0.05) < 0.003
+    assert torch.equal(block.proj.weight, again.proj.weight) and block.proj.bias.abs().max().item() <= 1e-3
+    # the dummy loader's own draw is back for any other load
+    assert dummy_loader.initialize_single_dummy_weight.__module__.endswith("weight_utils")
+
+
 def test_the_model_check_needs_replicas_alike_and_answers_that_depend_on_their_heads():
     assert model_check.verdict([["a", "b", "c"], ["a", "b", "c"]], [])["ok"]
     differ = model_check.verdict([["a", "b", "c"], ["a", "x", "c"]], [])
