@@ -35,10 +35,10 @@ import urllib.request
 from pathlib import Path
 
 from kvpool.engine import shapes
-from kvpool.engine.client import complete, new_session
 from kvpool.engine.model import build_tokenizer, vocabulary
 from kvpool.engine.plan import SERVED_MODEL_NAME
 from kvpool.engine.ports import free_ports
+from kvpool.measure import model_check
 
 _SIZES = {"layers": 4, "hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 1, "head_dim": 128,
           "vocab_words": 4000, "max_positions": 32768, "seed": 0, "init_std": 0.05, "weights": "drawn",
@@ -78,17 +78,6 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     raise SystemExit(f"the server was not healthy within {timeout_s:.0f} s")
 
 
-async def answers(url: str, prompts: list[list[int]], output_tokens: int) -> list[str]:
-    found = []
-    async with new_session() as session:
-        for prompt in prompts:
-            result = await complete(session, url, prompt, output_tokens, 300.0)
-            if result.error:
-                raise SystemExit(f"a request failed: {result.error}")
-            found.append(result.output_text)
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="a local model directory (config.json and a tokenizer)")
@@ -122,7 +111,9 @@ def measure(args) -> None:
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
     try:
         wait_healthy(proc, url, args.startup_timeout_s)
-        found = asyncio.run(answers(url, prompts + prompts[:1], args.output_tokens))
+        found, errors = asyncio.run(model_check.answers(url, prompts + prompts[:1], 300.0, args.output_tokens))
+        if errors:
+            raise SystemExit(f"a request failed: {errors[0]}")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -51,11 +51,9 @@ def kv_bytes_per_token_of(model_dir: Path, dtype: str, kv_cache_dtype: str = "au
     """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V of every
     full-attention layer: a hybrid's ``layer_types`` name the others); None when there is no such file or it lacks
     the sizes."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    cfg = shapes.folder_config(model_dir)
+    if cfg is None:
         return None
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
     try:
         heads = cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]

@@ -75,11 +75,16 @@ def is_hybrid(config: dict) -> bool:
     model, spec = config["engine"]["model"], config["random_model"]
     if model is None:
         return spec.get("architecture") == "qwen3-next"
-    path = Path(model) / "config.json"
+    return "linear_attention" in (folder_config(Path(model)) or {}).get("layer_types", [])
+
+
+def folder_config(model_dir: Path) -> dict | None:
+    """A local model folder's config.json, the language model's part of a multimodal one; None without the file."""
+    path = Path(model_dir) / "config.json"
     if not path.is_file():
-        return False
+        return None
     found = json.loads(path.read_text())
-    return "linear_attention" in found.get("text_config", found).get("layer_types", [])
+    return found.get("text_config", found)  # multimodal configs nest the language model's
 
 
 def kv_bytes_per_token(spec: dict, dtype: str, kv_cache_dtype: str = "auto") -> int:

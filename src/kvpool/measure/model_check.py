@@ -59,11 +59,13 @@ def verdict(answers: list[list[str]], errors: list[str]) -> dict:
             "head_tokens": HEAD, "tail_tokens": TAIL, "answers": answers, "reasons": reasons}
 
 
-async def _answers(url: str, prompts: list[list[int]], timeout_s: float) -> tuple[list[str], list[str]]:
+async def answers(url: str, prompts: list[list[int]], timeout_s: float,
+                  output_tokens: int = OUTPUT_TOKENS) -> tuple[list[str], list[str]]:
+    """Each prompt's greedy answer from the replica at ``url``, one at a time, and the requests' errors."""
     found, errors = [], []
     async with new_session() as session:
         for prompt in prompts:
-            result = await complete(session, url, prompt, OUTPUT_TOKENS, timeout_s)
+            result = await complete(session, url, prompt, output_tokens, timeout_s)
             found.append(result.output_text)
             if result.error:
                 errors.append(result.error)
@@ -79,7 +81,7 @@ def run_model_check(config: dict, model: str, out: str, log_dir: str) -> None:
     for index in range(REPLICAS):
         plan = reference_replica(config, model)
         with running_fleet(plan, Path(log_dir) / f"replica-{index}", config["engine"]["startup_timeout_s"]) as fleet:
-            found, failed = asyncio.run(_answers(fleet[0].url, prompts, config["engine"]["request_timeout_s"]))
+            found, failed = asyncio.run(answers(fleet[0].url, prompts, config["engine"]["request_timeout_s"]))
         answers.append(found)
         errors += [f"replica {index}: {error}" for error in failed]
     result = {**verdict(answers, errors), "argv": plan.replicas[0].argv}
