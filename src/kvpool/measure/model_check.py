@@ -77,14 +77,14 @@ def run_model_check(config: dict, model: str, out: str, log_dir: str) -> None:
     """Start ``REPLICAS`` reference replicas one after the other, ask each the probe prompts, write the verdict
     to ``out`` and refuse (``ModelRefused``) where it fails."""
     prompts = probe_prompts(vocabulary(model))
-    answers, errors = [], []
+    by_replica, errors = [], []
     for index in range(REPLICAS):
         plan = reference_replica(config, model)
         with running_fleet(plan, Path(log_dir) / f"replica-{index}", config["engine"]["startup_timeout_s"]) as fleet:
             found, failed = asyncio.run(answers(fleet[0].url, prompts, config["engine"]["request_timeout_s"]))
-        answers.append(found)
+        by_replica.append(found)
         errors += [f"replica {index}: {error}" for error in failed]
-    result = {**verdict(answers, errors), "argv": plan.replicas[0].argv}
+    result = {**verdict(by_replica, errors), "argv": plan.replicas[0].argv}
     kept = Path(log_dir) / "verdict.json"  # Snakemake removes a failed job's output: the refusal's answers stay here
     write_json(kept, result)
     log.info("model check: %s; %d distinct answers of %d, replicas identical: %s", "passed" if result["ok"] else
