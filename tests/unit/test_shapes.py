@@ -27,6 +27,11 @@ SHAPES = {"qwen3-moe": {**TINY, **EXPERTS, "architecture": "qwen3-moe", "weights
 STUDY_A = {"architecture": "qwen3-moe", "weights": "drawn", "layers": 48, "hidden": 2048, "intermediate": 6144,
            "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128, "experts_per_token": 8,
            "moe_intermediate": 768, "vocab_words": 151933, "max_positions": 262144, "seed": 0, "init_std": 0.05}
+# Study B's hybrid 27B: Qwen3.5-27B's text stack (dense MLPs), as a public training script gives its sizes
+STUDY_B = {"architecture": "qwen3-next", "weights": "drawn", "layers": 64, "hidden": 5120, "intermediate": 17408,
+           "heads": 24, "kv_heads": 4, "head_dim": 256, "experts": 0, "full_attention_interval": 4,
+           "linear_key_heads": 16, "linear_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+           "linear_conv_kernel": 4, "vocab_words": 248317, "max_positions": 262144, "seed": 0, "init_std": 0.05}
 
 
 def config(**overlay) -> dict:
@@ -78,6 +83,19 @@ def test_study_as_shape_has_its_models_size_and_about_ten_gb_of_kv_for_a_99k_tok
     assert engine_kv_bytes_per_token(made) == per_token // 2
 
 
+def test_study_bs_shape_is_a_dense_hybrid_27b_of_16_full_attention_layers_with_32_kib_of_fp8_kv_a_token():
+    hf = shapes.hf_config(STUDY_B, build_tokenizer(STUDY_B["vocab_words"]))
+    assert hf.vocab_size == 248320 and hf.num_experts == 0
+    assert hf.layer_types.count("full_attention") == 16 and hf.layer_types.count("linear_attention") == 48
+    assert hf.layer_types == shapes.layer_kinds(STUDY_B)
+    assert 26.5e9 < shapes.parameters(hf) < 27.5e9  # "27B": every MLP dense, no expert built
+    assert shapes.kv_bytes_per_token(STUDY_B, "bfloat16", "fp8") == 16 * 2 * 4 * 256 == 32 * 1024
+    # per linear layer: the convolution's last 3 inputs of 2 x 2048 key and 6144 value channels, and 48 value heads'
+    # 128 x 128 state, in bfloat16
+    assert shapes.state_bytes_per_sequence(STUDY_B, "bfloat16") == 48 * ((2 * 2048 + 6144) * 3 + 48 * 128 * 128) * 2
+    assert shapes.problems(config(random_model=STUDY_B, engine={"kind": "vllm", "dtype": "bfloat16"})) == []
+
+
 def test_a_shape_with_written_weights_missing_sizes_or_unservable_settings_is_refused():
     def refused(**overlay):
         return shapes.problems(config(**overlay))
@@ -90,6 +108,12 @@ def test_a_shape_with_written_weights_missing_sizes_or_unservable_settings_is_re
     assert "linear_key_heads" in refused(random_model={**SHAPES["qwen3-next"], "linear_value_heads": 3},
                                          engine={"dtype": "bfloat16"})[0]
     assert "needs the vllm engine" in refused(engine={"quantization": "fp8"})[0]
+    assert "is architecture llama" in refused(random_model={**SHAPES["qwen3-moe"], "experts": 0})[0]
+    # a hybrid with experts needs their sizes; a dense hybrid (experts 0) does not
+    sparse = {key: value for key, value in SHAPES["qwen3-next"].items() if key != "shared_expert_intermediate"}
+    assert "random_model.shared_expert_intermediate" in refused(random_model=sparse, engine={"dtype": "bfloat16"})[0]
+    dense = {key: value for key, value in sparse.items() if key not in shapes.EXPERT_SIZES}
+    assert refused(random_model={**dense, "experts": 0}, engine={"dtype": "bfloat16"}) == []
     assert refused(random_model=SHAPES["qwen3-moe"]) == []
     assert refused(random_model=SHAPES["qwen3-next"], engine={"dtype": "bfloat16"}) == []
 

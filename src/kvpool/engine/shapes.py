@@ -8,7 +8,9 @@ written as its ``config.json`` and kvpool's tokenizer alone when its weights are
   ``experts_per_token`` run for each token;
 - ``qwen3-next`` (a hybrid, as Study B's model): one full-attention layer in every ``full_attention_interval``,
   the others linear attention (Gated DeltaNet), whose state per sequence is fixed in size and holds no KV per token;
-  mixture-of-experts MLPs with a shared expert.
+  mixture-of-experts MLPs with a shared expert, or with ``experts: 0`` every layer's MLP dense (``intermediate``
+  wide): Qwen3.5's text stack, the shape of Study B's hybrid 27B, which vLLM 0.26 registers only inside its
+  multimodal wrapper.
 
 The config classes are transformers' own, so the file is the one vLLM and transformers read for these models.
 """
@@ -47,13 +49,15 @@ def hf_config(spec: dict, tokenizer):
     common["architectures"] = [CAUSAL_LM[architecture]]
     if architecture == "llama":
         return LlamaConfig(**common)
-    experts = dict(num_experts=spec["experts"], num_experts_per_tok=spec["experts_per_token"],
-                   moe_intermediate_size=spec["moe_intermediate"], decoder_sparse_step=1, mlp_only_layers=[],
-                   norm_topk_prob=True)
+    experts = dict(num_experts=0, decoder_sparse_step=1, mlp_only_layers=[])  # a dense MLP in every layer
+    if spec["experts"]:
+        experts.update(num_experts=spec["experts"], num_experts_per_tok=spec["experts_per_token"],
+                       moe_intermediate_size=spec["moe_intermediate"], norm_topk_prob=True)
     if architecture == "qwen3-moe":
         return Qwen3MoeConfig(**common, **experts)
+    if spec["experts"]:
+        experts["shared_expert_intermediate_size"] = spec["shared_expert_intermediate"]
     return Qwen3NextConfig(**common, **experts, full_attention_interval=spec["full_attention_interval"],
-                           shared_expert_intermediate_size=spec["shared_expert_intermediate"],
                            linear_num_key_heads=spec["linear_key_heads"],
                            linear_num_value_heads=spec["linear_value_heads"],
                            linear_key_head_dim=spec["linear_key_head_dim"],
@@ -142,9 +146,12 @@ def write_shape(out_dir: Path, spec: dict, tokenizer) -> dict:
 
 
 REQUIRED = {"llama": (), "qwen3-moe": ("experts", "experts_per_token", "moe_intermediate"),
-            "qwen3-next": ("experts", "experts_per_token", "moe_intermediate", "shared_expert_intermediate",
-                           "full_attention_interval", "linear_key_heads", "linear_value_heads",
+            "qwen3-next": ("experts", "full_attention_interval", "linear_key_heads", "linear_value_heads",
                            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel")}
+
+
+# qwen3-next's mixture of experts, required where random_model.experts is not 0
+EXPERT_SIZES = ("experts_per_token", "moe_intermediate", "shared_expert_intermediate")
 
 
 def problems(config: dict) -> list[str]:
@@ -161,11 +168,17 @@ def problems(config: dict) -> list[str]:
     if architecture != "llama" and weights != "drawn":
         found.append(f"random_model.architecture {architecture} needs random_model.weights: drawn (kvpool writes "
                      "the Llama's weights only; vLLM draws any architecture's)")
-    if missing := [key for key in REQUIRED[architecture] if key not in spec]:
+    required = REQUIRED[architecture]
+    if architecture == "qwen3-next" and spec.get("experts"):
+        required += EXPERT_SIZES
+    if missing := [key for key in required if key not in spec]:
         found.append(f"random_model.architecture {architecture} is given by its sizes: set random_model."
                      + ", random_model.".join(missing))
         return found
-    if architecture != "llama" and spec["experts_per_token"] > spec["experts"]:
+    if architecture == "qwen3-moe" and not spec["experts"]:
+        found.append("random_model.experts 0: a qwen3-moe without experts has no MLP; a dense model with every "
+                     "layer full attention is architecture llama")
+    elif architecture != "llama" and spec["experts"] and spec["experts_per_token"] > spec["experts"]:
         found.append(f"random_model.experts_per_token {spec['experts_per_token']} exceeds random_model.experts "
                      f"{spec['experts']}")
     if architecture == "qwen3-next":
