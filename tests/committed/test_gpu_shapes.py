@@ -1,0 +1,98 @@
+"""The committed GPU run of a study's model shape, re-read by the pipeline's own code (issue 52).
+docs/results/h100-shape-a: config/h100-shape-a.yaml, Study A's Qwen3-30B-A3B shape (weights drawn by vLLM, FP8
+online) on two replicas packed on one H100, eight 40,960-token documents, an LMCache MP pool in RAM, both arms."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from snakemake.utils import validate
+from support import REPO
+from support.committed import assert_same_gate
+
+from kvpool.cells import Cell
+from kvpool.engine import shapes
+from kvpool.engine.model import build_tokenizer
+from kvpool.measure import model_check
+from kvpool.measure.files import read_json
+from kvpool.measure.records import read_records
+from kvpool.studies import study_a
+
+RUN = REPO / "docs" / "results" / "h100-shape-a"
+COMMIT = "dce6f14d6bf8fd86a2603b2ee98456eb853a93d3"
+CELLS = [Cell("lmcache-mp", arm, 256, "ram") for arm in ("shared", "isolated")]
+
+
+def cell_dir(cell: Cell) -> Path:
+    return RUN / "results" / "cells" / cell.name
+
+
+def run_config() -> dict:
+    config = read_json(cell_dir(CELLS[0]) / "manifest.json")["config"]
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    return config
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.arm)
+def test_each_cell_ran_study_as_shape_at_one_clean_commit_on_the_h100_with_vllm_0_26(cell):
+    manifest = read_json(cell_dir(cell) / "manifest.json")
+    assert manifest["git"] == {"commit": COMMIT, "dirty": False, "source": "KVPOOL_GIT_COMMIT"}
+    assert manifest["hardware"]["gpu"]["devices"] == ["NVIDIA H100 80GB HBM3"]
+    assert (manifest["versions"]["vllm"], manifest["versions"]["lmcache"]) == ("0.26.0", "0.5.3")
+    assert manifest["config"] == run_config()
+    spec, engine = manifest["config"]["random_model"], manifest["config"]["engine"]
+    assert (spec["architecture"], spec["weights"], engine["quantization"]) == ("qwen3-moe", "drawn", "fp8")
+
+
+def test_the_shape_is_qwen3_30b_a3bs_with_96_kib_of_kv_a_token_as_the_pool_server_counted_it():
+    config = run_config()
+    spec = config["random_model"]
+    hf = shapes.hf_config(spec, build_tokenizer(spec["vocab_words"]))
+    assert (hf.num_hidden_layers, hf.num_experts, hf.num_experts_per_tok, hf.vocab_size) == (48, 128, 8, 151936)
+    assert shapes.parameters(hf) == 30_532_122_624  # what the device's model step logged
+    per_token = shapes.kv_bytes_per_token(spec, config["engine"]["dtype"])
+    assert per_token == 96 * 1024
+    # the MP server's L1 after populate: every document's tokens and the preflight probe's two chunks, at the
+    # shape's KV bytes per token to the byte
+    gate = read_json(cell_dir(CELLS[0]) / "validity.json")["checks"]
+    workload = config["workload"]
+    assert gate["pool_bytes"]["value"] == (workload["documents"] * workload["doc_tokens"] + 2 * 256) * per_token
+
+
+def test_the_model_check_found_the_replicas_alike_and_their_answers_dependent_on_context():
+    recorded = read_json(RUN / "results" / "model-check.json")
+    again = model_check.verdict(recorded["answers"], [])
+    assert again["ok"] and again["identical"] and again["distinct_answers"] == 3
+    assert {key: recorded[key] for key in again} == again
+    argv = recorded["argv"]
+    assert argv[argv.index("--load-format") + 1] == "kvpool-random"
+    assert argv[argv.index("--quantization") + 1] == "fp8"
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.arm)
+def test_each_cell_is_valid_again_from_its_records(cell, tmp_path):
+    folder = cell_dir(cell)
+    study_a.run_validity(run_config(), cell, populate_csv=folder / "populate.csv",
+                         populate_json=folder / "populate.json", reuse_csv=folder / "reuse.csv",
+                         reuse_json=folder / "reuse.json",
+                         reference_csv=RUN / "results" / "reference" / "outputs.csv",
+                         populate_digests=folder / "populate-digests.csv",
+                         reuse_digests=folder / "pool-digests.csv", out=tmp_path / "validity.json")
+    again, recorded = read_json(tmp_path / "validity.json"), read_json(folder / "validity.json")
+    assert_same_gate(recorded["checks"], again["checks"])
+    assert again["valid"] and recorded["valid"]
+    outputs = again["checks"]["output_matches_recompute"]["value"]
+    assert outputs["exact"] == outputs["equal"] == 8
+
+
+def test_the_shared_arm_reloaded_every_document_and_the_isolated_arm_recomputed_it():
+    doc_tokens = run_config()["workload"]["doc_tokens"]
+    shared, isolated = (read_records(cell_dir(cell) / "reuse.csv") for cell in CELLS)
+    assert (shared["prefill_replica"] != shared["serve_replica"]).all()
+    assert (shared["external_hit_tokens"] == doc_tokens).all() and (shared["local_compute_tokens"] == 256).all()
+    assert (isolated["external_hit_tokens"] == 0).all() and (isolated["local_compute_tokens"] >= doc_tokens).all()
+    table = pd.read_csv(RUN / "results" / "cell_table.csv").set_index("arm")
+    for arm, records in (("shared", shared), ("isolated", isolated)):
+        assert table.loc[arm, "ttft_p50_s"] == pytest.approx(records["ttft_s"].median(), rel=1e-12)
+        assert table.loc[arm, "ttft_n"] == len(records) == 8
+    assert table.loc["isolated", "ttft_p50_ci_low_s"] > 5 * table.loc["shared", "ttft_p50_ci_high_s"]
