@@ -33,7 +33,7 @@ from kvpool.studies.load import LEVEL_PATTERN, Level
 OWNED_ENGINE_FLAGS = {"--model", "--host", "--port", "--served-model-name", "--dtype", "--max-model-len",
                       "--kv-transfer-config", "--gpu-memory-utilization", "--enable-prefix-caching",
                       "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-cache-dtype",
-                      "--quantization", "--load-format", "--model-loader-extra-config"}
+                      "--quantization", "--load-format", "--model-loader-extra-config", "--language-model-only"}
 # Environment variables kvpool sets per replica (kvpool.engine.plan.replica_env), each with the config key
 # that decides it: the LMCache config file, the hash seed that keys agree on, the replica's core and GPU,
 # the batch-invariant kernels, the dev endpoints a unit that empties a replica's cache opens, and the base

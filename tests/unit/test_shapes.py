@@ -27,9 +27,9 @@ SHAPES = {"qwen3-moe": {**TINY, **EXPERTS, "architecture": "qwen3-moe", "weights
 STUDY_A = {"architecture": "qwen3-moe", "weights": "drawn", "layers": 48, "hidden": 2048, "intermediate": 6144,
            "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128, "experts_per_token": 8,
            "moe_intermediate": 768, "vocab_words": 151933, "max_positions": 262144, "seed": 0, "init_std": 0.05}
-# Study B's hybrid 27B: Qwen3.5-27B's text stack (dense MLPs), as a public training script gives its sizes
-STUDY_B = {"architecture": "qwen3-next", "weights": "drawn", "layers": 64, "hidden": 5120, "intermediate": 17408,
-           "heads": 24, "kv_heads": 4, "head_dim": 256, "experts": 0, "full_attention_interval": 4,
+# Study B's hybrid 27B: Qwen3.5-27B's language model (dense MLPs), as a public training script gives its sizes
+STUDY_B = {"architecture": "qwen3.5", "weights": "drawn", "layers": 64, "hidden": 5120, "intermediate": 17408,
+           "heads": 24, "kv_heads": 4, "head_dim": 256, "full_attention_interval": 4,
            "linear_key_heads": 16, "linear_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
            "linear_conv_kernel": 4, "vocab_words": 248317, "max_positions": 262144, "seed": 0, "init_std": 0.05}
 
@@ -50,7 +50,7 @@ def test_a_shape_is_the_architecture_asked_for_as_transformers_reads_it(architec
     assert not list(tmp_path.glob("*.safetensors"))  # vLLM draws the weights: nothing written
     read = AutoConfig.from_pretrained(tmp_path)
     assert read.model_type == architecture.replace("-", "_")
-    assert read.architectures == [shapes.CAUSAL_LM[architecture]]  # a generator, not an embedding model
+    assert read.architectures == [shapes.MODEL_CLASS[architecture]]  # a generator, not an embedding model
     assert (read.num_hidden_layers, read.num_key_value_heads, read.head_dim) == (8, 2, 64)
     assert (read.num_experts, read.num_experts_per_tok) == (8, 2)
     kinds = shapes.layer_kinds(spec)
@@ -83,17 +83,28 @@ def test_study_as_shape_has_its_models_size_and_about_ten_gb_of_kv_for_a_99k_tok
     assert engine_kv_bytes_per_token(made) == per_token // 2
 
 
-def test_study_bs_shape_is_a_dense_hybrid_27b_of_16_full_attention_layers_with_32_kib_of_fp8_kv_a_token():
+def test_study_bs_shape_is_a_dense_hybrid_27b_of_16_full_attention_layers_with_32_kib_of_fp8_kv_a_token(tmp_path):
     hf = shapes.hf_config(STUDY_B, build_tokenizer(STUDY_B["vocab_words"]))
-    assert hf.vocab_size == 248320 and hf.num_experts == 0
-    assert hf.layer_types.count("full_attention") == 16 and hf.layer_types.count("linear_attention") == 48
-    assert hf.layer_types == shapes.layer_kinds(STUDY_B)
-    assert 26.5e9 < shapes.parameters(hf) < 27.5e9  # "27B": every MLP dense, no expert built
+    assert hf.architectures == ["Qwen3_5ForConditionalGeneration"]  # the only Qwen3.5 class vLLM 0.26 registers
+    text = hf.text_config
+    assert text.vocab_size == 248320 and (text.hidden_size, text.intermediate_size) == (5120, 17408)
+    assert text.layer_types.count("full_attention") == 16 and text.layer_types.count("linear_attention") == 48
+    assert text.layer_types == shapes.layer_kinds(STUDY_B)
+    assert 26.5e9 < shapes.parameters(hf) < 27.5e9  # "27B": the language model, every MLP dense
     assert shapes.kv_bytes_per_token(STUDY_B, "bfloat16", "fp8") == 16 * 2 * 4 * 256 == 32 * 1024
     # per linear layer: the convolution's last 3 inputs of 2 x 2048 key and 6144 value channels, and 48 value heads'
     # 128 x 128 state, in bfloat16
     assert shapes.state_bytes_per_sequence(STUDY_B, "bfloat16") == 48 * ((2 * 2048 + 6144) * 3 + 48 * 128 * 128) * 2
-    assert shapes.problems(config(random_model=STUDY_B, engine={"kind": "vllm", "dtype": "bfloat16"})) == []
+    gpu = config(random_model=STUDY_B, engine={"kind": "vllm", "dtype": "bfloat16"})
+    assert shapes.problems(gpu) == [] and shapes.is_hybrid(gpu)
+    assert "needs the vllm engine on GPUs" in shapes.problems(config(random_model=STUDY_B))[0]
+    # its folder is read as a hybrid through the wrapper's text_config, and its replicas build no vision tower
+    shapes.write_shape(tmp_path, {**STUDY_B, "layers": 4, "hidden": 256, "intermediate": 512, "heads": 2,
+                                  "head_dim": 128, "linear_key_heads": 2, "linear_value_heads": 4,
+                                  "linear_key_head_dim": 32, "linear_value_head_dim": 32, "vocab_words": 500},
+                       build_tokenizer(500))
+    assert shapes.is_hybrid(config(engine={"model": str(tmp_path)}))
+    assert random_weights.load_args(str(tmp_path))[-1] == "--language-model-only"
 
 
 def test_a_shape_with_written_weights_missing_sizes_or_unservable_settings_is_refused():
@@ -108,12 +119,10 @@ def test_a_shape_with_written_weights_missing_sizes_or_unservable_settings_is_re
     assert "linear_key_heads" in refused(random_model={**SHAPES["qwen3-next"], "linear_value_heads": 3},
                                          engine={"dtype": "bfloat16"})[0]
     assert "needs the vllm engine" in refused(engine={"quantization": "fp8"})[0]
-    assert "is architecture llama" in refused(random_model={**SHAPES["qwen3-moe"], "experts": 0})[0]
-    # a hybrid with experts needs their sizes; a dense hybrid (experts 0) does not
-    sparse = {key: value for key, value in SHAPES["qwen3-next"].items() if key != "shared_expert_intermediate"}
-    assert "random_model.shared_expert_intermediate" in refused(random_model=sparse, engine={"dtype": "bfloat16"})[0]
-    dense = {key: value for key, value in sparse.items() if key not in shapes.EXPERT_SIZES}
-    assert refused(random_model={**dense, "experts": 0}, engine={"dtype": "bfloat16"}) == []
+    # vLLM builds neither MoE class without experts (measured on vLLM 0.26.0): each names the dense architecture
+    assert "a dense model is architecture llama" in refused(random_model={**SHAPES["qwen3-moe"], "experts": 0})[0]
+    assert "a dense model is architecture qwen3.5" in refused(random_model={**SHAPES["qwen3-next"], "experts": 0},
+                                                              engine={"dtype": "bfloat16"})[0]
     assert refused(random_model=SHAPES["qwen3-moe"]) == []
     assert refused(random_model=SHAPES["qwen3-next"], engine={"dtype": "bfloat16"}) == []
 

@@ -26,6 +26,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from kvpool.engine.shapes import MULTIMODAL
+
 LOAD_FORMAT = "kvpool-random"
 DEFAULTS = {"seed": 0, "std": 0.05}
 DUMMY_SPREAD = 1e-3  # vLLM's dummy loader: uniform in +-1e-3
@@ -34,8 +36,10 @@ _NORM_SUFFIXES = ("Norm", "NormGated")
 
 def load_args(model: str) -> list[str]:
     """vLLM's arguments for a replica of ``model``: where it is a folder kvpool made without weights (its
-    ``kvpool-model.json`` says ``weights: drawn``), the load format and the seed and std it was made with; none
-    otherwise. The folder, not the config, says it: a replica of a folder kvpool made elsewhere loads it alike."""
+    ``kvpool-model.json`` says ``weights: drawn``), the load format and the seed and std it was made with, and for
+    an architecture vLLM serves inside a multimodal wrapper ``--language-model-only`` (no vision tower built or
+    drawn); none otherwise. The folder, not the config, says it: a replica of a folder kvpool made elsewhere loads
+    it alike."""
     made = Path(model) / "kvpool-model.json"
     if not made.is_file():
         return []
@@ -43,7 +47,8 @@ def load_args(model: str) -> list[str]:
     if summary.get("weights") != "drawn":
         return []
     extra = {"seed": summary["spec"]["seed"], "std": summary["spec"]["init_std"]}
-    return ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps(extra, sort_keys=True)]
+    wrapped = ["--language-model-only"] if summary["architecture"] in MULTIMODAL else []
+    return ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps(extra, sort_keys=True), *wrapped]
 
 
 def settings(extra: dict | None) -> dict:

