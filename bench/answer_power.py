@@ -49,6 +49,10 @@ SHAPES = {
     "qwen3-next": {**_SIZES, "architecture": "qwen3-next", "shared_expert_intermediate": 128,
                    "full_attention_interval": 4, "linear_key_heads": 2, "linear_value_heads": 4,
                    "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel": 4},
+    # Study B's hybrid with dense MLPs: vLLM's multimodal Qwen3.5 class, GPUs only (--extra --language-model-only)
+    "qwen3.5": {**_SIZES, "architecture": "qwen3.5", "full_attention_interval": 4, "linear_key_heads": 2,
+                "linear_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                "linear_conv_kernel": 4},
 }
 
 
