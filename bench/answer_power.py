@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -69,6 +70,18 @@ def server_argv(args, port: int) -> list[str]:
             "--enforce-eager", *args.extra]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """The server's process group ended: SIGTERM, then SIGKILL after 30 s; nothing to do if the group is gone."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -93,6 +106,7 @@ def main() -> None:
     parser.add_argument("--suffix", type=int, default=64, help="tokens every prompt ends with")
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--server-log", type=Path, help="the server's output to this file (default: discarded)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                         help="further vLLM arguments, e.g. --extra --kv-cache-memory-bytes 536870912")
     args = parser.parse_args()
@@ -111,19 +125,16 @@ def measure(args) -> None:
     prompts = [[draw.choice(allowed) for _ in range(args.prefix)] + tail for _ in range(args.prompts)]
     (port,) = free_ports("127.0.0.1", 1)
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(server_argv(args, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
-    try:
-        wait_healthy(proc, url, args.startup_timeout_s)
-        found, errors = asyncio.run(model_check.answers(url, prompts + prompts[:1], 300.0, args.output_tokens))
-        if errors:
-            raise SystemExit(f"a request failed: {errors[0]}")
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+    with open(args.server_log, "wb") if args.server_log else contextlib.nullcontext(subprocess.DEVNULL) as log:
+        proc = subprocess.Popen(server_argv(args, port), stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            wait_healthy(proc, url, args.startup_timeout_s)
+            found, errors = asyncio.run(model_check.answers(url, prompts + prompts[:1], 300.0, args.output_tokens))
+            if errors:
+                raise SystemExit(f"a request failed: {errors[0]}")
+        finally:
+            stop(proc)
     distinct = len(set(found[:-1]))
     print(json.dumps({"model": args.model, "load_format": args.load_format, "prompts": args.prompts,
                       "distinct_answers": distinct, "repeat_equal": found[-1] == found[0], "answers": found}))
