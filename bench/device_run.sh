@@ -12,6 +12,7 @@
 # The device gets the working tree with a stale .git: name the commit, as the call's command
 # written here, KVPOOL_GIT_COMMIT=<git rev-parse HEAD> KVPOOL_GIT_DIRTY=<0 or 1: uncommitted changes
 # in the tree sent> bash bench/device_run.sh ...
+# Longer than one device call: bench/device_chain.sh runs this detached, config after config.
 set -uo pipefail
 config=$1; budget=$2; shift 2
 repo=$(pwd)

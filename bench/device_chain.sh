@@ -1,0 +1,49 @@
+#!/bin/bash
+# Run several configs on a lent GPU machine, detached, so no device call's time limit cuts a fleet:
+#   bash bench/device_chain.sh start DEADLINE CAP CONFIG:TARGET [CONFIG:TARGET...]   (returns at once)
+#   bash bench/device_chain.sh wait SECONDS      (a later call: the chain's log, then its packed results into $OUT)
+# `start` copies the carried tree to /root/repo (a later call refreshes the carried copy under a running Snakemake)
+# and runs bench/device_run.sh on each CONFIG:TARGET in turn, the first for at most CAP seconds, all of them ending
+# by DEADLINE (epoch seconds; leave 90 s after it for the last one's packing and one call to fetch it). Each
+# config's tarball goes to /root/keep: the device tool empties $OUT (/root/out) at every call. `wait` sleeps up to
+# SECONDS while the chain runs, prints its log's tail and copies what /root/keep holds into this call's $OUT.
+# Name the commit as for device_run.sh: KVPOOL_GIT_COMMIT=<git rev-parse HEAD> KVPOOL_GIT_DIRTY=<0 or 1>.
+# Measured on the device tool's H100 (2026-12-06): a setsid process outlives the call that started it.
+set -uo pipefail
+keep=/root/keep
+case ${1:-} in
+start)
+  deadline=$2; cap=$3; shift 3
+  mkdir -p /root/repo "$keep"
+  tar -C "$(pwd)" --exclude=./.gpu-bundle -cf - . | tar -C /root/repo -xf -
+  setsid nohup bash /root/repo/bench/device_chain.sh run "$deadline" "$cap" "$@" >"$keep/chain.log" 2>&1 </dev/null &
+  echo "device_chain: started, log $keep/chain.log"
+  ;;
+run)
+  deadline=$2; cap=$3; shift 3
+  cd /root/repo || exit 1
+  export OUT=$keep
+  for item in "$@"; do
+    left=$((deadline - $(date +%s)))
+    [ "$left" -gt "$cap" ] && left=$cap
+    cap=$left  # only the first is capped below the deadline
+    if [ "$left" -lt 200 ]; then echo "device_chain: no time left for $item"; continue; fi
+    echo "device_chain: ${item%%:*} for $left s from $(date +%T)"
+    bash bench/device_run.sh "${item%%:*}" "$left" "${item#*:}"
+    echo "device_chain: ${item%%:*} ended ($?) at $(date +%T)"
+    cap=$deadline
+  done
+  echo "device_chain: done at $(date +%T)"
+  ;;
+wait)
+  end=$(($(date +%s) + $2))
+  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^device_chain: done" "$keep/chain.log" 2>/dev/null; do sleep 5; done
+  tail -n 20 "$keep/chain.log"
+  cp "$keep"/*.tar.gz "$keep/chain.log" "$OUT"/ 2>/dev/null
+  ls -la "$OUT"
+  ;;
+*)
+  echo "usage: bash bench/device_chain.sh start DEADLINE CAP CONFIG:TARGET... | wait SECONDS" >&2
+  exit 2
+  ;;
+esac
