@@ -181,8 +181,8 @@ def problems(config: dict) -> list[str]:
     if "experts" in REQUIRED[architecture]:
         if spec["experts"] < 1:
             found.append(f"random_model.experts {spec['experts']}: vLLM's {MODEL_CLASS[architecture]} builds no "
-                         "model without experts (vLLM 0.26.0 stopped at start: 'No Qwen3Next layer found in the "
-                         "model.layers'); a dense model is architecture "
+                         "model without experts (vLLM 0.26.0 stops at start when it finds no mixture-of-experts "
+                         "layer); a dense model is architecture "
                          + ("llama" if architecture == "qwen3-moe" else "qwen3.5"))
         elif spec["experts_per_token"] > spec["experts"]:
             found.append(f"random_model.experts_per_token {spec['experts_per_token']} exceeds random_model.experts "
