@@ -23,22 +23,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from kvpool.engine import shapes
+from kvpool.engine.errors import FleetError
+from kvpool.engine.fleet import wait_healthy
 from kvpool.engine.model import build_tokenizer, vocabulary
 from kvpool.engine.plan import SERVED_MODEL_NAME
+from kvpool.engine.plan_types import ReplicaPlan
 from kvpool.engine.ports import free_ports
+from kvpool.engine.processes import Replica
 from kvpool.measure import model_check
 
 _SIZES = {"layers": 4, "hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 1, "head_dim": 128,
@@ -70,31 +68,6 @@ def server_argv(args, port: int) -> list[str]:
             "--enforce-eager", *args.extra]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """The server's process group ended: SIGTERM, then SIGKILL after 30 s; nothing to do if the group is gone."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}) before it was healthy")
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit(f"the server was not healthy within {timeout_s:.0f} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="a local model directory (config.json and a tokenizer)")
@@ -106,7 +79,8 @@ def main() -> None:
     parser.add_argument("--suffix", type=int, default=64, help="tokens every prompt ends with")
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
-    parser.add_argument("--server-log", type=Path, help="the server's output to this file (default: discarded)")
+    parser.add_argument("--server-log", type=Path,
+                        help="the server's log (default: a temporary file; its tail is shown if the server fails)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                         help="further vLLM arguments, e.g. --extra --kv-cache-memory-bytes 536870912")
     args = parser.parse_args()
@@ -124,17 +98,24 @@ def measure(args) -> None:
     tail = [draw.choice(allowed) for _ in range(args.suffix)]
     prompts = [[draw.choice(allowed) for _ in range(args.prefix)] + tail for _ in range(args.prompts)]
     (port,) = free_ports("127.0.0.1", 1)
-    url = f"http://127.0.0.1:{port}"
-    with open(args.server_log, "wb") if args.server_log else contextlib.nullcontext(subprocess.DEVNULL) as log:
-        proc = subprocess.Popen(server_argv(args, port), stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    entry = ReplicaPlan(index=0, host="127.0.0.1", port=port, core=None, gpu=None, sequential_start=False,
+                        pool_dir=None, lmcache_config_file=None, lmcache_config=None,
+                        env={"HF_HUB_OFFLINE": "1"}, argv=server_argv(args, port))
+    with tempfile.TemporaryDirectory(prefix="kvpool-answer-power-") as scratch:
+        # kvpool's own replica: its process group stopped whole, its log's tail in the error if it dies or stays silent
+        server = Replica(entry, args.server_log or Path(scratch) / "server.log")
+        server.start()
         try:
-            wait_healthy(proc, url, args.startup_timeout_s)
-            found, errors = asyncio.run(model_check.answers(url, prompts + prompts[:1], 300.0, args.output_tokens))
+            try:
+                wait_healthy([server], args.startup_timeout_s)
+            except FleetError as error:
+                raise SystemExit(str(error)) from None
+            found, errors = asyncio.run(model_check.answers(server.url, prompts + prompts[:1], 300.0,
+                                                            args.output_tokens))
             if errors:
                 raise SystemExit(f"a request failed: {errors[0]}")
         finally:
-            stop(proc)
+            server.stop()
     distinct = len(set(found[:-1]))
     print(json.dumps({"model": args.model, "load_format": args.load_format, "prompts": args.prompts,
                       "distinct_answers": distinct, "repeat_equal": found[-1] == found[0], "answers": found}))
