@@ -26,12 +26,11 @@ run)
   for item in "$@"; do
     left=$((deadline - $(date +%s)))
     [ "$left" -gt "$cap" ] && left=$cap
-    cap=$left  # only the first is capped below the deadline
     if [ "$left" -lt 200 ]; then echo "device_chain: no time left for $item"; continue; fi
     echo "device_chain: ${item%%:*} for $left s from $(date +%T)"
     bash bench/device_run.sh "${item%%:*}" "$left" "${item#*:}"
     echo "device_chain: ${item%%:*} ended ($?) at $(date +%T)"
-    cap=$deadline
+    cap=$deadline  # only the first is capped below the deadline
   done
   echo "device_chain: done at $(date +%T)"
   ;;
