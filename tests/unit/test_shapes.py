@@ -162,10 +162,13 @@ def test_the_loader_takes_its_seed_and_std_and_names_what_it_does_not_know():
 
 class Block(torch.nn.Module):
     def __init__(self):
+        from vllm.model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
+
         super().__init__()
         self.norm = torch.nn.RMSNorm(64)
         self.proj = torch.nn.Linear(64, 256)
         self.down = torch.nn.Linear(256, 64, bias=False)
+        self.k_scale = KVCacheScaleParameter()  # as vLLM's attention layer holds it for a quantized KV cache
 
 
 def drawn(seed: int) -> Block:
@@ -179,6 +182,7 @@ def drawn(seed: int) -> Block:
 def test_the_draw_keeps_norms_is_wide_on_matrices_and_the_same_for_the_same_seed():
     block, again, other = drawn(1), drawn(1), drawn(2)
     assert torch.equal(block.norm.weight, torch.ones(64))  # the norm's own value
+    assert block.k_scale.item() == -1.0  # "no scale in the checkpoint": vLLM then uses 1.0
     assert abs(block.proj.weight.std().item() - 0.05) < 0.003  # N(0, std), not vLLM's +-1e-3
     assert block.proj.bias.abs().max().item() <= 1e-3
     assert not torch.equal(block.proj.weight[:64, :64], block.down.weight[:64, :64].T)
@@ -198,6 +202,7 @@ def test_vllm_finds_the_loader_by_its_load_format_and_draws_through_its_own_dumm
     loader.load_weights(block, None)
     loader.load_weights(again, None)
     assert torch.equal(block.norm.weight, torch.ones(64)) and abs(block.proj.weight.std().item() - 0.05) < 0.003
+    assert block.k_scale.item() == -1.0
     assert torch.equal(block.proj.weight, again.proj.weight) and block.proj.bias.abs().max().item() <= 1e-3
     # the dummy loader's own draw is back for any other load
     assert dummy_loader.initialize_single_dummy_weight.__module__.endswith("weight_utils")

@@ -12,6 +12,9 @@ This module is a vLLM model loader, load format ``kvpool-random``, that vLLM fin
 another draw, so online quantization (``--quantization fp8``) runs exactly as under ``dummy``:
 - the tensors of norm layers keep the values their constructors gave them (a weight of ones, or of zeros where the
   norm adds one), so every layer's input is normalized as the architecture intends;
+- a quantized KV cache's scales (q, k, v, prob) keep their constructor's -1.0, vLLM's mark of a checkpoint without
+  scales, so vLLM uses 1.0 as it would for a real checkpoint that has none (a scale drawn in +-1e-3 stopped a
+  replica with FP8 KV at ``assert layer.k_scale > 0.0``: vLLM 0.26, H100, 2026-12-06);
 - every other floating-point tensor of two or more dimensions (projections, experts, embeddings, convolutions) is
   drawn N(0, ``std``), and the rest (biases, gates' scalars) uniform in +-1e-3 as the dummy loader draws them;
 - all from one generator per device seeded with ``seed``, in the order the dummy loader visits the tensors.
@@ -32,6 +35,7 @@ LOAD_FORMAT = "kvpool-random"
 DEFAULTS = {"seed": 0, "std": 0.05}
 DUMMY_SPREAD = 1e-3  # vLLM's dummy loader: uniform in +-1e-3
 _NORM_SUFFIXES = ("Norm", "NormGated")
+_KEPT_PARAMETERS = ("KVCacheScaleParameter",)  # vLLM's class of a KV cache scale; its -1.0 means "none given"
 
 
 def load_args(model: str) -> list[str]:
@@ -100,7 +104,8 @@ class Draw:
     def __call__(self, tensor, *_dummy_bounds) -> None:
         import torch
 
-        if tensor.device.type == "meta" or not torch.is_floating_point(tensor) or tensor.data_ptr() in self.kept:
+        if (tensor.device.type == "meta" or not torch.is_floating_point(tensor) or tensor.data_ptr() in self.kept
+                or type(tensor).__name__ in _KEPT_PARAMETERS):
             return
         generator = self.generator(tensor.device)
         with torch.no_grad():
