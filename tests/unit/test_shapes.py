@@ -123,7 +123,9 @@ def test_a_shape_with_written_weights_missing_sizes_or_unservable_settings_is_re
     assert "a dense model is architecture llama" in refused(random_model={**SHAPES["qwen3-moe"], "experts": 0})[0]
     assert "a dense model is architecture qwen3.5" in refused(random_model={**SHAPES["qwen3-next"], "experts": 0},
                                                               engine={"dtype": "bfloat16"})[0]
+    assert "written Llama has none" in refused(random_model={"qk_norm_weight": 4})[0]
     assert refused(random_model=SHAPES["qwen3-moe"]) == []
+    assert refused(random_model={**SHAPES["qwen3-moe"], "qk_norm_weight": 4}) == []
     assert refused(random_model=SHAPES["qwen3-next"], engine={"dtype": "bfloat16"}) == []
 
 
@@ -145,6 +147,10 @@ def test_a_replica_of_a_folder_without_weights_draws_them_with_the_folders_seed(
     at = argv.index("--load-format")
     assert argv[at + 1] == random_weights.LOAD_FORMAT
     assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"seed": 3, "std": 0.05}
+    build_model(str(tmp_path / "sharp"), {**SHAPES["qwen3-moe"], "qk_norm_weight": 4.0}, "cpu")
+    sharp = random_weights.load_args(str(tmp_path / "sharp"))
+    assert json.loads(sharp[sharp.index("--model-loader-extra-config") + 1]) == {"seed": 3, "std": 0.05,
+                                                                                 "qk_norm": 4.0}
     assert random_weights.load_args(str(tmp_path / "absent")) == []
     gpu = config(engine={"kind": "vllm", "kv_cache_dtype": "fp8", "quantization": "fp8"})
     argv = reference_plan(gpu, str(tmp_path), 18100, "test").replicas[0].argv
@@ -152,12 +158,14 @@ def test_a_replica_of_a_folder_without_weights_draws_them_with_the_folders_seed(
 
 
 def test_the_loader_takes_its_seed_and_std_and_names_what_it_does_not_know():
-    assert random_weights.settings(None) == {"seed": 0, "std": 0.05}
-    assert random_weights.settings({"seed": 7}) == {"seed": 7, "std": 0.05}
+    assert random_weights.settings(None) == {"seed": 0, "std": 0.05, "qk_norm": 1.0}
+    assert random_weights.settings({"seed": 7}) == {"seed": 7, "std": 0.05, "qk_norm": 1.0}
     with pytest.raises(ValueError, match=r"unknown --model-loader-extra-config keys \['sede'\]"):
         random_weights.settings({"sede": 7})
-    with pytest.raises(ValueError, match="std positive"):
+    with pytest.raises(ValueError, match="std and qk_norm positive"):
         random_weights.settings({"std": 0})
+    with pytest.raises(ValueError, match="qk_norm"):
+        random_weights.settings({"qk_norm": -1})
 
 
 class Block(torch.nn.Module):
@@ -169,6 +177,34 @@ class Block(torch.nn.Module):
         self.proj = torch.nn.Linear(64, 256)
         self.down = torch.nn.Linear(256, 64, bias=False)
         self.k_scale = KVCacheScaleParameter()  # as vLLM's attention layer holds it for a quantized KV cache
+
+
+class Attention(torch.nn.Module):
+    """The per-head norms of a Qwen3 attention layer: one plain (weight of ones), one that adds one (zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_norm = torch.nn.RMSNorm(16)
+        self.k_norm = torch.nn.RMSNorm(16)
+        torch.nn.init.zeros_(self.k_norm.weight)
+        self.o_proj = torch.nn.Linear(16, 16, bias=False)
+
+
+def test_qk_norm_scales_each_attention_norm_and_a_model_without_them_is_refused():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    random_weights.register()
+    layer = torch.nn.Module()
+    layer.self_attn = Attention()
+    loader = get_model_loader(LoadConfig(load_format=random_weights.LOAD_FORMAT,
+                                         model_loader_extra_config={"seed": 1, "std": 0.05, "qk_norm": 4.0}))
+    loader.load_weights(layer, None)
+    assert torch.equal(layer.self_attn.q_norm.weight, torch.full((16,), 4.0))  # scales by 4
+    assert torch.equal(layer.self_attn.k_norm.weight, torch.full((16,), 3.0))  # adds one: 1 + 3
+    assert abs(layer.self_attn.o_proj.weight.std().item() - 0.05) < 0.01  # the draw itself is unchanged
+    with pytest.raises(ValueError, match="no q_norm or k_norm"):
+        loader.load_weights(Block(), None)
 
 
 def drawn(seed: int) -> Block:

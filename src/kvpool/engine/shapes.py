@@ -174,6 +174,9 @@ def problems(config: dict) -> list[str]:
     if architecture != "llama" and weights != "drawn":
         found.append(f"random_model.architecture {architecture} needs random_model.weights: drawn (kvpool writes "
                      "the Llama's weights only; vLLM draws any architecture's)")
+    if spec.get("qk_norm_weight", 1.0) != 1.0 and (weights != "drawn" or architecture == "llama"):
+        found.append(f"random_model.qk_norm_weight {spec['qk_norm_weight']} scales the q and k norms of a drawn "
+                     "Qwen3 shape (qwen3-moe, qwen3-next, qwen3.5); kvpool's written Llama has none: remove it")
     if missing := [key for key in REQUIRED[architecture] if key not in spec]:
         found.append(f"random_model.architecture {architecture} is given by its sizes: set random_model."
                      + ", random_model.".join(missing))

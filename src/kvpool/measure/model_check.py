@@ -80,7 +80,8 @@ def verdict(answers: list[list[str]], errors: list[str], head: int = HEAD) -> di
         reasons.append(f"all {PROMPTS} prompts got one answer although only their last {TAIL} tokens agree (heads "
                        f"of {head} tokens, the run's longest document): the model ignores its context at this "
                        "length, so an answer from damaged KV would pass the output check; run shorter documents "
-                       "or a model whose answers depend on them")
+                       "or a model whose answers depend on them (weights drawn: random_model.qk_norm_weight, "
+                       "4 for example)")
     return {"ok": not reasons, "identical": identical, "distinct_answers": distinct, "prompts": PROMPTS,
             "head_tokens": head, "tail_tokens": TAIL, "answers": answers, "reasons": reasons}
 
