@@ -64,10 +64,12 @@ def write_shape(name: str, folder: Path, std: float, qk_norm: float) -> str:
 
 
 def server_argv(args, port: int) -> list[str]:
-    # a folder kvpool made without weights, drawn by kvpool's loader: its own seed, std and q/k norm weight
+    # a folder kvpool made without weights, drawn by kvpool's loader: its load format with the folder's own seed, std
+    # and q/k norm weight
     drawn = random_weights.load_args(args.model) if args.load_format == random_weights.LOAD_FORMAT else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--load-format", args.load_format, *drawn,
+            "--port", str(port), "--served-model-name", SERVED_MODEL_NAME,
+            *(drawn or ["--load-format", args.load_format]),
             "--dtype", args.dtype, "--max-model-len", str(args.prefix + args.suffix + 64), "--max-num-seqs", "4",
             "--enforce-eager", *args.extra]
 
