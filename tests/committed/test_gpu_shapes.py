@@ -63,7 +63,7 @@ def test_the_shape_is_qwen3_30b_a3bs_with_96_kib_of_kv_a_token_as_the_pool_serve
 
 def test_the_model_check_found_the_replicas_alike_and_their_answers_dependent_on_context():
     recorded = read_json(RUN / "results" / "model-check.json")
-    # the check then probed 512-token heads; today's probes at the run's 40,960-token documents
+    # the check then probed 512-token heads; today's probes at the run's 40,960-token documents (check-at-length/)
     assert recorded["head_tokens"] == model_check.HEAD == 512
     again = model_check.verdict(recorded["answers"], [], recorded["head_tokens"])
     assert again["ok"] and again["identical"] and again["distinct_answers"] == 3
@@ -71,6 +71,18 @@ def test_the_model_check_found_the_replicas_alike_and_their_answers_dependent_on
     argv = recorded["argv"]
     assert argv[argv.index("--load-format") + 1] == "kvpool-random"
     assert argv[argv.index("--quantization") + 1] == "fp8"
+
+
+def test_the_model_check_again_at_the_documents_length_found_the_answers_dependent_on_them():
+    """check-at-length/: the same config's model check alone, at commit 033e3bf (2026-12-07, an H100), which
+    probes at the run's longest document: 3 distinct answers of 3 at 40,960-token heads, replicas alike."""
+    recorded = read_json(RUN / "check-at-length" / "results" / "model-check.json")
+    assert recorded["head_tokens"] == model_check.head_tokens(run_config()) == 40960
+    again = model_check.verdict(recorded["answers"], [], recorded["head_tokens"])
+    assert again["ok"] and again["identical"] and again["distinct_answers"] == 3
+    assert {key: recorded[key] for key in again} == again
+    launch = read_json(RUN / "results" / "model-check.json")["argv"]
+    assert recorded["argv"] == launch  # the launch the cells' replicas ran, the norms as built (no qk_norm)
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.arm)
