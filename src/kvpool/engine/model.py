@@ -118,7 +118,8 @@ def build_model(out_dir: str, spec: dict, device: str) -> None:
         made = shapes.write_shape(Path(out_dir), spec, build_tokenizer(spec["vocab_words"]))
     else:
         made = build_random_model(Path(out_dir), spec, device=device)
-    log.info("built a random-weights %s: %s parameters, %s KV bytes per token, layers %s, weights %s",
+    # bfloat16 sizes, as kvpool-model.json records them: an engine.kv_cache_dtype of fp8 halves the KV a replica holds
+    log.info("built a random-weights %s: %s parameters, %s KV bytes per token in bfloat16, layers %s, weights %s",
              made["architecture"], made["parameters"], made["kv_bytes_per_token"], made["layers"], made["weights"])
 
 
