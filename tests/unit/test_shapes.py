@@ -9,6 +9,7 @@ import yaml
 from support import REPO
 from transformers import AutoConfig
 
+from kvpool import matrix
 from kvpool.config import problems, resolve_extends, validated
 from kvpool.engine import random_weights, shapes
 from kvpool.engine.model import build_model, build_tokenizer, engine_kv_bytes_per_token, kv_bytes_per_token_of
@@ -289,3 +290,21 @@ def test_the_probe_head_follows_study_b_sessions_and_stays_within_the_model_leng
     assert model_check.head_tokens(tight) == 5000 - model_check.TAIL - model_check.OUTPUT_TOKENS
     short = config(workload={"doc_tokens": 256}, study_b={"enabled": False})
     assert model_check.head_tokens(short) == model_check.HEAD
+
+
+def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_a_cold_reload_each(tmp_path):
+    """config/h100-shape-a-backends.yaml: Study A's shape as run (h100-shape-a) with vLLM's own offloading beside the
+    MP server, four cells; one follow-up a document, since an isolated arm's second follow-up would find the serving
+    replica's own copy, and the pool large enough for the gate."""
+    found, base = shipped("h100-shape-a-backends.yaml"), shipped("h100-shape-a.yaml")
+    assert problems(found, tmp_path, check_paths=False) == []
+    assert {(cell.backend, cell.arm) for cell in matrix.cells(found)} == {
+        (backend, arm) for backend in ("lmcache-mp", "vllm-fs") for arm in ("shared", "isolated")}
+    assert found["random_model"] == base["random_model"] and found["engine"] == base["engine"]
+    workload = found["workload"]
+    assert workload["followups_per_document"] == 1 and workload["doc_tokens"] == base["workload"]["doc_tokens"]
+    pool = workload["documents"] * workload["doc_tokens"] * shapes.kv_bytes_per_token(found["random_model"], "bfloat16")
+    assert 0.85 * pool < found["min_pool_bytes"] <= 0.9 * pool
+    assert found["vllm_fs"]["cpu_gib"] * 2**30 > pool / workload["documents"]  # a document fits a replica's CPU tier
+    refused = problems({**found, "workload": {**workload, "followups_per_document": 5}}, tmp_path, check_paths=False)
+    assert any("followups_per_document" in reason for reason in refused)
