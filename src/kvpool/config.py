@@ -18,7 +18,7 @@ from kvpool.cells import Arm, pool_dirs, run_pools, tier_root
 from kvpool.engine import external, host_memory, pool_url, shapes
 from kvpool.engine.backends import configured, pool_backend
 from kvpool.engine.hosts import is_loopback
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
 from kvpool.engine.plan import BASE_ENV
 from kvpool.matrix import cells, is_memory_pool
@@ -380,7 +380,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
                          "lmcache-redis backend)")
     if config["study_b"]["enabled"]:
         try:
-            studyb.resolved(config)
+            found += studyb.problems(config)
         except ValueError as exc:
             found.append(str(exc))
     return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)
@@ -402,7 +402,7 @@ def pool_bytes_per_cell(config: dict, arm: str) -> int | None:
     the follow-up's new tokens in the shared arm, and in the isolated arm the whole prompt again
     (its own pool never held the document), so an isolated pool ends up about twice the size.
     """
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     if per_token is None:
         return None
     workload = config["workload"]
@@ -422,7 +422,7 @@ def _space_problems(config: dict, tier: str, root: Path, existing: Path, workdir
     # A length unit's pool (kvpool.studies.contexts) holds its chains' documents and questions once, one per
     # shared cell of the tier and length; a capacity unit's pool of files (kvpool.studies.capacity) is an
     # image of its capacity on the tier.
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     lengths = [config["contexts"]["chains"] * (tokens + config["workload"]["followup_tokens"]) * per_token
                for tokens in config["contexts"]["doc_tokens"] for cell in contexts.cells(config) if cell in on_tier]
     images = capacity.drive_tier_images(config, tier)

@@ -12,7 +12,7 @@ from support.committed import measured_only_rebuild
 
 from kvpool.config import validated
 from kvpool.engine import shapes
-from kvpool.engine.model import build_tokenizer
+from kvpool.engine.model import build_tokenizer, engine_pool_bytes_per_token
 from kvpool.measure import model_check
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
@@ -79,11 +79,15 @@ def test_the_pool_held_every_layers_page_per_chunk_four_times_the_attention_kv(n
     """LMCache's MP server stores a chunk as all 64 layers' pages: the 16 attention layers' KV and the 48 linear
     layers' state snapshot, padded to the attention page. Its L1 after the block is that, to the byte: 128 KiB a
     token, four times the 32 KiB of KV."""
-    spec = run_config()["random_model"]
+    config = run_config()
+    spec = config["random_model"]
     server = read_json(block(name) / "block.json")["pool_server"]["0"]
     page = 1600 * spec["kv_heads"] * spec["head_dim"] * 2
     chunks = server["metrics"]["lmcache_mp_l1_write_chunks_total"]
     assert chunks > 0 and server["l1_bytes"] == chunks * 64 * page == chunks * 1600 * 128 * 1024
+    assert chunks == studyb.pool_chunks(studyb.resolved(config), config) == 68  # what kvpool checks the L1 against
+    # what kvpool sizes pools and reads reload rates by
+    assert engine_pool_bytes_per_token(config) == 128 * 1024 == 4 * shapes.kv_bytes_per_token(spec, "bfloat16", "fp8")
 
 
 def test_the_model_check_probed_at_the_chains_length_and_found_the_answers_dependent_on_it():

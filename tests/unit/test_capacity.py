@@ -263,7 +263,7 @@ def test_an_mp_l1_the_hosts_memory_cannot_hold_is_refused_at_the_largest_capacit
     made = config_with(fractions=[0.25, 1.0])
     made.update(backends=["lmcache-mp"], lmcache_mp={**made["lmcache_mp"], "memory_tiers": ["ram"]})
     whole = capacity.capacity_bytes(made, made["chunk_sizes"][0], 1.0,
-                                    capacity.engine_kv_bytes_per_token(made))
+                                    capacity.engine_pool_bytes_per_token(made))
 
     class Small:
         total = int(whole * 1.5)  # half of it holds a quarter of the working set, not all of it

@@ -14,7 +14,7 @@ import pytest
 
 from kvpool.config import pool_bytes_per_cell, problems
 from kvpool.engine import pool_views, sized_pool
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.measure import unit
 from kvpool.studies import capacity
 
@@ -62,7 +62,7 @@ def test_a_drive_tier_without_room_for_the_largest_capacitys_image_is_refused_wi
     made = {**files_config([0.25, 1.0]), "keep_pools": False, "drive_ceiling_bytes": 1 << 20}
     monkeypatch.setattr(sized_pool.os, "geteuid", lambda: 0)
     (cell,) = capacity.cells(made)
-    image = sized_pool.image_bytes(capacity.capacity_bytes(made, cell.chunk, 1.0, engine_kv_bytes_per_token(made)))
+    image = sized_pool.image_bytes(capacity.capacity_bytes(made, cell.chunk, 1.0, engine_pool_bytes_per_token(made)))
     assert capacity.drive_tier_images(made, "disk") == [image]
     needed = pool_bytes_per_cell(made, "shared") + image + (1 << 20)
     free_disk(needed + 10**6)

@@ -11,8 +11,8 @@ from transformers import AutoConfig
 
 from kvpool import matrix
 from kvpool.config import problems, resolve_extends, validated
-from kvpool.engine import random_weights, shapes
-from kvpool.engine.model import build_model, build_tokenizer, engine_kv_bytes_per_token, kv_bytes_per_token_of
+from kvpool.engine import mp, random_weights, shapes
+from kvpool.engine.model import build_model, build_tokenizer, engine_pool_bytes_per_token, kv_bytes_per_token_of
 from kvpool.engine.plan import reference_plan
 from kvpool.measure import model_check
 from kvpool.report.lede import model_words
@@ -78,10 +78,10 @@ def test_study_as_shape_has_its_models_size_and_about_ten_gb_of_kv_for_a_99k_tok
     per_token = shapes.kv_bytes_per_token(STUDY_A, "bfloat16")
     assert per_token == 96 * 1024 and 9.5e9 < 99_000 * per_token < 10.0e9
     made = config(engine={"kind": "vllm", "dtype": "bfloat16"}, random_model=STUDY_A)
-    assert engine_kv_bytes_per_token(made) == per_token
+    assert engine_pool_bytes_per_token(made) == per_token
     assert model_words(made) == "a 31B-parameter random Qwen3 mixture of experts"  # 30.5B, rounded
     made["engine"]["kv_cache_dtype"] = "fp8"
-    assert engine_kv_bytes_per_token(made) == per_token // 2
+    assert engine_pool_bytes_per_token(made) == per_token // 2
 
 
 def test_study_bs_shape_is_a_dense_hybrid_27b_of_16_full_attention_layers_with_32_kib_of_fp8_kv_a_token(tmp_path):
@@ -106,6 +106,27 @@ def test_study_bs_shape_is_a_dense_hybrid_27b_of_16_full_attention_layers_with_3
                        build_tokenizer(500))
     assert shapes.is_hybrid(config(engine={"model": str(tmp_path)}))
     assert random_weights.load_args(str(tmp_path))[-1] == "--language-model-only"
+
+
+def test_a_hybrids_pool_holds_every_layers_page_and_the_mp_server_is_sized_for_it(tmp_path):
+    """vLLM pads each linear layer's state to the attention page and LMCache's MP connector stores every layer's page a
+    chunk: the hybrid 27B's pool holds 128 KiB a token for its 32 KiB of FP8 KV (measured to the byte,
+    docs/results/h100-shape-b). A model of full-attention layers alone holds its KV."""
+    assert shapes.pool_bytes_per_token(STUDY_B, "bfloat16", "fp8") == 64 * 2 * 4 * 256 == 128 * 1024
+    assert shapes.pool_bytes_per_token(STUDY_A, "bfloat16") == shapes.kv_bytes_per_token(STUDY_A, "bfloat16")
+    hybrid = config(random_model=STUDY_B, engine={"kind": "vllm", "dtype": "bfloat16", "kv_cache_dtype": "fp8"})
+    assert engine_pool_bytes_per_token(hybrid) == 4 * shapes.kv_bytes_per_token(STUDY_B, "bfloat16", "fp8")
+    workload = hybrid["workload"]
+    assert mp.pool_kv_bytes(hybrid) == workload["documents"] * (workload["doc_tokens"] + workload["followup_tokens"]) \
+        * 128 * 1024
+    # a local model folder's config.json: its layer_types say which layers hold KV, the pool counts them all
+    shapes.write_shape(tmp_path, {**STUDY_B, "layers": 8, "hidden": 256, "intermediate": 512, "heads": 2,
+                                  "head_dim": 128, "kv_heads": 2, "linear_key_heads": 2, "linear_value_heads": 4,
+                                  "linear_key_head_dim": 32, "linear_value_head_dim": 32, "vocab_words": 500},
+                       build_tokenizer(500))
+    folder = config(engine={"kind": "vllm", "model": str(tmp_path), "dtype": "bfloat16"})
+    assert kv_bytes_per_token_of(tmp_path, "bfloat16") == 2 * 2 * 2 * 128 * 2  # 2 of 8 layers full attention
+    assert engine_pool_bytes_per_token(folder) == 8 * 2 * 2 * 128 * 2
 
 
 def test_a_shape_with_written_weights_missing_sizes_or_unservable_settings_is_refused():

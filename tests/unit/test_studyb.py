@@ -2,6 +2,7 @@
 ON/OFF pairing and the tables, driven by a stand-in replica fleet that keeps a prefix cache and a pool."""
 
 import asyncio
+import math
 import re
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pandas as pd
 import pytest
 from support.studyb_standin import StandIn
 
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.engine.plan import fleet_plan
 from kvpool.measure import records, reference
 from kvpool.measure.checks import verdict
@@ -49,6 +51,32 @@ def test_the_study_resolves_its_pool_and_refuses_what_cannot_run(config):
     config["backends"] = ["lmcache-fs"]
     with pytest.raises(ValueError, match="more than engine.max_model_len"):
         studyb.resolved(config)
+
+
+def test_an_on_blocks_pool_is_counted_in_whole_chunks_and_an_mp_l1_too_small_for_it_is_refused(config, study):
+    """A block's pool ends with a warm-up's chunk, each chain's document and question, and each session's last turn
+    with its answer, whole chunks only (the committed hybrid run's MP server wrote exactly the count: 68). An MP
+    server's memory L1 that cannot hold it at l1_fill is refused before any block, at the pool's bytes a token."""
+    # warm-up 1; chains (256 + 8) // 256 + (512 + 8) // 256 = 3; 2 placements x (2 sessions + a window of 2) of
+    # (256 + 3 x (32 + 8) + 8) // 256 = 1 chunk each
+    assert studyb.pool_chunks(study, config) == 1 + 3 + 2 * (2 + 2) * 1
+    config["study_b"].update(contexts=[8192], sessions=1, turns=6, session_tokens=8192, turn_tokens=1024, warmups=2,
+                             windows=[], question_tokens=16)
+    config["chunk_sizes"] = [256]
+    config["backends"], config["tiers"] = ["lmcache-mp"], {"ram": "/dev/shm/kvpool"}
+    config["lmcache_mp"].update(memory_tiers=["ram"], l1_size_gib=0.05)
+    chunks = 2 + 8208 // 256 + 2 * ((8192 + 5 * (1024 + 8) + 8) // 256)
+    per_token = engine_pool_bytes_per_token(config)
+    needed = chunks * 256 * per_token
+    assert studyb.pool_chunks(studyb.resolved(config), config) == chunks
+    (refused,) = studyb.problems(config)
+    assert f"holds {chunks} chunks of 256 tokens" in refused and "lmcache_mp.l1_size_gib 0.05" in refused
+    assert f"at least {math.ceil(needed / config['lmcache_mp']['l1_fill'] / 2**30)}" in refused
+    config["lmcache_mp"]["l1_size_gib"] = needed / config["lmcache_mp"]["l1_fill"] / 2**30 * 1.01
+    assert studyb.problems(config) == []
+    config["lmcache_mp"]["memory_tiers"] = []  # a drive tier's L2 holds the pool
+    config["lmcache_mp"]["l1_size_gib"] = 0.05
+    assert studyb.problems(config) == []
 
 
 def test_payloads_are_seeded_and_no_two_documents_share_a_prefix(study):

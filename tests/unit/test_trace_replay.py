@@ -193,7 +193,7 @@ def test_the_tiers_room_counts_a_trace_units_pool_beside_the_largest_cell(tmp_pa
     import re
 
     from kvpool.config import problems
-    from kvpool.engine.model import engine_kv_bytes_per_token
+    from kvpool.engine.model import engine_pool_bytes_per_token
 
     free_disk(0)
     without = config({"keep_pools": False}, arms=[])
@@ -205,5 +205,5 @@ def test_the_tiers_room_counts_a_trace_units_pool_beside_the_largest_cell(tmp_pa
 
     before, _ = needed(problems(without, tmp_path))
     after, line = needed(problems(with_trace, tmp_path))
-    bound = trace_replay.pool_bound_tokens(with_trace) * engine_kv_bytes_per_token(with_trace)
+    bound = trace_replay.pool_bound_tokens(with_trace) * engine_pool_bytes_per_token(with_trace)
     assert "and a trace unit's" in line and after - before == pytest.approx(bound / 1e9, abs=0.01)

@@ -47,35 +47,48 @@ def random_model_parameters(spec: dict) -> int:
     return 2 * vocab * hidden + spec["layers"] * layer + hidden
 
 
-def kv_bytes_per_token_of(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> int | None:
-    """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V of every
-    full-attention layer: a hybrid's ``layer_types`` name the others); None when there is no such file or it lacks
-    the sizes."""
+def folder_spec(model_dir: Path) -> tuple[dict, str] | None:
+    """A local Hugging Face model directory's attention sizes as a ``random_model`` spec (its layers, KV heads, head
+    size and, for a hybrid, ``layer_types``) and its dtype, from its config.json; None when there is no such file or
+    it lacks the sizes."""
     cfg = shapes.folder_config(model_dir)
     if cfg is None:
         return None
     try:
         heads = cfg["num_attention_heads"]
-        layers = cfg["num_hidden_layers"]
-        full = cfg["layer_types"].count("full_attention") if cfg.get("layer_types") else layers
-        spec = {"layers": full, "kv_heads": cfg.get("num_key_value_heads") or heads,
-                "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads}
+        spec = {"layers": cfg["num_hidden_layers"], "kv_heads": cfg.get("num_key_value_heads") or heads,
+                "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                "layer_types": cfg.get("layer_types")}
     except KeyError:
         return None
-    if dtype == "auto":
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return shapes.kv_bytes_per_token(spec, dtype, kv_cache_dtype)
+    return spec, str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
 
 
-def engine_kv_bytes_per_token(config: dict) -> int | None:
-    """KV-cache bytes per token of the configured engine's model: the random model's (its architecture's
-    full-attention layers, in the engine's KV-cache dtype), or a local model directory's (from its config.json);
-    None for a model whose size cannot be read here."""
+def kv_bytes_per_token_of(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> int | None:
+    """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V of every
+    full-attention layer: a hybrid's ``layer_types`` name the others); None when there is no such file or it lacks
+    the sizes."""
+    found = folder_spec(model_dir)
+    if found is None:
+        return None
+    spec, own = found
+    return shapes.kv_bytes_per_token(spec, own if dtype == "auto" else dtype, kv_cache_dtype)
+
+
+def engine_pool_bytes_per_token(config: dict) -> int | None:
+    """The bytes a pool stores, and a reload moves, per token of the configured engine's model
+    (kvpool.engine.shapes.pool_bytes_per_token, in the engine's KV-cache dtype): its KV, and for a hybrid as much
+    again per linear-attention layer. The random model's shape, or a local model directory's config.json; None for
+    a model whose size cannot be read here."""
     engine = config["engine"]
     model, dtype, kv_dtype = engine["model"], engine["dtype"], engine.get("kv_cache_dtype", "auto")
     if model is None:
-        return shapes.kv_bytes_per_token(config["random_model"], dtype, kv_dtype)
-    return kv_bytes_per_token_of(Path(model), dtype, kv_dtype)
+        return shapes.pool_bytes_per_token(config["random_model"], dtype, kv_dtype)
+    found = folder_spec(Path(model))
+    if found is None:
+        return None
+    spec, own = found
+    return shapes.pool_bytes_per_token(spec, own if dtype == "auto" else dtype, kv_dtype)
 
 
 def build_random_model(out_dir: Path, spec: dict, device: str = "cpu") -> dict:

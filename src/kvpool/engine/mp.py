@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cells import SERVER_PER_REPLICA, Arm, Backend, Cell
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 
 CONNECTOR = "LMCacheMPConnector"
 # Counters and gauges of the server that say where chunks went (lookups, L1, L2).
@@ -48,7 +48,7 @@ def used(config: dict) -> bool:
 
 
 def _kv_tokens_bytes(config: dict, tokens: int) -> int | None:
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     return None if per_token is None else tokens * per_token
 
 

@@ -74,7 +74,10 @@ def hf_config(spec: dict, tokenizer):
 
 
 def layer_kinds(spec: dict) -> list[str]:
-    """Each layer's attention, in order: ``full_attention`` or ``linear_attention``."""
+    """Each layer's attention, in order: ``full_attention`` or ``linear_attention`` (a model folder's config.json
+    names them in ``layer_types``)."""
+    if spec.get("layer_types"):
+        return list(spec["layer_types"])
     if spec.get("architecture", "llama") not in HYBRIDS:
         return ["full_attention"] * spec["layers"]
     every = spec["full_attention_interval"]
@@ -104,6 +107,17 @@ def kv_bytes_per_token(spec: dict, dtype: str, kv_cache_dtype: str = "auto") -> 
     model's unless ``kv_cache_dtype`` names another). Linear-attention layers hold no KV per token."""
     element = element_bytes(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     return 2 * layer_kinds(spec).count("full_attention") * spec["kv_heads"] * spec["head_dim"] * element
+
+
+def pool_bytes_per_token(spec: dict, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """The bytes a pool stores, and a reload moves, per token: the KV for a model of full-attention layers alone. A
+    hybrid's linear layers hold no KV per token, yet vLLM (align mode) gives every layer a page of one size, each
+    linear layer's state snapshot padded to the attention page (vLLM raises the block size where a state exceeds
+    it), and LMCache's MP connector stores a chunk as every layer's pages. So each layer costs a full-attention
+    layer's KV a token: 128 KiB for the hybrid 27B's 32 KiB of KV, the MP server's bytes to the byte
+    (docs/results/h100-shape-b)."""
+    element = element_bytes(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+    return 2 * len(layer_kinds(spec)) * spec["kv_heads"] * spec["head_dim"] * element
 
 
 def state_bytes_per_sequence(spec: dict, dtype: str) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.measure.records import read_records
 from kvpool.report.figures import placeholder_note, save, short_cell
 from kvpool.settings import reads
@@ -128,7 +128,7 @@ def run_breakdown(config: dict, units: list[dict], csvs: list[str], *, csv_out: 
                   figure_dir: str) -> None:
     """results/breakdown.csv (each request's parts), .md (per unit medians) and its figure; ``units`` name
     each csv's cell and source (``reuse`` or ``doc~<tokens>``)."""
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     frames = []
     for unit, path in zip(units, csvs, strict=True):
         records = read_records(path)

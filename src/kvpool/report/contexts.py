@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from kvpool.cells import Cell
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.report import figures
 from kvpool.settings import reads
 from kvpool.studies import contexts
@@ -60,10 +60,10 @@ def run_contexts_table(config: dict, units: list[tuple[Cell, int]], *, csvs: lis
                        csv_out: str, md_out: str, figures_dir: str) -> None:
     """results/contexts.csv and .md and their figure: per shared cell, its lengths' cold, own-cache and
     pool TTFT medians with the prefill and reload models fitted (kvpool.studies.contexts)."""
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     if per_token is None:
-        raise ValueError(f"the length sweep needs the model's KV bytes per token, and {config['engine']['model']} "
-                         "has no config.json here to read them from")
+        raise ValueError(f"the length sweep needs the bytes a pool holds per token of the model, and "
+                         f"{config['engine']['model']} has no config.json here to read them from")
     shown, fits = contexts.table(contexts.unit_rows(units, csvs, metas), per_token)
     shown.to_csv(csv_out, index=False)
     drawn = figures.save(figures.contexts(shown, fits), Path(figures_dir), "contexts")

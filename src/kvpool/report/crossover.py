@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.measure.records import read_records
 from kvpool.report import figures
 from kvpool.settings import reads
@@ -46,10 +46,10 @@ def run_crossover(config: dict, study: dict, *, locality_csv: str, csv_out: str,
     """Where the pool pays (kvpool.studies.crossover), from Study B's locality table (``study``: its resolved
     settings, whose tier the reload is read from): the prefill and reload
     models fitted per context, the crossover context and the break-even read rates."""
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     if per_token is None:
-        raise ValueError(f"the crossover needs the model's KV bytes per token, and {config['engine']['model']} "
-                         "has no config.json here to read them from")
+        raise ValueError(f"the crossover needs the bytes a pool holds per token of the model, and "
+                         f"{config['engine']['model']} has no config.json here to read them from")
     frame, fit = table(read_records(locality_csv), per_token, study["tier"])
     frame.to_csv(csv_out, index=False)
     drawn = figures.save(figures.crossover(frame, fit), Path(figures_dir), "crossover")

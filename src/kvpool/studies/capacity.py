@@ -48,7 +48,7 @@ from kvpool.cells import Arm, Cell, run_pools, tier_root
 from kvpool.engine import external, prompts, sized_pool
 from kvpool.engine.backends import REGISTRY, configured, lmcache_fs, pool_backend
 from kvpool.engine.backends.base import FOLDER, SERVER
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.engine.plan import plan_gpus
 from kvpool.engine.plan_types import Plan
 from kvpool.engine.pool_files import is_memory_backed
@@ -139,10 +139,10 @@ def problems(config: dict, check_host: bool = True) -> list[str]:
     if config["replicas"] < 2:
         found.append("capacity.fractions needs two replicas or more (every follow-up goes to a replica that did not "
                      "prefill its document)")
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     if per_token is None:
-        found.append(f"capacity.fractions needs the model's KV bytes per token, and {config['engine']['model']} has "
-                     "no config.json here to read them from")
+        found.append(f"capacity.fractions needs the bytes a pool holds per token of the model, and "
+                     f"{config['engine']['model']} has no config.json here to read them from")
         return found
     workload = config["workload"]
     for chunk in sorted({cell.chunk for cell in limited}):
@@ -205,7 +205,7 @@ def drive_tier_images(config: dict, tier: str) -> list[int]:
     """The bytes a capacity unit's pool of files takes on drive tier ``tier`` at the largest capacity: its
     ext4 image (the capacity, ext4's metadata and the filler), one per shared file cell there; the image
     goes with its unit, so the tier holds one at a time. A memory tier's pool is a tmpfs of host RAM."""
-    asked, per_token = fractions(config), engine_kv_bytes_per_token(config)
+    asked, per_token = fractions(config), engine_pool_bytes_per_token(config)
     root = tier_root(config, tier)
     if not asked or per_token is None or is_memory_backed(root):
         return []
@@ -310,7 +310,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
                       provenance_config: dict) -> None:
     """One capacity unit (kvpool.studies.capacity): its own plan, server and fleet; populate, the cap, the
     drawn follow-ups; the rows, the unit's gate and its telemetry summary."""
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     limit = capacity_bytes(config, cell.chunk, fraction, per_token)
     root = run_pools(config, cell.tier) / "capacity" / cell.name / f"capacity~{unit_label(fraction)}"
     settings = config["capacity"]

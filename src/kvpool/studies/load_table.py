@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from kvpool.cells import Cell
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
 from kvpool.measure.telemetry import energy_mean_power, phase_power
@@ -78,7 +78,7 @@ def load_table(config: dict, cells_run: list[Cell], reuse: dict, levels: dict,
     reuse.csv, reuse.json, validity.json and telemetry summary; ``levels`` maps (cell, level) to the
     level's csv and json). Where the tiers' ``ceilings`` hold the host-to-GPU link, each level's KV
     loaded per second is also given as a share of it (``link_use``)."""
-    per_token, rows, units = engine_kv_bytes_per_token(config), [], []
+    per_token, rows, units = engine_pool_bytes_per_token(config), [], []
     for cell in cells_run:
         files = reuse[cell]
         summary_ = read_json(files["telemetry"])["reuse"]

@@ -18,7 +18,7 @@ from kvpool.engine.backends import pool_backend
 from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.errors import LaunchRefused
 from kvpool.engine.fleet import running_fleet, running_servers
-from kvpool.engine.model import engine_kv_bytes_per_token, vocabulary
+from kvpool.engine.model import engine_pool_bytes_per_token, vocabulary
 from kvpool.engine.plan import fleet_plan, placements, plan_gpus, plan_pool_dirs, reference_plan, server_port_count
 from kvpool.engine.plan_types import Plan, read_plan, write_plan
 from kvpool.matrix import cells
@@ -419,7 +419,7 @@ def run_ceiling(config: dict, tier: str, out: str) -> None:
     result["devices"] = block_devices(root)
     # another run's ceiling on the same tier meanwhile shares the device: this figure is not its ceiling
     result["concurrent_ceilings"] = sorted(set(before) | set(others()))
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     gpus = sorted({place["gpu"] for place in placements(config["engine"], config["replicas"], [0])} - {None})
     result["link"] = link.ceiling(gpus, [chunk * per_token for chunk in config["chunk_sizes"]] if per_token else [])
     write_json(out, result)

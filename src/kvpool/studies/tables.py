@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from kvpool.cells import SERVERS, Arm, Cell
-from kvpool.engine.model import engine_kv_bytes_per_token
+from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.measure import link
 from kvpool.measure.files import read_frame_or_empty, read_json
 from kvpool.measure.records import read_records
@@ -318,7 +318,7 @@ def table2_of(config: dict, shared_cells: list[Cell], summaries: list[str], reus
     Table 2 drawn from it, from each shared cell's telemetry summary, reuse records and drive samples,
     and each tier's ceiling."""
     ceiling_by_tier = {path.split("/")[-2]: read_json(path) for path in ceilings}
-    per_token = engine_kv_bytes_per_token(config)
+    per_token = engine_pool_bytes_per_token(config)
     rows = [tier_row(cell, read_json(summary_path)["reuse"], read_records(reuse_csv),
                              read_frame_or_empty(drive_csv), ceiling_by_tier[cell.tier], per_token)
             for cell, summary_path, reuse_csv, drive_csv in zip(
