@@ -1,8 +1,8 @@
 """Checks on a schema-valid config that JSON Schema cannot express, run before any job starts.
 
 The top floor of the package: it gathers every study's own checks (``capacity.problems``,
-``contexts.problems``, ``peer.problems``, ``studyb.resolved``, the engine's backends') with the matrix's, so
-it may import anything and nothing imports it but the workflow."""
+``contexts.problems``, ``peer.problems``, ``studyb_pool.problems`` over ``studyb.resolved``, the engine's
+backends') with the matrix's, so it may import anything and nothing imports it but the workflow."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kvpool.engine.model import engine_pool_bytes_per_token
 from kvpool.engine.owned import OWNED_LMCACHE_KEYS
 from kvpool.engine.plan import BASE_ENV
 from kvpool.matrix import cells, is_memory_pool
-from kvpool.studies import capacity, contexts, peer, studyb, trace_replay
+from kvpool.studies import capacity, contexts, peer, studyb_pool, trace_replay
 from kvpool.studies.load import LEVEL_PATTERN, Level
 
 # What kvpool sets itself, per replica or per server: set elsewhere, a cell would silently run with
@@ -380,7 +380,7 @@ def problems(config: dict, workdir: Path, check_paths: bool = True) -> list[str]
                          "lmcache-redis backend)")
     if config["study_b"]["enabled"]:
         try:
-            found += studyb.problems(config)
+            found += studyb_pool.problems(config)
         except ValueError as exc:
             found.append(str(exc))
     return (found + contexts.problems(config) + capacity.problems(config, check_host=check_paths)

@@ -17,7 +17,7 @@ from kvpool.measure import model_check
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
 from kvpool.report import studyb as studyb_report
-from kvpool.studies import studyb
+from kvpool.studies import studyb, studyb_pool
 
 RUN = REPO / "docs" / "results" / "h100-shape-b"
 COMMIT = "033e3bf674288c4bbc946b83e8ee0ab56fda514b"
@@ -85,7 +85,7 @@ def test_the_pool_held_every_layers_page_per_chunk_four_times_the_attention_kv(n
     page = 1600 * spec["kv_heads"] * spec["head_dim"] * 2
     chunks = server["metrics"]["lmcache_mp_l1_write_chunks_total"]
     assert chunks > 0 and server["l1_bytes"] == chunks * 64 * page == chunks * 1600 * 128 * 1024
-    assert chunks == studyb.pool_chunks(studyb.resolved(config), config) == 68  # what kvpool checks the L1 against
+    assert chunks == studyb_pool.pool_chunks(studyb.resolved(config), config) == 68  # what kvpool checks the L1 against
     # what kvpool sizes pools and reads reload rates by
     assert engine_pool_bytes_per_token(config) == 128 * 1024 == 4 * shapes.kv_bytes_per_token(spec, "bfloat16", "fp8")
 

@@ -1,3 +1,4 @@
+import pytest
 import yaml
 from snakemake.utils import validate
 from support import REPO
@@ -214,3 +215,15 @@ def test_a_dry_run_warns_of_what_would_stop_the_run_on_this_machine(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert ("on this machine the run would stop before its first job: engine.cores lists cores [4095] that this "
             "process may not run on") in out.stderr
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.yaml")), ids=lambda path: path.name)
+def test_every_shipped_config_passes_the_checks_that_need_no_machine(path, tmp_path):
+    """A shipped config refused on the machine it was written for costs a GPU start: each resolves, validates and
+    passes every check that needs no tier folder or model directory (an L1 sized for a hybrid's pool bytes, Study B's
+    blocks against the L1, the follow-ups' cold reloads)."""
+    from kvpool.config import load, validated
+
+    found = load(path, REPO)
+    validated(found, REPO)
+    assert problems(found, tmp_path, check_paths=False) == []

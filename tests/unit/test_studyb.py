@@ -16,7 +16,7 @@ from kvpool.measure import records, reference
 from kvpool.measure.checks import verdict
 from kvpool.measure.records import ChainRecord
 from kvpool.report import studyb as studyb_report
-from kvpool.studies import studyb, studyb_tables
+from kvpool.studies import studyb, studyb_pool, studyb_tables
 
 VOCAB = list(range(1000, 3000))
 
@@ -59,7 +59,7 @@ def test_an_on_blocks_pool_is_counted_in_whole_chunks_and_an_mp_l1_too_small_for
     server's memory L1 that cannot hold it at l1_fill is refused before any block, at the pool's bytes a token."""
     # warm-up 1; chains (256 + 8) // 256 + (512 + 8) // 256 = 3; 2 placements x (2 sessions + a window of 2) of
     # (256 + 3 x (32 + 8) + 8) // 256 = 1 chunk each
-    assert studyb.pool_chunks(study, config) == 1 + 3 + 2 * (2 + 2) * 1
+    assert studyb_pool.pool_chunks(study, config) == 1 + 3 + 2 * (2 + 2) * 1
     config["study_b"].update(contexts=[8192], sessions=1, turns=6, session_tokens=8192, turn_tokens=1024, warmups=2,
                              windows=[], question_tokens=16)
     config["chunk_sizes"] = [256]
@@ -68,15 +68,15 @@ def test_an_on_blocks_pool_is_counted_in_whole_chunks_and_an_mp_l1_too_small_for
     chunks = 2 + 8208 // 256 + 2 * ((8192 + 5 * (1024 + 8) + 8) // 256)
     per_token = engine_pool_bytes_per_token(config)
     needed = chunks * 256 * per_token
-    assert studyb.pool_chunks(studyb.resolved(config), config) == chunks
-    (refused,) = studyb.problems(config)
+    assert studyb_pool.pool_chunks(studyb.resolved(config), config) == chunks
+    (refused,) = studyb_pool.problems(config)
     assert f"holds {chunks} chunks of 256 tokens" in refused and "lmcache_mp.l1_size_gib 0.05" in refused
     assert f"at least {math.ceil(needed / config['lmcache_mp']['l1_fill'] / 2**30)}" in refused
     config["lmcache_mp"]["l1_size_gib"] = needed / config["lmcache_mp"]["l1_fill"] / 2**30 * 1.01
-    assert studyb.problems(config) == []
+    assert studyb_pool.problems(config) == []
     config["lmcache_mp"]["memory_tiers"] = []  # a drive tier's L2 holds the pool
     config["lmcache_mp"]["l1_size_gib"] = 0.05
-    assert studyb.problems(config) == []
+    assert studyb_pool.problems(config) == []
 
 
 def test_payloads_are_seeded_and_no_two_documents_share_a_prefix(study):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -22,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvpool.cells import Arm, Backend, Cell, run_pools
-from kvpool.engine import metrics, mp
+from kvpool.cells import Arm, Cell, run_pools
+from kvpool.engine import metrics
 from kvpool.engine.backends import configured, pool_backend
-from kvpool.engine.model import engine_pool_bytes_per_token, vocabulary
+from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import batch_invariant, plan_pool_dirs
 from kvpool.engine.plan_types import Plan, write_plan
 from kvpool.engine.pool_files import corrupt, pool_files
@@ -94,45 +93,6 @@ def resolved(config: dict) -> dict:
     if config["replicas"] < 2:
         raise ValueError("study_b needs two replicas or more (a cross-replica step and alternating sessions)")
     return study
-
-
-def pool_chunks(study: dict, config: dict) -> int:
-    """The chunks an ON block's pool holds at its end (each block starts with an empty pool): a warm-up's one, each
-    chain's document with its question, each session's last turn with its answer, as whole chunks. On
-    docs/results/h100-shape-b: 68, the MP server's chunk writes in each ON block."""
-    chunk, answer = study["chunk"], config["workload"]["output_tokens"]
-
-    def session(turns: int) -> int:
-        return (study["session_tokens"] + (turns - 1) * (study["turn_tokens"] + answer) + answer) // chunk
-
-    chains = study["chains"] * sum((context + study["question_tokens"]) // chunk for context in study["contexts"])
-    sessions = len(study["placements"]) * study["sessions"] * session(study["turns"])
-    windows = len(study["placements"]) * sum(study["windows"]) * session(study["window_turns"])
-    return study["warmups"] + chains + sessions + windows
-
-
-def problems(config: dict) -> list[str]:
-    """Why the ON blocks' pool cannot hold what a block stores: an MP server's memory L1 that would evict (LMCache
-    evicts silently and the connector recomputes, LMCache #5290), at the bytes the pool holds a token (a hybrid's
-    every layer). Empty when it fits or the pool is not an MP server's memory."""
-    study = resolved(config)
-    settings = config["lmcache_mp"]
-    per_token = engine_pool_bytes_per_token(config)
-    if study["backend"] != Backend.MP or study["tier"] not in settings["memory_tiers"] or per_token is None:
-        return []
-    chunks = pool_chunks(study, config)
-    needed = chunks * study["chunk"] * per_token
-    try:
-        have = mp.l1_size_gib(config, study["tier"]) * 2**30 * settings["l1_fill"]
-    except ValueError:
-        return []  # lmcache-mp's own problems name the unsized L1
-    if needed <= have:
-        return []
-    return [f"study_b: an ON block's pool holds {chunks} chunks of {study['chunk']} tokens, {needed / 2**30:.2f} GiB "
-            f"at {per_token} bytes a token, and lmcache_mp.l1_size_gib {settings['l1_size_gib']} holds "
-            f"{have / 2**30:.2f} GiB at l1_fill {settings['l1_fill']}; set lmcache_mp.l1_size_gib to at least "
-            f"{math.ceil(needed / settings['l1_fill'] / 2**30)}, or lower study_b.contexts, sessions or windows (an "
-            "evicted chunk is recomputed, not reported: LMCache #5290)"]
 
 
 def block_study(study: dict) -> dict:
