@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from support import REPO
-from support.committed import measured_only_rebuild
+from support.committed import measured_only_rebuild, studyb_tables_again
 
 from kvpool.config import validated
 from kvpool.engine import shapes
@@ -16,7 +16,6 @@ from kvpool.engine.model import build_tokenizer, engine_pool_bytes_per_token
 from kvpool.measure import model_check
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
-from kvpool.report import studyb as studyb_report
 from kvpool.studies import studyb, studyb_pool
 
 RUN = REPO / "docs" / "results" / "h100-shape-b"
@@ -101,18 +100,9 @@ def test_the_model_check_probed_at_the_chains_length_and_found_the_answers_depen
 
 
 def test_the_tables_and_the_valid_verdict_come_again_from_the_records(tmp_path):
-    config = run_config()
-    blocks = {name: {"csv": str(block(name) / "requests.csv"), "meta": str(block(name) / "block.json")}
-              for name in NAMES}
-    out = {name: str(tmp_path / name) for name in ("locality.csv", "sessions.csv", "summary.csv", "validity.json",
-                                                   "studyb.md")}
-    studyb_report.run_studyb_tables(config, studyb.resolved(config), blocks, locality_csv=out["locality.csv"],
-                                    sessions_csv=out["sessions.csv"], summary_csv=out["summary.csv"],
-                                    validity_out=out["validity.json"], md_out=out["studyb.md"],
-                                    figures_dir=str(tmp_path / "studyb" / "figures"))
-    again = read_json(out["validity.json"])
-    assert again == read_json(RUN / "results" / "studyb" / "validity.json") and again["valid"]
-    assert Path(out["studyb.md"]).read_text() == (RUN / "results" / "studyb.md").read_text()
+    gate, page = studyb_tables_again(BLOCKS, NAMES, tmp_path)
+    assert gate == read_json(RUN / "results" / "studyb" / "validity.json") and gate["valid"]
+    assert page == (RUN / "results" / "studyb.md").read_text()
 
 
 @pytest.mark.parametrize("name", ["2-on", "3-on"])

@@ -8,12 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from snakemake.utils import validate
-from support.committed import measured_only_rebuild
+from support.committed import measured_only_rebuild, studyb_tables_again
 
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
-from kvpool.report import studyb as studyb_report
-from kvpool.studies import studyb
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "docs" / "results" / "h200-mp-studyb"
@@ -56,18 +54,9 @@ def test_every_block_ran_one_commit_and_config_on_the_gpu(run):
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
 def test_the_tables_and_the_verdict_come_again_from_the_records(run, tmp_path):
-    blocks_dir = blocks_of(run)
-    config = read_json(blocks_dir / "block~1-off" / "manifest.json")["config"]
-    blocks = {name: {"csv": str(blocks_dir / f"block~{name}" / "requests.csv"),
-                     "meta": str(blocks_dir / f"block~{name}" / "block.json")} for name in NAMES}
-    out = {name: str(tmp_path / name) for name in ("locality.csv", "sessions.csv", "summary.csv", "validity.json",
-                                                   "studyb.md")}
-    studyb_report.run_studyb_tables(config, studyb.resolved(config), blocks, locality_csv=out["locality.csv"],
-                                    sessions_csv=out["sessions.csv"], summary_csv=out["summary.csv"],
-                                    validity_out=out["validity.json"], md_out=out["studyb.md"],
-                                    figures_dir=str(tmp_path / "studyb" / "figures"))
-    assert read_json(out["validity.json"]) == read_json(run / "results" / "studyb" / "validity.json")
-    assert Path(out["studyb.md"]).read_text() == (run / "results" / "studyb.md").read_text()
+    gate, page = studyb_tables_again(blocks_of(run), NAMES, tmp_path)
+    assert gate == read_json(run / "results" / "studyb" / "validity.json")
+    assert page == (run / "results" / "studyb.md").read_text()
 
 
 def test_todays_gate_holds_the_pairing_and_counts_the_twins_answers():

@@ -15,7 +15,8 @@ from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
 from kvpool.report import peer
 from kvpool.report import routers as routers_report
-from kvpool.studies import routers
+from kvpool.report import studyb as studyb_report
+from kvpool.studies import routers, studyb
 from support import REPO
 
 
@@ -101,3 +102,16 @@ def assert_peer_table_rebuilt(run: Path, cell: Cell, out: Path) -> None:
     )
     pd.testing.assert_frame_equal(again, committed, rtol=1e-9)
     assert (out / "peer.md").read_text() == (run / "results" / "peer.md").read_text()
+
+
+def studyb_tables_again(blocks_dir: Path, names: list[str], out: Path) -> tuple[dict, str]:
+    """Study B's gate (validity.json) and page (studyb.md) made again in ``out`` from a run's block records in
+    ``blocks_dir``, with the config its first block's manifest holds."""
+    config = read_json(blocks_dir / f"block~{names[0]}" / "manifest.json")["config"]
+    blocks = {name: {"csv": str(blocks_dir / f"block~{name}" / "requests.csv"),
+                     "meta": str(blocks_dir / f"block~{name}" / "block.json")} for name in names}
+    studyb_report.run_studyb_tables(config, studyb.resolved(config), blocks, locality_csv=str(out / "locality.csv"),
+                                    sessions_csv=str(out / "sessions.csv"), summary_csv=str(out / "summary.csv"),
+                                    validity_out=str(out / "validity.json"), md_out=str(out / "studyb.md"),
+                                    figures_dir=str(out / "studyb" / "figures"))
+    return read_json(out / "validity.json"), (out / "studyb.md").read_text()
