@@ -79,10 +79,9 @@ def resolved(config: dict) -> dict:
     if partial:
         raise ValueError(f"study_b.contexts {partial} are not whole chunks of {study['chunk']} tokens: "
                          "a cross-replica hit could not cover the document")
+    answer = config["workload"]["output_tokens"]
     turns = max(study["turns"], study["window_turns"] if study["windows"] else 0)
-    longest = max(max(study["contexts"]) + study["question_tokens"],
-                  study["session_tokens"] + (turns - 1)
-                  * (study["turn_tokens"] + config["workload"]["output_tokens"])) + config["workload"]["output_tokens"]
+    longest = max(max(study["contexts"]) + study["question_tokens"] + answer, session_length(study, turns, answer))
     if longest > config["engine"]["max_model_len"]:
         raise ValueError(f"study_b's longest request needs {longest} tokens (prompt and answer), more than "
                          f"engine.max_model_len {config['engine']['max_model_len']}")
@@ -93,6 +92,12 @@ def resolved(config: dict) -> dict:
     if config["replicas"] < 2:
         raise ValueError("study_b needs two replicas or more (a cross-replica step and alternating sessions)")
     return study
+
+
+def session_length(study: dict, turns: int, answer: int) -> int:
+    """A session's tokens after ``turns`` turns: its first context, each later turn's new tokens after the previous
+    answer, and the last answer."""
+    return study["session_tokens"] + (turns - 1) * (study["turn_tokens"] + answer) + answer
 
 
 def block_study(study: dict) -> dict:

@@ -8,7 +8,7 @@ import math
 from kvpool.cells import Backend
 from kvpool.engine import mp
 from kvpool.engine.model import engine_pool_bytes_per_token
-from kvpool.studies.studyb import resolved
+from kvpool.studies.studyb import resolved, session_length
 
 
 def pool_chunks(study: dict, config: dict) -> int:
@@ -16,13 +16,10 @@ def pool_chunks(study: dict, config: dict) -> int:
     chain's document with its question, each session's last turn with its answer, as whole chunks. On
     docs/results/h100-shape-b: 68, the MP server's chunk writes in each ON block."""
     chunk, answer = study["chunk"], config["workload"]["output_tokens"]
-
-    def session(turns: int) -> int:
-        return (study["session_tokens"] + (turns - 1) * (study["turn_tokens"] + answer) + answer) // chunk
-
     chains = study["chains"] * sum((context + study["question_tokens"]) // chunk for context in study["contexts"])
-    sessions = len(study["placements"]) * study["sessions"] * session(study["turns"])
-    windows = len(study["placements"]) * sum(study["windows"]) * session(study["window_turns"])
+    sessions = len(study["placements"]) * study["sessions"] * (session_length(study, study["turns"], answer) // chunk)
+    windows = len(study["placements"]) * sum(study["windows"]) \
+        * (session_length(study, study["window_turns"], answer) // chunk)
     return study["warmups"] + chains + sessions + windows
 
 
