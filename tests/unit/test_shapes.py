@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from kvpool import matrix
 from kvpool.config import problems, resolve_extends, validated
 from kvpool.engine import mp, random_weights, shapes
-from kvpool.engine.model import build_model, build_tokenizer, engine_pool_bytes_per_token, kv_bytes_per_token_of
+from kvpool.engine.model import build_model, build_tokenizer, engine_pool_bytes_per_token, folder_spec
 from kvpool.engine.plan import reference_plan
 from kvpool.measure import model_check
 from kvpool.report.lede import model_words
@@ -61,7 +61,7 @@ def test_a_shape_is_the_architecture_asked_for_as_transformers_reads_it(architec
     # K and V of each full-attention layer: 2 x layers x 2 KV heads x 64 x 2 bytes
     full = kinds.count("full_attention")
     assert shapes.kv_bytes_per_token(spec, "bfloat16") == 2 * full * 2 * 64 * 2
-    assert kv_bytes_per_token_of(tmp_path, "bfloat16") == shapes.kv_bytes_per_token(spec, "bfloat16")
+    assert shapes.kv_bytes_per_token(*folder_spec(tmp_path)) == shapes.kv_bytes_per_token(spec, "bfloat16")
     assert shapes.kv_bytes_per_token(spec, "bfloat16", "fp8") == full * 2 * 64 * 2
     made = json.loads((tmp_path / "kvpool-model.json").read_text())
     assert made["layers"] == {kind: kinds.count(kind) for kind in set(kinds)} and made["weights"] == "drawn"
@@ -125,7 +125,7 @@ def test_a_hybrids_pool_holds_every_layers_page_and_the_mp_server_is_sized_for_i
                                   "linear_key_head_dim": 32, "linear_value_head_dim": 32, "vocab_words": 500},
                        build_tokenizer(500))
     folder = config(engine={"kind": "vllm", "model": str(tmp_path), "dtype": "bfloat16"})
-    assert kv_bytes_per_token_of(tmp_path, "bfloat16") == 2 * 2 * 2 * 128 * 2  # 2 of 8 layers full attention
+    assert shapes.kv_bytes_per_token(*folder_spec(tmp_path)) == 2 * 2 * 2 * 128 * 2  # 2 of 8 layers full attention
     assert engine_pool_bytes_per_token(folder) == 8 * 2 * 2 * 128 * 2
 
 

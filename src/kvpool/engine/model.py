@@ -64,17 +64,6 @@ def folder_spec(model_dir: Path) -> tuple[dict, str] | None:
     return spec, str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
 
 
-def kv_bytes_per_token_of(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> int | None:
-    """KV-cache bytes per token of a local Hugging Face model directory, from its config.json (K and V of every
-    full-attention layer: a hybrid's ``layer_types`` name the others); None when there is no such file or it lacks
-    the sizes."""
-    found = folder_spec(model_dir)
-    if found is None:
-        return None
-    spec, own = found
-    return shapes.kv_bytes_per_token(spec, own if dtype == "auto" else dtype, kv_cache_dtype)
-
-
 def engine_pool_bytes_per_token(config: dict) -> int | None:
     """The bytes a pool stores, and a reload moves, per token of the configured engine's model
     (kvpool.engine.shapes.pool_bytes_per_token, in the engine's KV-cache dtype): its KV, and for a hybrid as much

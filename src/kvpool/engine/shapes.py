@@ -117,8 +117,7 @@ def pool_bytes_per_token(spec: dict, dtype: str, kv_cache_dtype: str = "auto") -
     layer's KV a token: 128 KiB for the hybrid 27B's 32 KiB of KV, the MP server's bytes to the byte
     (docs/results/h100-shape-b)."""
     element = element_bytes(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
-    layers = len(spec["layer_types"]) if spec.get("layer_types") else spec["layers"]
-    return 2 * layers * spec["kv_heads"] * spec["head_dim"] * element
+    return 2 * spec["layers"] * spec["kv_heads"] * spec["head_dim"] * element
 
 
 def state_bytes_per_sequence(spec: dict, dtype: str) -> int:
