@@ -329,3 +329,9 @@ def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_
     assert found["vllm_fs"]["cpu_gib"] * 2**30 > pool / workload["documents"]  # a document fits a replica's CPU tier
     refused = problems({**found, "workload": {**workload, "followups_per_document": 5}}, tmp_path, check_paths=False)
     assert any("followups_per_document" in reason for reason in refused)
+    # h100-shape-a-vllm-fs.yaml: the same sitting less the MP server's two cells
+    alone = shipped("h100-shape-a-vllm-fs.yaml")
+    assert {key: value for key, value in alone.items() if key not in ("backends", "extends")} == \
+        {key: value for key, value in found.items() if key not in ("backends", "extends")}
+    cells = {(cell.backend, cell.arm) for cell in matrix.cells(alone)}
+    assert cells == {("vllm-fs", "shared"), ("vllm-fs", "isolated")}
