@@ -16,6 +16,8 @@ from kvpool.engine.model import build_model, build_tokenizer, engine_pool_bytes_
 from kvpool.engine.plan import reference_plan
 from kvpool.measure import model_check
 from kvpool.report.lede import model_words
+from kvpool.studies import studyb_pool
+from kvpool.studies.studyb import resolved
 
 TINY = {"layers": 8, "hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 2, "head_dim": 64,
         "vocab_words": 500, "max_positions": 4096, "seed": 3, "init_std": 0.05}
@@ -291,6 +293,7 @@ def shipped(name: str) -> dict:
 
 @pytest.mark.parametrize(("name", "head"), [("config.yaml", 6000), ("h100-shape-a.yaml", 40960),
                                             ("h100-shape-b.yaml", 32000), ("h200-shape-b.yaml", 131200),
+                                            ("h200-shape-b-256k.yaml", 260800),
                                             ("h200-mp-studyb.yaml", 131072), ("contexts.yaml", 12288)])
 def test_the_model_check_probes_at_the_runs_longest_document(name, head):
     """A drawn hybrid's answer depended on a 1,024-token head and not on a 4,000-token one: the probe's heads are as
@@ -335,3 +338,24 @@ def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_
         {key: value for key, value in found.items() if key not in ("backends", "extends")}
     cells = {(cell.backend, cell.arm) for cell in matrix.cells(alone)}
     assert cells == {("vllm-fs", "shared"), ("vllm-fs", "isolated")}
+
+
+def test_study_bs_shape_at_256k_fills_the_models_positions_and_its_mp_l1_holds_a_blocks_every_layer(tmp_path):
+    """config/h200-shape-b-256k.yaml: one chain of whole 1,600-token blocks that, with its question and answer, fills
+    the model's 262,144 positions; an ON block's pool at the hybrid's 128 KiB a token (every layer's page), which
+    h200-shape-b's 40 GiB L1 would evict and 64 GiB holds."""
+    found, base = shipped("h200-shape-b-256k.yaml"), shipped("h200-shape-b.yaml")
+    assert problems(found, tmp_path, check_paths=False) == []
+    assert found["random_model"] == base["random_model"] and found["chunk_sizes"] == base["chunk_sizes"] == [1600]
+    study = resolved(found)
+    (context,) = study["contexts"]
+    answer = found["workload"]["output_tokens"]
+    assert context % 1600 == 0 and context + study["question_tokens"] + answer <= found["engine"]["max_model_len"]
+    assert found["engine"]["max_model_len"] == found["random_model"]["max_positions"] == 262144
+    assert 1600 * (context // 1600 + 1) + study["question_tokens"] + answer > 262144  # no longer chain fits
+    needed = studyb_pool.pool_chunks(study, found) * 1600 * engine_pool_bytes_per_token(found)
+    assert engine_pool_bytes_per_token(found) == 128 * 1024
+    fill = found["lmcache_mp"]["l1_fill"]
+    assert 40 * 2**30 * fill < needed <= found["lmcache_mp"]["l1_size_gib"] * 2**30 * fill
+    smaller = {**found, "lmcache_mp": {**found["lmcache_mp"], "l1_size_gib": 40}}
+    assert any("an ON block's pool holds" in reason for reason in problems(smaller, tmp_path, check_paths=False))
