@@ -99,9 +99,13 @@ def test_the_table_rebuilds_from_the_records(tmp_path):
                                                                                  "validity.json")}
     tables.run_table1(config, cells, files["reuse.csv"], files["reuse.json"], files["validity.json"],
                        [folder(CHUNKS, cell) / "telemetry" / "summary.json" for cell in cells],
+                       [folder(CHUNKS, cell) / "manifest.json" for cell in cells],
                        cells_csv=tmp_path / "cell_table.csv", csv_out=tmp_path / "table1.csv",
                        md_out=tmp_path / "table1.md")
-    assert (tmp_path / "table1.md").read_text() == (CHUNKS / "results" / "table1.md").read_text()
+    # the run's tables as written then; Study A's published figures were set beside them later
+    ours, beside = (tmp_path / "table1.md").read_text().split("\n## Beside Study A as published\n")
+    assert ours == (CHUNKS / "results" / "table1.md").read_text()
+    assert "| GPUs | 4 x NVIDIA RTX PRO 6000 Blackwell Server Edition (96 GB each) | NVIDIA H200 |" in beside
     table = pd.read_csv(tmp_path / "table1.csv").set_index(["chunk", "metric"])
     p50 = table.loc[(1024, "ttft_p50_s")]
     assert 3.8 < p50["ratio_ci_low"] <= p50["ratio"] <= p50["ratio_ci_high"] < 4.3

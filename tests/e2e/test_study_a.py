@@ -49,7 +49,11 @@ def test_table1_shows_sharing_is_faster(study_run):
     # the per-cell table it is drawn from, and the report's copy of it, say the same
     cells = pd.read_csv(study_run / "results" / "cell_table.csv").set_index("arm")
     assert cells.loc["shared", "ttft_p50_s"] == p50["shared"] and cells.loc["isolated", "ttft_p50_s"] == p50["isolated"]
-    assert "| ttft_p50_s |" in (study_run / "results" / "table1.md").read_text()
+    text = (study_run / "results" / "table1.md").read_text()
+    assert "| ttft_p50_s |" in text
+    # Study A's own figures beside the run's, under a setup that says this machine had no GPU
+    assert "| ttft_p50_s | Study A | 18.38 s | 2.20 s | 8.4x |" in text
+    assert re.search(r"\| GPUs \| 4 x NVIDIA RTX PRO 6000 [^|]+\| [^|]+ no GPU\) \|", text)
 
 
 def test_every_cell_passes_the_validity_gate(study_run):

@@ -42,7 +42,8 @@ def build(root: Path) -> Path:
     # the tables first, as their rules make them; the report only reads them
     run_table1(config, CELLS, [f / "reuse.csv" for f in folders], [f / "reuse.json" for f in folders],
                 [f / "validity.json" for f in folders], [f / "telemetry" / "summary.json" for f in folders],
-                cells_csv=results / "cell_table.csv", csv_out=results / "table1.csv", md_out=results / "table1.md")
+                [f / "manifest.json" for f in folders], cells_csv=results / "cell_table.csv",
+                csv_out=results / "table1.csv", md_out=results / "table1.md")
     shared = [(cell, f) for cell, f in zip(CELLS, folders, strict=True) if cell.arm == "shared"]
     run_tier_compare(config, [c for c, _ in shared], [f / "telemetry" / "summary.json" for _, f in shared],
                      [f / "reuse.csv" for _, f in shared], [f / "telemetry" / "drive.csv" for _, f in shared],

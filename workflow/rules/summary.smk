@@ -1,11 +1,13 @@
 rule table1:
     """Every cell's figures with their intervals (cell_table.csv), and Study A's Table 1 (isolated
-    against shared) drawn from them, as CSV and Markdown."""
+    against shared) drawn from them, as CSV and Markdown; the Markdown sets Study A's published figures
+    beside them, with both setups (the cells' manifests give this run's hardware and versions)."""
     input:
         reuse=cell_files("reuse.csv"),
         reuse_meta=cell_files("reuse.json"),
         validity=cell_files("validity.json"),
         telemetry=cell_files("telemetry/summary.json"),
+        manifest=cell_files("manifest.json"),
     output:
         cells="results/cell_table.csv",
         csv="results/table1.csv",

@@ -37,6 +37,21 @@ def fmt_supported(value, unit: str, basis, n, low, high) -> str:
     return shown + (f" (n={int(n)})" if pd.notna(n) and basis not in (ONE_WINDOW, "count") else "")
 
 
+def table1_arm(row, arm: str) -> str:
+    """One arm's figure in a row of Table 1's long form, as :func:`fmt_supported` shows it."""
+    return fmt_supported(row[arm], row["unit"], row.get(f"{arm}_basis"), row.get(f"{arm}_n"), row[f"{arm}_ci_low"],
+                         row[f"{arm}_ci_high"])
+
+
+def table1_ratio(row) -> str:
+    """A row's isolated-over-shared ratio with its interval, "(of maxima)" where an arm gives its largest sample."""
+    if pd.isna(row["ratio"]):
+        return "n/a"
+    maxima = any(str(row.get(f"{arm}_basis", "")).startswith("max of") for arm in ("isolated", "shared"))
+    interval = f" [{row['ratio_ci_low']:.1f}, {row['ratio_ci_high']:.1f}]" if pd.notna(row.get("ratio_ci_low")) else ""
+    return f"{row['ratio']:.1f}x{interval}" + (" (of maxima)" if maxima else "")
+
+
 def pct(value) -> str:
     return "n/a" if pd.isna(value) else fmt_value(value, "") + "%"
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pandas as pd
 
 from kvpool.cells import Cell
-from kvpool.report.format import fmt_supported, fmt_value
+from kvpool.measure.files import read_json
+from kvpool.report.format import fmt_value, table1_arm, table1_ratio
+from kvpool.report.published import beside, run_setup
 from kvpool.settings import reads
 from kvpool.studies.tables import table1_of, table2_of
 
@@ -28,13 +30,8 @@ def table1_markdown(table: pd.DataFrame) -> str:
                  f"| Metric | Isolated ({flags['isolated']}) | Shared ({flags['shared']}) | Isolated / shared |",
                  "|---|---|---|---|"]
         for _, row in group.iterrows():
-            maxima = any(str(row.get(f"{arm}_basis", "")).startswith("max of") for arm in ("isolated", "shared"))
-            ratio = (f"{row['ratio']:.1f}x" + (f" [{row['ratio_ci_low']:.1f}, {row['ratio_ci_high']:.1f}]"
-                                               if pd.notna(row.get("ratio_ci_low")) else "")
-                     + (" (of maxima)" if maxima else "") if pd.notna(row["ratio"]) else "n/a")
-            shown = {arm: fmt_supported(row[arm], row["unit"], row.get(f"{arm}_basis"), row.get(f"{arm}_n"),
-                                        row[f"{arm}_ci_low"], row[f"{arm}_ci_high"]) for arm in ("isolated", "shared")}
-            lines.append(f"| {row['metric']} | {shown['isolated']} | {shown['shared']} | {ratio} |")
+            lines.append(f"| {row['metric']} | {table1_arm(row, 'isolated')} | {table1_arm(row, 'shared')} | "
+                         f"{table1_ratio(row)} |")
         parts.append("\n".join(lines))
     note = ("Intervals are 95%: bootstrap for TTFT percentiles, means and ratios, Wilson for proportions. A "
             "percentile needs 20 samples (p95) or 100 (p99); below that the table gives the largest sample. Wall "
@@ -59,17 +56,18 @@ def tier_compare_markdown(table: pd.DataFrame) -> str:
     return "\n\n".join(parts) + f"\n\n{note}\n"
 
 
-@reads("warm_s", "slo_s", "workload")
+@reads("warm_s", "slo_s", "workload", "engine", "random_model", "replicas")
 def run_table1(config: dict, cells: list[Cell], reuse_csvs: list[str], reuse_jsons: list[str],
-                validity_jsons: list[str], telemetry_jsons: list[str], *, cells_csv: str, csv_out: str,
-                md_out: str) -> None:
-    """The per-cell table (``cells_csv``: every figure of every cell, with its intervals) and Study A's
-    Table 1 drawn from it."""
+                validity_jsons: list[str], telemetry_jsons: list[str], manifests: list[str], *, cells_csv: str,
+                csv_out: str, md_out: str) -> None:
+    """The per-cell table (``cells_csv``: every figure of every cell, with its intervals), Study A's Table 1 drawn
+    from it, and in the Markdown, Study A's own figures beside it under both setups (``manifests``: the cells')."""
     drawn = table1_of(config, cells, reuse_csvs, reuse_jsons, validity_jsons, telemetry_jsons)
     drawn.units.to_csv(cells_csv, index=False)
     drawn.table.to_csv(csv_out, index=False)
+    setup = run_setup(config, cells, [read_json(path) for path in manifests])
     Path(md_out).write_text("# Table 1: cross-replica follow-ups, isolated pools against a shared pool\n\n"
-                            + table1_markdown(drawn.table))
+                            + table1_markdown(drawn.table) + "\n" + beside(drawn.table, setup))
 
 
 @reads("engine", "random_model")
