@@ -30,15 +30,28 @@ def redis_servers_running_in(workdir):
 
 @pytest.mark.full
 def test_a_redis_pool_is_shared_and_its_bytes_are_counted_and_checked(prepared):
-    result = snakemake(prepared, CONFIGS / "e2e.yaml", CONFIGS / "e2e-redis.yaml")
+    """Both arms, two follow-ups a document: before each second one the serving replica's prefix cache is emptied,
+    and in the isolated arm its Redis servers, which held the document the first follow-up recomputed."""
+    overlay = prepared / "two-followups.yaml"
+    overlay.write_text("workload:\n  followups_per_document: 2\n")
+    result = snakemake(prepared, CONFIGS / "e2e.yaml", CONFIGS / "e2e-redis.yaml", overlay)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     cell = "results/cells/backend~lmcache-redis/arm~{arm}/chunk~256/tier~ram"
     shared, isolated = (prepared / cell.format(arm=arm) for arm in ("shared", "isolated"))
-    assert json.loads((shared / "validity.json").read_text())["valid"]
-    assert json.loads((isolated / "validity.json").read_text())["valid"]
+    for folder in (shared, isolated):
+        validity = json.loads((folder / "validity.json").read_text())
+        assert validity["valid"] and validity["checks"]["own_cache_unused"]["ok"], validity["checks"]
     # every follow-up loads its whole document from the shared server, none from an isolated one
-    assert (pd.read_csv(shared / "reuse.csv")["external_hit_tokens"] == 2048).all()
-    assert (pd.read_csv(isolated / "reuse.csv")["external_hit_tokens"] == 0).all()
+    shared_rows, isolated_rows = pd.read_csv(shared / "reuse.csv"), pd.read_csv(isolated / "reuse.csv")
+    assert len(shared_rows) == len(isolated_rows) == 8 and set(isolated_rows["followup"]) == {0, 1}
+    assert (shared_rows["external_hit_tokens"] == 2048).all()
+    assert (isolated_rows["external_hit_tokens"] == 0).all()
+    # the isolated servers held the recomputed document before each second follow-up, and nothing after
+    clears = json.loads((isolated / "reuse.json").read_text())["clears_between_reloads"]
+    assert len(clears) == 4 and all(len(clear["servers"]) == 2 for clear in clears)
+    assert all(sum(server["bytes_before"] for server in clear["servers"]) >= 2048 * 4096 for clear in clears)
+    assert all(server["bytes_after"] == 0 for clear in clears for server in clear["servers"])
+    assert "clears_between_reloads" not in json.loads((shared / "reuse.json").read_text())
     # the pool's size is what the server holds: one value per chunk of KV (4 KiB a token)
     populate = json.loads((shared / "populate.json").read_text())
     (server,) = populate["pool_server"].values()

@@ -1,6 +1,6 @@
 """A stand-in vLLM OpenAI server for rehearsing phases where real replicas need a GPU: it answers
 health, /metrics (every prompt token counted as computed locally, as a replica that loads nothing
-would) and streamed greedy completions whose words follow from the prompt."""
+would), /reset_prefix_cache and streamed greedy completions whose words follow from the prompt."""
 
 import http.server
 import json
@@ -35,7 +35,13 @@ class Engine(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         global computed
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/reset_prefix_cache":  # nothing cached to empty; vLLM answers with no body
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        request = json.loads(body)
         prompt = request["prompt"]
         with lock:
             computed += len(prompt)

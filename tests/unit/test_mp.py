@@ -381,9 +381,11 @@ def test_the_real_lmcache_server_starts_reports_and_stops(gpu_config, tmp_path):
         (server,) = servers
         found = server.metrics()
         assert found[mp.L1_BYTES] == 0 and server.drain(10)["pending_l2_stores"] == 0
+        # emptied between an isolated arm's reloads of a document through its HTTP API, its L1 read back
+        assert server.clear() == {"server": "lmcache server 0", "bytes_before": 0.0, "bytes_after": 0.0}
         pids = [p.pid for p in family(server.proc.pid)]
     log = (tmp_path / "logs" / "lmcache-server-0.log").read_text()
-    assert "LMCache zmq cache server is running on 127.0.0.1" in log
+    assert "LMCache zmq cache server is running on 127.0.0.1" in log and "Cache cleared via HTTP API" in log
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
@@ -442,13 +444,14 @@ def test_a_server_that_dies_mid_phase_is_recorded_not_raised(gpu_config, tmp_pat
 
 # Each arm and each tier once per commit; the two other pairs (a minute and a quarter of the fast lane's
 # five on two cores) run in `make test-full`.
-@pytest.mark.parametrize("arm, tier", [("shared", "ram"), ("isolated", "disk"),
-                                       pytest.param("isolated", "ram", marks=pytest.mark.full),
-                                       pytest.param("shared", "disk", marks=pytest.mark.full)])
+@pytest.mark.parametrize("arm, tier", [("isolated", "ram"), ("shared", "disk"),
+                                       pytest.param("shared", "ram", marks=pytest.mark.full),
+                                       pytest.param("isolated", "disk", marks=pytest.mark.full)])
 def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path, arm, tier):
     """An lmcache-mp cell rehearsed on CPU: LMCache's real server, stand-in engines for the replicas,
     whose connector needs a GPU. A memory pool runs populate, drop and reuse as one job around one
-    set of servers; a drive tier starts a fresh server per phase on the same L2 folder. It catches
+    set of servers, two follow-ups a document, an isolated arm's servers emptied before each second one;
+    a drive tier starts a fresh server per phase on the same L2 folder. It catches
     what only the GPU had shown: running servers' ports re-checked, found taken (by themselves) and
     moved, leaving replicas to wait for a server that is not there."""
     from kvpool.engine import prompts
@@ -456,7 +459,8 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
 
     model = tmp_path / "model"
     build_random_model(model, gpu_config["random_model"])
-    gpu_config["workload"].update(documents=2, doc_tokens=512, followup_tokens=256)
+    gpu_config["workload"].update(documents=2, doc_tokens=512, followup_tokens=256,
+                                  followups_per_document=2 if tier == "ram" else 1)
     gpu_config["tiers"] = {tier: str(tmp_path / tier)}
     gpu_config["preflight_on_failure"] = "record"
     cell = Cell("lmcache-mp", arm, 256, tier)
@@ -470,7 +474,8 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     write_plan(plan, folder / "plan.yaml")
     w = gpu_config["workload"]
     prompts.write_workload(tmp_path / "prompts.jsonl", prompts.make_workload(
-        vocabulary(str(model)), w["documents"], w["doc_tokens"], w["followup_tokens"], w["seed"]))
+        vocabulary(str(model)), w["documents"], w["doc_tokens"], w["followup_tokens"], w["seed"],
+        w["followups_per_document"]))
     out = {name: str(folder / name) for name in ("populate.csv", "populate.json", "drop.json", "reuse.csv",
                                                  "reuse.json", "populate-digests.csv", "pool-digests.csv")}
     for phase in ("populate", "reuse"):
@@ -515,8 +520,16 @@ def test_an_mp_cell_runs_its_phases_around_the_real_server(gpu_config, tmp_path,
     assert all("error" not in server for server in level_meta["pool_server"].values())
     assert (folder / "load~c2" / "populate.csv").exists() == (tier == "ram")
     populated, reused = pd.read_csv(out["populate.csv"]), pd.read_csv(out["reuse.csv"])
-    assert len(populated) == len(reused) == 2 and (reused["error"].isna()).all()
+    assert len(populated) == 2 and len(reused) == (4 if tier == "ram" else 2) and (reused["error"].isna()).all()
     assert (reused["prefill_replica"] != reused["serve_replica"]).all()
+    clears = json.loads(Path(out["reuse.json"]).read_text()).get("clears_between_reloads", [])
+    if arm == "isolated" and tier == "ram":  # before each document's second follow-up, every server of the arm
+        assert len(clears) == 2 and all(clear["stores_settled"]["settled"] for clear in clears)
+        assert [[server["server"] for server in clear["servers"]] for clear in clears] == \
+            [["lmcache server 0", "lmcache server 1"]] * 2
+        assert all(server["bytes_after"] == 0 for clear in clears for server in clear["servers"])
+    else:
+        assert clears == []
     meta = json.loads(Path(out["populate.json"]).read_text())
     assert len(meta["pool_server"]) == (1 if arm == "shared" else 2)  # each server's counters, read after the phase
     assert json.loads(Path(out["drop.json"]).read_text())["memory_backed"] == (tier == "ram")

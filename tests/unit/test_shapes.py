@@ -292,6 +292,7 @@ def shipped(name: str) -> dict:
 
 
 @pytest.mark.parametrize(("name", "head"), [("config.yaml", 6000), ("h100-shape-a.yaml", 40960),
+                                            ("h200-shape-a.yaml", 99072),
                                             ("h100-shape-b.yaml", 32000), ("h200-shape-b.yaml", 131200),
                                             ("h200-shape-b-256k.yaml", 260800),
                                             ("h200-mp-studyb.yaml", 131072), ("contexts.yaml", 12288)])
@@ -338,6 +339,25 @@ def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_
         {key: value for key, value in found.items() if key not in ("backends", "extends")}
     cells = {(cell.backend, cell.arm) for cell in matrix.cells(alone)}
     assert cells == {("vllm-fs", "shared"), ("vllm-fs", "isolated")}
+
+
+def test_study_as_shape_on_the_h200_reloads_20_times_a_cell_from_four_99k_documents(tmp_path):
+    """config/h200-shape-a.yaml: Study A's 20 reloads a cell from five follow-ups to each of four 99,072-token
+    documents (a fifth document's KV would not fit the machine's RAM beside the isolated arm's second server), both
+    arms on the MP server's L1, which holds every document and every follow-up's new tokens."""
+    found = shipped("h200-shape-a.yaml")
+    assert problems(found, tmp_path, check_paths=False) == []
+    workload = found["workload"]
+    assert workload["documents"] * workload["followups_per_document"] >= 20
+    assert {(cell.backend, cell.arm) for cell in matrix.cells(found)} == {("lmcache-mp", "shared"),
+                                                                            ("lmcache-mp", "isolated")}
+    per_token = engine_pool_bytes_per_token(found)
+    assert per_token == 96 * 1024
+    held = workload["documents"] * (workload["doc_tokens"] + workload["followups_per_document"] * 256) * per_token
+    assert mp.pool_kv_bytes(found) == held
+    assert held <= mp.l1_size_gib(found, "ram") * 2**30 * found["lmcache_mp"]["l1_fill"]
+    assert 0.85 * held < found["min_pool_bytes"] <= 0.9 * held
+    assert workload["doc_tokens"] + 256 + workload["output_tokens"] <= found["engine"]["max_model_len"]
 
 
 def test_study_bs_shape_at_256k_fills_the_models_positions_and_its_mp_l1_holds_a_blocks_every_layer(tmp_path):

@@ -57,7 +57,8 @@ def pool_kv_bytes(config: dict) -> int | None:
     isolated server holds its own documents and those its replica serves, no more than that). None
     when the model's KV size is not known here (a real model)."""
     workload = config["workload"]
-    return _kv_tokens_bytes(config, workload["documents"] * (workload["doc_tokens"] + workload["followup_tokens"]))
+    followups = workload.get("followups_per_document", 1) * workload["followup_tokens"]
+    return _kv_tokens_bytes(config, workload["documents"] * (workload["doc_tokens"] + followups))
 
 
 def l1_needed_bytes(config: dict, tier: str) -> int | None:

@@ -320,6 +320,19 @@ class MPServer(ManagedProcess):
             log.warning("%s let go of the stopped replicas' GPU KV caches after %.0f s", self.name, waited_s)
         return {"waited_s": waited_s}
 
+    def clear(self) -> dict:
+        """Empty the server's L1 (LMCache's ``POST /cache/clear``: every object no request holds locked); the
+        L1 bytes before and after, as its metrics say. Raises OSError where the server does not answer."""
+        before = self.metrics().get(self.pool_bytes_metric)
+        request = urllib.request.Request(f"{self.url}/cache/clear", method="POST",
+                                         data=json.dumps({"tier": "l1", "force": False}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        if answer.get("status") != "ok":
+            raise OSError(f"{self.name} ({self.url}): /cache/clear answered {answer}")
+        return {"server": self.name, "bytes_before": before, "bytes_after": self.metrics().get(self.pool_bytes_metric)}
+
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Wait until every L2 store the server accepted is written; the stores still pending at the end."""
         pending, waited_s = _polled(lambda: mp.l2_pending(self.metrics()), lambda pending: pending <= 0,
@@ -378,6 +391,19 @@ class RedisServer(ManagedProcess):
                 return redis_pool.digest_rows(conn, Path(self.entry.workdir).name)
         except redis.RedisError as exc:
             raise OSError(f"{self.name} ({self.url}): {exc}") from exc
+
+    def clear(self) -> dict:
+        """Empty the server (FLUSHALL); the pool's KV bytes before and after. Raises OSError where it cannot."""
+        import redis
+
+        try:
+            with self.connection() as conn:
+                before = redis_pool.pool_metrics(conn)[self.pool_bytes_metric]
+                conn.flushall()
+                after = redis_pool.pool_metrics(conn)[self.pool_bytes_metric]
+        except redis.RedisError as exc:
+            raise OSError(f"{self.name} ({self.url}): {exc}") from exc
+        return {"server": self.name, "bytes_before": before, "bytes_after": after}
 
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Nothing to wait for: a SET has been applied once LMCache's put returns."""

@@ -237,21 +237,40 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
             f"the pool of {cell.name} holds {found} files, {found - len(stored)} "
             f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; "
             f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
-    drops = []
+    drops, clears = [], []
 
-    def between_reloads() -> None:
+    def restored_and_dropped() -> str:
         """A pool of files back to what populate stored (the last follow-up's stores removed) and out of
         the page cache again, so the next follow-up reloads it from the device."""
         restore_pool(dirs, stored)
         drops.append(drop_pool(plan, config["drop_caches"]))
+        return ""
 
-    files = not plan.memory_pool and not plan.external
+    def servers_emptied() -> str:
+        """An isolated arm's pool servers emptied once the last follow-up's stores have landed: its serving
+        replica stored the document it recomputed in its own server, which a later follow-up would find. No
+        replica of the arm reads another's server, and none serves a document it prefilled, so nothing a
+        follow-up could have used from them is lost; its ``isolation`` check still proves every one missed."""
+        settled = settled_stores([], servers)
+        try:
+            clears.append({"stores_settled": settled, "servers": [server.clear() for server in servers]})
+        except (OSError, ValueError) as exc:
+            return f"the isolated arm's pool servers could not be emptied: {exc}"
+        return ""
+
+    between_reloads = None
+    if not plan.memory_pool and not plan.external:
+        between_reloads = restored_and_dropped
+    elif plan.memory_pool and cell.arm == Arm.ISOLATED and servers:
+        between_reloads = servers_emptied
     meta = run_unit(
         plan, lambda disks: reuse_phase(plan, workload, prefill, config, Path(log_dir), disks, servers,
-                                        between_reloads if files else None, replicas=replicas),
+                                        between_reloads, replicas=replicas),
         UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir), "reuse").meta
     if drops:
         meta["drops_between_reloads"] = drops
+    if clears:
+        meta["clears_between_reloads"] = clears
     # after the timed phase (hashing reads the whole pool), before a pool that is not kept goes; on the cell's
     # one fleet, once the follow-ups' own stores have landed (the replicas are still up)
     if replicas is not None:

@@ -186,10 +186,10 @@ async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) 
                     if number:  # a reload again: nothing of the document left in the serving replica or warm
                         reset = await reset_prefix_cache(session, serve)
                         if between_reloads is not None:
-                            await asyncio.to_thread(between_reloads)
+                            reset = reset or await asyncio.to_thread(between_reloads)
                     result, counts = await measured_request(session, serve, prompt, output_tokens, timeout_s)
                     if reset and not result.error:
-                        result.error = f"the prefix cache reset before this follow-up failed: {reset}"
+                        result.error = f"the reset before this follow-up failed: {reset}"
                     row = request_row(item["doc_id"], prefill[item["doc_id"]], serve.index, result, counts)
                     rows.append({**row, "followup": number})
                     bar.update()
@@ -203,7 +203,7 @@ def reuse_phase(plan: Plan, workload: list[dict], prefill: dict[int, int], cfg: 
     the cell's one fleet (``replicas``), drop the pool from the page cache again, send every follow-up to a
     replica that did not prefill its document, one at a time, and stop what it started. Before each of a
     document's later follow-ups the serving replica's prefix cache is emptied and ``between_reloads`` runs (a
-    pool of files restored and dropped again)."""
+    pool of files restored and dropped again, an isolated arm's pool servers emptied): an error message, or ""."""
     route = followup_route(prefill, len(plan.replicas))
     with timed_fleet(plan, cfg, log_dir, servers, replicas) as fleet:
         # Starting the fleet may have touched the pool; the drop must hold right before the reads.

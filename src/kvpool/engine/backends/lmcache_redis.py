@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from kvpool.cells import Arm, Backend, Cell
+from kvpool.cells import Backend, Cell
 from kvpool.engine import redis_pool
 from kvpool.engine.backends import lmcache_inprocess
 from kvpool.engine.backends.base import SERVER, Capacity, PoolBackend, ReplicaLaunch, arm_meanings
-from kvpool.engine.backends.lmcache_mp import isolated_server_problem
 from kvpool.engine.plan_types import ReplicaPlan, ServerPlan
 
 
@@ -51,9 +50,6 @@ class LMCacheRedis(PoolBackend):
 
     def problems(self, config: dict) -> list[str]:
         return redis_pool.problems(config)
-
-    def followup_problem(self, config: dict, cell: Cell) -> str | None:
-        return isolated_server_problem(cell) if cell.arm == Arm.ISOLATED else None
 
     def pool_measure(self) -> str:
         return redis_pool.POOL_BYTES
