@@ -346,6 +346,17 @@ def _validity_sections(config: dict, wildcards=None) -> dict:
     return {"engine": {"max_model_len": config["engine"]["max_model_len"]}, **external_fleet(config)}
 
 
+def emptied(reuse_meta: dict) -> dict[str, str]:
+    """``pool_unchanged`` where an isolated arm's servers were emptied between a document's follow-ups: what
+    populate stored is gone by design, and no follow-up of the arm read it (``isolation``)."""
+    if not reuse_meta.get("clears_between_reloads"):
+        return {}
+    return {"pool_unchanged": "the isolated arm's pool servers were emptied before each later follow-up of a document "
+                              f"({len(reuse_meta['clears_between_reloads'])} times, reuse.json's "
+                              "clears_between_reloads), so populate's chunks are not there to compare after reuse; "
+                              "no follow-up of the arm loaded any (isolation)"}
+
+
 @reads("workload", "chunk_sizes", "min_pool_bytes", "min_hit_fraction", "max_resident_fraction",
        picked=_validity_sections)
 def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
@@ -367,7 +378,7 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
                                populate_meta["preflight"], chunk=cell.chunk,
                                write_errors=populate_meta.get("pool_write_errors", [])
                                + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged,
-                               not_verified=external.not_verified(config, cell.arm),
+                               not_verified=external.not_verified(config, cell.arm) | emptied(reuse_meta),
                                reload_drops=reuse_meta.get("drops_between_reloads", []),
                                server_errors=server_errors(populate_meta, reuse_meta),
                                served=[meta["served"] for meta in (populate_meta, reuse_meta) if "served" in meta],
