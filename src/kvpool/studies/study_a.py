@@ -237,7 +237,7 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
             f"the pool of {cell.name} holds {found} files, {found - len(stored)} "
             f"more than populate left ({root}): an earlier reuse stored them, so this reuse would read a warm pool; "
             f"re-run the cell from its populate: snakemake {cell_dir}/validity.json --forcerun populate")
-    drops, clears = [], []
+    drops, clears, held = [], [], []
 
     def restored_and_dropped() -> str:
         """A pool of files back to what populate stored (the last follow-up's stores removed) and out of
@@ -250,9 +250,12 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
         """An isolated arm's pool servers emptied once the last follow-up's stores have landed: its serving
         replica stored the document it recomputed in its own server, which a later follow-up would find. No
         replica of the arm reads another's server, and none serves a document it prefilled, so nothing a
-        follow-up could have used from them is lost; its ``isolation`` check still proves every one missed."""
+        follow-up could have used from them is lost; its ``isolation`` check still proves every one missed. What
+        servers that can be read back (Redis) held is digested first, so the pool's digests keep every chunk."""
         settled = settled_stores([], servers)
         try:
+            if all(hasattr(server, "digest_rows") for server in servers):
+                held.append(pool_digests(dirs, servers, stored))
             clears.append({"stores_settled": settled, "servers": [server.clear() for server in servers]})
         except (OSError, ValueError) as exc:
             return f"the isolated arm's pool servers could not be emptied: {exc}"
@@ -276,6 +279,8 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
     if replicas is not None:
         meta["stores_settled"] = settled_stores(dirs, servers)
     digests = readable_digests(dirs, servers, stored, meta)
+    if held:  # servers emptied between reloads: each chunk as it was first read, before an emptying or now
+        digests = pd.concat([*held, digests]).drop_duplicates(["copy", "key"], keep="first")
     digests.to_csv(digests_csv, index=False)
     log.info("pool digests: %d files, %d stored during reuse", len(digests),
              int((digests["stored_in"] == "reuse").sum()))
@@ -346,17 +351,6 @@ def _validity_sections(config: dict, wildcards=None) -> dict:
     return {"engine": {"max_model_len": config["engine"]["max_model_len"]}, **external_fleet(config)}
 
 
-def emptied(reuse_meta: dict) -> dict[str, str]:
-    """``pool_unchanged`` where an isolated arm's servers were emptied between a document's follow-ups: what
-    populate stored is gone by design, and no follow-up of the arm read it (``isolation``)."""
-    if not reuse_meta.get("clears_between_reloads"):
-        return {}
-    return {"pool_unchanged": "the isolated arm's pool servers were emptied before each later follow-up of a document "
-                              f"({len(reuse_meta['clears_between_reloads'])} times, reuse.json's "
-                              "clears_between_reloads), so populate's chunks are not there to compare after reuse; "
-                              "no follow-up of the arm loaded any (isolation)"}
-
-
 @reads("workload", "chunk_sizes", "min_pool_bytes", "min_hit_fraction", "max_resident_fraction",
        picked=_validity_sections)
 def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: str, reuse_csv: str, reuse_json: str,
@@ -378,7 +372,7 @@ def run_validity(config: dict, cell: Cell, *, populate_csv: str, populate_json: 
                                populate_meta["preflight"], chunk=cell.chunk,
                                write_errors=populate_meta.get("pool_write_errors", [])
                                + reuse_meta.get("pool_write_errors", []), pool_unchanged=unchanged,
-                               not_verified=external.not_verified(config, cell.arm) | emptied(reuse_meta),
+                               not_verified=external.not_verified(config, cell.arm),
                                reload_drops=reuse_meta.get("drops_between_reloads", []),
                                server_errors=server_errors(populate_meta, reuse_meta),
                                served=[meta["served"] for meta in (populate_meta, reuse_meta) if "served" in meta],
