@@ -9,7 +9,7 @@ from snakemake.utils import validate
 from support import REPO
 
 from kvpool.settings import step_settings
-from kvpool.studies import load, study_a, studyb
+from kvpool.studies import load, measured_only, study_a, studyb
 
 
 def default_config() -> dict:
@@ -102,9 +102,9 @@ def test_measured_only_names_each_cell_whose_run_judged_it_with_other_settings(t
         folder = tmp_path / "results" / "cells" / cell.name
         folder.mkdir(parents=True)
         (folder / "manifest.json").write_text(json.dumps({"config": run_config}))
-    assert study_a.judged_otherwise(config, [shared], tmp_path) == []
+    assert measured_only.judged_otherwise(config, [shared], tmp_path) == []
     changed = {**config, "workload": {**config["workload"], "documents": 4}, "slo_s": 9.0}  # slo_s: no verdict
-    found = study_a.judged_otherwise(changed, [shared, isolated], tmp_path)
+    found = measured_only.judged_otherwise(changed, [shared, isolated], tmp_path)
     assert len(found) == 2 and found[0].startswith(shared.name) and "workload.documents 4, the run's 8" in found[0]
     assert "min_hit_fraction" in found[1] and "slo_s" not in " ".join(found)
 
@@ -129,12 +129,12 @@ def test_measured_only_is_refused_where_the_run_finished_cells_the_matrix_leaves
         folder.mkdir(parents=True)
         (folder / "manifest.json").write_text(json.dumps({"config": config}))
         (folder / "reuse.json").write_text("{}")
-    assert study_a.left_out(config, tmp_path) == []
-    assert study_a.left_out({**config, "arms": ["shared"]}, tmp_path) == [
+    assert measured_only.left_out(config, tmp_path) == []
+    assert measured_only.left_out({**config, "arms": ["shared"]}, tmp_path) == [
         f"{isolated.name} (arms ['shared'], the run's ['shared', 'isolated'])"]
     tabled = {**config, "warm_s": 0.01, "slo_s": 0.01}
-    assert study_a.judged_otherwise(tabled, [shared], tmp_path) == []  # the gate's own settings agree
-    found = study_a.judged_otherwise(tabled, [shared], tmp_path, [study_a.run_validity, tables.run_table1])
+    assert measured_only.judged_otherwise(tabled, [shared], tmp_path) == []  # the gate's own settings agree
+    found = measured_only.judged_otherwise(tabled, [shared], tmp_path, [study_a.run_validity, tables.run_table1])
     assert found == [f"{shared.name}: warm_s, slo_s (this config: warm_s 0.01, the run's 3.0; "
                      "slo_s 0.01, the run's 5.0)"]
     # the workflow refuses both at once, before any job

@@ -8,7 +8,7 @@ from kvpool.engine import external, mp, redis_pool
 from kvpool.measure import model_check, runlock
 from kvpool.report import breakdown, tables
 from kvpool.report import contexts as contexts_report, crossover as crossover_report
-from kvpool.studies import capacity, contexts, crossover, load, routers, study_a, studyb, trace_replay
+from kvpool.studies import capacity, contexts, crossover, load, measured_only, routers, study_a, studyb, trace_replay
 from kvpool.cells import BACKEND_LABEL, CELL_PATTERN, Arm, Cell
 from kvpool.matrix import cells, is_memory_pool, measured, pool_predecessor
 from kvpool.studies.load import LEVEL_PATTERN, levels, load_chain
@@ -59,8 +59,8 @@ MEASURED_ONLY_STEPS = [
     load_report.run_load_table,
     breakdown.run_breakdown,
 ]
-_otherwise = study_a.judged_otherwise(config, CELLS, Path.cwd(), MEASURED_ONLY_STEPS) if MEASURED_ONLY else []
-_left_out = study_a.left_out(config, Path.cwd()) if MEASURED_ONLY else []
+_otherwise = measured_only.judged_otherwise(config, CELLS, Path.cwd(), MEASURED_ONLY_STEPS) if MEASURED_ONLY else []
+_left_out = measured_only.left_out(config, Path.cwd()) if MEASURED_ONLY else []
 if _otherwise or _left_out:
     raise ValueError(
         "measured_only: this config is not the one these cells' runs recorded; give the run's own config (each "
