@@ -1,6 +1,6 @@
-"""What the tests that re-read a committed run (docs/results/<run>) do alike: a router unit's gate again
-from its records, the routers and peer tables rebuilt from the units, and the pipeline's measured_only
-rebuild of a page in a copy of the run."""
+"""What the tests that re-read a committed run (docs/results/<run>) do alike: a Study A cell's config and
+gate again from its records, a router unit's gate again from its records, the routers and peer tables rebuilt
+from the units, and the pipeline's measured_only rebuild of a page in a copy of the run."""
 
 import shutil
 import subprocess
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from snakemake.utils import validate
 
 from kvpool.cells import Cell
 from kvpool.measure.checks import NOT_APPLICABLE, status
@@ -16,7 +17,7 @@ from kvpool.measure.records import read_records
 from kvpool.report import peer
 from kvpool.report import routers as routers_report
 from kvpool.report import studyb as studyb_report
-from kvpool.studies import routers, studyb
+from kvpool.studies import routers, study_a, studyb
 from support import REPO
 
 
@@ -41,6 +42,28 @@ def assert_same_gate(recorded: dict, again: dict, new: set[str] = frozenset(), g
     assert set(recorded) - set(again) == set(gone), set(again) ^ set(recorded)
     for name in set(recorded) & set(again) - set(apart):
         assert comparable(recorded[name]) == comparable(again[name]), name
+
+
+def study_a_cell_dir(run: Path, cell: Cell) -> Path:
+    return run / "results" / "cells" / cell.name
+
+
+def study_a_config(run: Path, cell: Cell) -> dict:
+    """The config a committed run's cell recorded (its manifest.json), with today's schema's defaults."""
+    config = read_json(study_a_cell_dir(run, cell) / "manifest.json")["config"]
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    return config
+
+
+def study_a_gate_again(run: Path, cell: Cell, config: dict, out: Path) -> tuple[dict, dict]:
+    """A committed Study A cell's gate as recorded and as judged again from its records into ``out``."""
+    folder = study_a_cell_dir(run, cell)
+    study_a.run_validity(config, cell, populate_csv=folder / "populate.csv", populate_json=folder / "populate.json",
+                         reuse_csv=folder / "reuse.csv", reuse_json=folder / "reuse.json",
+                         reference_csv=run / "results" / "reference" / "outputs.csv",
+                         populate_digests=folder / "populate-digests.csv", reuse_digests=folder / "pool-digests.csv",
+                         out=out)
+    return read_json(folder / "validity.json"), read_json(out)
 
 
 def router_unit_dir(run: Path, cell: Cell, router: str) -> Path:
