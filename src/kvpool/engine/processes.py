@@ -321,9 +321,11 @@ class MPServer(ManagedProcess):
         return {"waited_s": waited_s}
 
     def clear(self) -> dict:
-        """Empty the server's L1 (LMCache's ``POST /cache/clear``: every object no request holds locked); the
-        L1 bytes before and after, as its metrics say. Raises OSError where the server does not answer."""
-        before = self.metrics().get(self.pool_bytes_metric)
+        """Empty the server's L1 (LMCache's ``POST /cache/clear``: every object no request holds locked); its bytes
+        before and after (``_emptied``)."""
+        return _emptied(self, self._clear_l1)
+
+    def _clear_l1(self) -> None:
         request = urllib.request.Request(f"{self.url}/cache/clear", method="POST",
                                          data=json.dumps({"tier": "l1", "force": False}).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -331,7 +333,6 @@ class MPServer(ManagedProcess):
             answer = json.loads(response.read())
         if answer.get("status") != "ok":
             raise OSError(f"{self.name} ({self.url}): /cache/clear answered {answer}")
-        return {"server": self.name, "bytes_before": before, "bytes_after": self.metrics().get(self.pool_bytes_metric)}
 
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Wait until every L2 store the server accepted is written; the stores still pending at the end."""
@@ -393,17 +394,17 @@ class RedisServer(ManagedProcess):
             raise OSError(f"{self.name} ({self.url}): {exc}") from exc
 
     def clear(self) -> dict:
-        """Empty the server (FLUSHALL); the pool's KV bytes before and after. Raises OSError where it cannot."""
+        """Empty the server (FLUSHALL); the pool's KV bytes before and after (``_emptied``)."""
+        return _emptied(self, self._flush)
+
+    def _flush(self) -> None:
         import redis
 
         try:
             with self.connection() as conn:
-                before = redis_pool.pool_metrics(conn)[self.pool_bytes_metric]
                 conn.flushall()
-                after = redis_pool.pool_metrics(conn)[self.pool_bytes_metric]
         except redis.RedisError as exc:
             raise OSError(f"{self.name} ({self.url}): {exc}") from exc
-        return {"server": self.name, "bytes_before": before, "bytes_after": after}
 
     def drain(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Nothing to wait for: a SET has been applied once LMCache's put returns."""
@@ -412,6 +413,15 @@ class RedisServer(ManagedProcess):
     def await_released(self, timeout_s: float, poll_s: float = 1.0) -> dict:
         """Nothing to wait for: Redis maps no replica's GPU memory."""
         return {"waited_s": 0.0}
+
+
+def _emptied(server: PoolServer, empty) -> dict:
+    """``empty()`` run on ``server`` (between an isolated arm's reloads of a document), with the pool bytes its
+    metrics give before and after. Raises OSError where the server does not answer."""
+    held = lambda: server.metrics().get(server.pool_bytes_metric)  # noqa: E731
+    before = held()
+    empty()
+    return {"server": server.name, "bytes_before": before, "bytes_after": held()}
 
 
 def _polled(read, done, timeout_s: float, poll_s: float):

@@ -185,8 +185,9 @@ async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) 
                     reset = ""
                     if number:  # a reload again: nothing of the document left in the serving replica or warm
                         reset = await reset_prefix_cache(session, serve)
-                        if between_reloads is not None:
-                            reset = reset or await asyncio.to_thread(between_reloads)
+                        if between_reloads is not None:  # runs whether or not the reset failed
+                            emptied = await asyncio.to_thread(between_reloads)
+                            reset = reset or emptied
                     result, counts = await measured_request(session, serve, prompt, output_tokens, timeout_s)
                     if reset and not result.error:
                         result.error = f"the reset before this follow-up failed: {reset}"

@@ -108,5 +108,4 @@ class LMCacheMP(PoolBackend):
         return config["lmcache_mp"]["eviction_policy"]
 
 
-
 BACKEND = LMCacheMP()
