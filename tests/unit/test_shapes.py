@@ -341,11 +341,13 @@ def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_
     assert cells == {("vllm-fs", "shared"), ("vllm-fs", "isolated")}
 
 
-def test_study_as_shape_on_the_h200_reloads_20_times_a_cell_from_four_99k_documents(tmp_path):
+@pytest.mark.parametrize("name", ["h200-shape-a.yaml", "h100-shape-a-reloads.yaml"])
+def test_study_as_shape_reloads_at_least_20_times_a_cell_from_several_follow_ups_a_document(tmp_path, name):
     """config/h200-shape-a.yaml: Study A's 20 reloads a cell from five follow-ups to each of four 99,072-token
-    documents (a fifth document's KV would not fit the machine's RAM beside the isolated arm's second server), both
-    arms on the MP server's L1, which holds every document and every follow-up's new tokens."""
-    found = shipped("h200-shape-a.yaml")
+    documents (a fifth document's KV would not fit the machine's RAM beside the isolated arm's second server);
+    h100-shape-a-reloads.yaml: 24 from three to each of eight of 40,960. Both arms on the MP server's L1, which holds
+    every document and every follow-up's new tokens."""
+    found = shipped(name)
     assert problems(found, tmp_path, check_paths=False) == []
     workload = found["workload"]
     assert workload["documents"] * workload["followups_per_document"] >= 20
