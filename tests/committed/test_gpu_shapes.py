@@ -2,7 +2,9 @@
 shape (weights drawn by vLLM, FP8 online) on two replicas packed on one H100, 40,960-token documents, both arms.
 docs/results/h100-shape-a: config/h100-shape-a.yaml, eight documents, an LMCache MP pool in RAM.
 docs/results/h100-shape-a-vllm-fs: config/h100-shape-a-vllm-fs.yaml, six documents, vLLM's own offloading (each
-replica's CPU tier and an fs tier of files in /dev/shm)."""
+replica's CPU tier and an fs tier of files in /dev/shm).
+docs/results/h100-shape-a-reloads: config/h100-shape-a-reloads.yaml, eight documents of three follow-ups each (24
+reloads a cell), the MP pool in RAM, the isolated arm's servers emptied before each later follow-up."""
 
 from pathlib import Path
 
@@ -24,6 +26,9 @@ CELLS = [Cell("lmcache-mp", arm, 256, "ram") for arm in ("shared", "isolated")]
 FS_RUN = REPO / "docs" / "results" / "h100-shape-a-vllm-fs"
 FS_COMMIT = "84758299c16f3af96d193b87b6604330a05f0b06"
 FS_CELLS = [Cell("vllm-fs", arm, 256, "ram") for arm in ("shared", "isolated")]
+RELOADS_RUN = REPO / "docs" / "results" / "h100-shape-a-reloads"
+RELOADS_COMMIT = "349b70dd78cccb6e32f6ca38c9a5044a35f78032"
+KIB_96 = 96 * 1024
 
 
 def cell_dir(cell: Cell) -> Path:
@@ -40,6 +45,14 @@ def fs_cell_dir(cell: Cell) -> Path:
 
 def fs_config() -> dict:
     return study_a_config(FS_RUN, FS_CELLS[0])
+
+
+def reloads_cell_dir(cell: Cell) -> Path:
+    return study_a_cell_dir(RELOADS_RUN, cell)
+
+
+def reloads_config() -> dict:
+    return study_a_config(RELOADS_RUN, CELLS[0])
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.arm)
@@ -180,3 +193,79 @@ def test_vllm_fs_reloaded_slower_than_the_mp_servers_ram_on_the_same_shape_and_d
     assert fs.loc["shared", "ttft_p50_ci_low_s"] > mp.loc["shared", "ttft_p50_ci_high_s"]
     assert fs.loc["isolated", "ttft_p50_ci_low_s"] < mp.loc["isolated", "ttft_p50_ci_high_s"]
     assert mp.loc["isolated", "ttft_p50_ci_low_s"] < fs.loc["isolated", "ttft_p50_ci_high_s"]
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.arm)
+def test_reloads_each_cell_ran_the_shipped_config_at_one_clean_commit_on_the_h100_with_vllm_0_26(cell):
+    manifest = read_json(reloads_cell_dir(cell) / "manifest.json")
+    assert manifest["git"] == {"commit": RELOADS_COMMIT, "dirty": False, "source": "KVPOOL_GIT_COMMIT"}
+    assert manifest["hardware"]["gpu"]["devices"] == ["NVIDIA H100 80GB HBM3"]
+    assert (manifest["versions"]["vllm"], manifest["versions"]["lmcache"]) == ("0.26.0", "0.5.3")
+    assert manifest["config"] == reloads_config()
+    workload = manifest["config"]["workload"]
+    assert (workload["documents"], workload["doc_tokens"], workload["followups_per_document"]) == (8, 40960, 3)
+
+
+def test_reloads_the_model_check_probed_at_the_documents_length_and_found_the_replicas_alike():
+    recorded = read_json(RELOADS_RUN / "results" / "model-check.json")
+    assert recorded["head_tokens"] == model_check.head_tokens(reloads_config()) == 40960
+    again = model_check.verdict(recorded["answers"], [], recorded["head_tokens"])
+    assert again["ok"] and again["identical"] and again["distinct_answers"] == 3
+    assert {key: recorded[key] for key in again} == again
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.arm)
+def test_reloads_each_cell_is_valid_again_from_its_records(cell, tmp_path):
+    recorded, again = study_a_gate_again(RELOADS_RUN, cell, reloads_config(), tmp_path / "validity.json")
+    assert_same_gate(recorded["checks"], again["checks"])
+    assert again["valid"] and recorded["valid"]
+    outputs = again["checks"]["output_matches_recompute"]["value"]
+    assert outputs["exact"] == outputs["equal"] == 24
+    # populate: each document's tokens and the preflight probe's two chunks, at the shape's 96 KiB a token
+    assert again["checks"]["pool_bytes"]["value"] >= (8 * 40960 + 2 * 256) * KIB_96
+
+
+def test_reloads_every_shared_follow_up_reloaded_its_document_and_every_isolated_one_recomputed_it():
+    shared, isolated = (read_records(reloads_cell_dir(cell) / "reuse.csv") for cell in CELLS)
+    for records in (shared, isolated):
+        assert len(records) == 24 and (records["prefill_replica"] != records["serve_replica"]).all()
+        assert sorted(records.groupby("doc_id")["followup"].apply(sorted).tolist()) == [[0, 1, 2]] * 8
+        assert (records["local_cache_hit_tokens"] == 0).all()  # the serving replica's prefix cache was emptied
+    assert (shared["external_hit_tokens"] == 40960).all() and (shared["local_compute_tokens"] == 256).all()
+    assert (isolated["external_hit_tokens"] == 0).all() and (isolated["local_compute_tokens"] == 40960 + 256).all()
+    table = pd.read_csv(RELOADS_RUN / "results" / "cell_table.csv").set_index("arm")
+    for arm, records in (("shared", shared), ("isolated", isolated)):
+        assert table.loc[arm, "ttft_p50_s"] == pytest.approx(records["ttft_s"].median(), rel=1e-12)
+        assert table.loc[arm, "ttft_n"] == 24
+    assert table.loc["isolated", "ttft_p50_ci_low_s"] > 4 * table.loc["shared", "ttft_p50_ci_high_s"]
+
+
+def test_reloads_the_isolated_arm_emptied_both_servers_before_each_later_follow_up_of_a_document():
+    """Before follow-ups 1 and 2 of each document (16 times), both MP servers were emptied to 0 bytes. The first
+    emptying found populate's four documents a server (and the preflight's two chunks) and, in the serving replica's,
+    its recompute of follow-up 0; each later one at most one recompute a server: the document and its 256 new tokens."""
+    clears = read_json(reloads_cell_dir(CELLS[1]) / "reuse.json")["clears_between_reloads"]
+    assert len(clears) == 16
+    assert all(server["bytes_after"] == 0 for clear in clears for server in clear["servers"])
+    assert all(clear["stores_settled"]["settled"] for clear in clears)
+    recompute, populated = (40960 + 256) * KIB_96, (4 * 40960 + 2 * 256) * KIB_96
+    assert sorted(server["bytes_before"] for server in clears[0]["servers"]) == [populated, populated + recompute]
+    held = [server["bytes_before"] for clear in clears[1:] for server in clear["servers"]]
+    assert set(held) == {0, recompute}
+
+
+def test_reloads_the_shared_arm_took_longer_than_h100_shape_as_in_its_prefill_step_not_its_load():
+    """Beside docs/results/h100-shape-a (one follow-up a document, the same shape, another H100 of the device tool a
+    day earlier): the cold recomputes agree (intervals overlap, prefill 1.72 s each), the shared p50s' intervals are
+    apart, and of the difference the load (the queue) is 8 ms, the 256 new tokens' prefill step over 100 ms."""
+    one = pd.read_csv(RUN / "results" / "cell_table.csv").set_index("arm")
+    three = pd.read_csv(RELOADS_RUN / "results" / "cell_table.csv").set_index("arm")
+    assert three.loc["shared", "ttft_p50_ci_low_s"] > one.loc["shared", "ttft_p50_ci_high_s"]
+    assert three.loc["isolated", "ttft_p50_ci_low_s"] < one.loc["isolated", "ttft_p50_ci_high_s"]
+    medians = {name: pd.read_csv(run / "results" / "breakdown.csv").groupby("cell")[["queue", "prefill"]].median()
+               for name, run in (("one", RUN), ("three", RELOADS_RUN))}
+    shared, isolated = (cell.name for cell in CELLS)
+    load = medians["three"].loc[shared, "queue"] - medians["one"].loc[shared, "queue"]
+    prefill = medians["three"].loc[shared, "prefill"] - medians["one"].loc[shared, "prefill"]
+    assert 0 < load < 0.01 and prefill > 0.1
+    assert medians["three"].loc[isolated, "prefill"] == pytest.approx(medians["one"].loc[isolated, "prefill"], abs=0.01)
