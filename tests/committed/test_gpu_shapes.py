@@ -6,15 +6,18 @@ replica's CPU tier and an fs tier of files in /dev/shm).
 docs/results/h100-shape-a-reloads: config/h100-shape-a-reloads.yaml, eight documents of three follow-ups each (24
 reloads a cell), the MP pool in RAM, the isolated arm's servers emptied before each later follow-up."""
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from support import REPO
 from support.committed import assert_same_gate, study_a_cell_dir, study_a_config, study_a_gate_again
 
 from kvpool.cells import Cell
+from kvpool.config import resolve_extends, validated
 from kvpool.engine import shapes
 from kvpool.engine.model import build_tokenizer
 from kvpool.measure import model_check
@@ -198,3 +201,28 @@ def test_reloads_the_shared_arm_took_longer_than_h100_shape_as_in_its_prefill_st
     assert 0 < three.loc[shared, "queue"] - one.loc[shared, "queue"] < 0.01
     assert three.loc[shared, "prefill"] - one.loc[shared, "prefill"] > 0.1
     assert three.loc[isolated, "prefill"] == pytest.approx(one.loc[isolated, "prefill"], abs=0.01)
+
+
+def test_h100_shape_a_99k_keeps_a_99k_document_of_fp8_kv_a_replica_by_the_memory_the_reloads_run_measured():
+    """config/h100-shape-a-99k.yaml (Study A's 99K documents on an H100, KV in FP8): at its share of the GPU a replica
+    keeps the KV of its longest request, by what vLLM logged for the same shape and launch on an H100 (weights, peak
+    activation, memory outside torch), and the second replica's share fits the memory free when it started."""
+    found = yaml.safe_load((REPO / "config" / "h100-shape-a-99k.yaml").read_text())
+    resolve_extends(found, REPO)
+    validated(found, REPO)  # fills in the schema's defaults
+    config, engine = found, found["engine"]
+    log = (RELOADS.path / "logs" / "cell" / RELOADS.cell("shared").name / "replicas" / "replica-1.log").read_text()
+    gib = {name: float(re.search(pattern, log).group(1)) for name, pattern in {
+        "free": r"Free memory on device \(([\d.]+)/", "total": r"Free memory on device \([\d.]+/([\d.]+) GiB",
+        "weight": r"([\d.]+) GiB for weight", "activation": r"([\d.]+) GiB for peak activation",
+        "outside": r"([\d.]+) GiB for non-torch mem", "kv": r"Available KV cache memory: ([\d.]+) GiB"}.items()}
+    measured_share = float(re.search(r"Desired GPU memory utilization is \(([\d.]+),", log).group(1))
+    assert measured_share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"] == pytest.approx(
+        gib["kv"], abs=0.01)
+    share = engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
+    kv = share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"]
+    per_token = shapes.kv_bytes_per_token(config["random_model"], engine["dtype"], engine["kv_cache_dtype"])
+    assert per_token == 48 * 1024
+    assert engine["max_model_len"] * per_token < 0.95 * kv * 2**30
+    # replica-1 started beside replica-0's share: this config's second replica finds that much less free
+    assert share * gib["total"] < gib["free"] - (share - measured_share) * gib["total"]

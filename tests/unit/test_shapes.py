@@ -341,12 +341,14 @@ def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_
     assert cells == {("vllm-fs", "shared"), ("vllm-fs", "isolated")}
 
 
-@pytest.mark.parametrize("name", ["h200-shape-a.yaml", "h100-shape-a-reloads.yaml"])
-def test_study_as_shape_reloads_at_least_20_times_a_cell_from_several_follow_ups_a_document(tmp_path, name):
+@pytest.mark.parametrize(("name", "kib_a_token"), [("h200-shape-a.yaml", 96), ("h100-shape-a-reloads.yaml", 96),
+                                                  ("h100-shape-a-99k.yaml", 48)])
+def test_study_as_shape_reloads_at_least_20_times_a_cell_from_several_follow_ups_a_document(tmp_path, name,
+                                                                                              kib_a_token):
     """config/h200-shape-a.yaml: Study A's 20 reloads a cell from five follow-ups to each of four 99,072-token
     documents (a fifth document's KV would not fit the machine's RAM beside the isolated arm's second server);
-    h100-shape-a-reloads.yaml: 24 from three to each of eight of 40,960. Both arms on the MP server's L1, which holds
-    every document and every follow-up's new tokens."""
+    h100-shape-a-99k.yaml the same in FP8 KV; h100-shape-a-reloads.yaml: 24 from three to each of eight of 40,960.
+    Both arms on the MP server's L1, which holds every document and every follow-up's new tokens."""
     found = shipped(name)
     assert problems(found, tmp_path, check_paths=False) == []
     workload = found["workload"]
@@ -354,7 +356,7 @@ def test_study_as_shape_reloads_at_least_20_times_a_cell_from_several_follow_ups
     assert {(cell.backend, cell.arm) for cell in matrix.cells(found)} == {("lmcache-mp", "shared"),
                                                                             ("lmcache-mp", "isolated")}
     per_token = engine_pool_bytes_per_token(found)
-    assert per_token == 96 * 1024
+    assert per_token == kib_a_token * 1024
     held = workload["documents"] * (workload["doc_tokens"] + workload["followups_per_document"] * 256) * per_token
     assert mp.pool_kv_bytes(found) == held
     assert held <= mp.l1_size_gib(found, "ram") * 2**30 * found["lmcache_mp"]["l1_fill"]
