@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
-from support import REPO
+from support import REPO, shipped
 from support.committed import assert_same_gate, study_a_cell_dir, study_a_config, study_a_gate_again
 
 from kvpool.cells import Cell
-from kvpool.config import resolve_extends, validated
 from kvpool.engine import shapes
 from kvpool.engine.model import build_tokenizer
 from kvpool.measure import model_check
@@ -207,10 +205,8 @@ def test_h100_shape_a_99k_keeps_a_99k_document_of_fp8_kv_a_replica_by_the_memory
     """config/h100-shape-a-99k.yaml (Study A's 99K documents on an H100, KV in FP8): at its share of the GPU a replica
     keeps the KV of its longest request, by what vLLM logged for the same shape and launch on an H100 (weights, peak
     activation, memory outside torch), and the second replica's share fits the memory free when it started."""
-    found = yaml.safe_load((REPO / "config" / "h100-shape-a-99k.yaml").read_text())
-    resolve_extends(found, REPO)
-    validated(found, REPO)  # fills in the schema's defaults
-    config, engine = found, found["engine"]
+    config = shipped("h100-shape-a-99k.yaml")
+    engine = config["engine"]
     log = (RELOADS.path / "logs" / "cell" / RELOADS.cell("shared").name / "replicas" / "replica-1.log").read_text()
     gib = {name: float(re.search(pattern, log).group(1)) for name, pattern in {
         "free": r"Free memory on device \(([\d.]+)/", "total": r"Free memory on device \([\d.]+/([\d.]+) GiB",

@@ -1,11 +1,23 @@
-"""What the tests share that is not a fixture: the repository's paths, a stand-in completions endpoint,
-and the gate inputs a unit's own flag must fail against."""
+"""What the tests share that is not a fixture: the repository's paths, a shipped config as the Snakefile
+resolves it, a stand-in completions endpoint, and the gate inputs a unit's own flag must fail against."""
 
 import contextlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "tests" / "configs"
+
+
+def shipped(name: str) -> dict:
+    """``config/<name>`` over the configs it extends, with the schema's defaults, as the Snakefile resolves it."""
+    import yaml
+
+    from kvpool.config import resolve_extends, validated
+
+    found = yaml.safe_load((REPO / "config" / name).read_text())
+    resolve_extends(found, REPO)
+    validated(found, REPO)
+    return found
 
 
 @contextlib.asynccontextmanager

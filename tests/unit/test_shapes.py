@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import yaml
-from support import REPO
+from support import REPO, shipped
 from transformers import AutoConfig
 
 from kvpool import matrix
@@ -282,13 +282,6 @@ def test_the_model_check_needs_replicas_alike_and_answers_that_depend_on_their_h
     assert len({tuple(p[:model_check.HEAD]) for p in prompts}) == model_check.PROMPTS
     blind_long = model_check.verdict([["a", "a", "a"], ["a", "a", "a"]], [], 40960)
     assert blind_long["head_tokens"] == 40960 and "heads of 40960 tokens" in blind_long["reasons"][0]
-
-
-def shipped(name: str) -> dict:
-    found = yaml.safe_load((REPO / "config" / name).read_text())
-    resolve_extends(found, REPO)
-    validated(found, REPO)
-    return found
 
 
 @pytest.mark.parametrize(("name", "head"), [("config.yaml", 6000), ("h100-shape-a.yaml", 40960),
