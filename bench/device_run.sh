@@ -13,10 +13,8 @@
 # written here, KVPOOL_GIT_COMMIT=<git rev-parse HEAD> KVPOOL_GIT_DIRTY=<0 or 1: uncommitted changes
 # in the tree sent> bash bench/device_run.sh ...
 # Longer than one device call: bench/device_chain.sh runs this detached, config after config.
-# Longer than a session's device time: each run also packs $OUT/<config name>.resume.tar.gz (the prompts and the
-# model files the results' tarball leaves out). Put both tarballs in .device-resume/ here, carry that folder, and the
-# next machine's run goes on from the steps that finished: their outputs keep their times, so with mtime triggers
-# Snakemake reruns none of them, and a cell is still held to the reference that was measured with it.
+# Longer than a session's device time: put the two tarballs a run packs (bench/device_resume.sh) in .device-resume/
+# here and carry that folder; the next machine's run goes on from the steps that finished.
 set -uo pipefail
 config=$1; budget=$2; shift 2
 repo=$(pwd)
@@ -25,17 +23,7 @@ work=/root/work/$name
 export PYTHONPATH=/root/site:$repo/src PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p "$work"
 if [ -f "$repo/.device-resume/$name.tar.gz" ] && [ ! -d "$work/results" ]; then
-  for part in "$name.tar.gz" "$name.resume.tar.gz"; do
-    tar -C "$work" -xzf "$repo/.device-resume/$part" || { echo "device_run: cannot resume from $part" >&2; exit 2; }
-  done
-  if grep -q '"weights": "written"' "$work/resources/model/kvpool-model.json" 2>/dev/null &&
-    ! ls "$work"/resources/model/*.safetensors >/dev/null 2>&1; then
-    echo "device_run: cannot resume $name: its model's weights were written there and do not travel back" \
-      "(random_model.weights: drawn does)" >&2
-    rm -rf "$work"
-    exit 2
-  fi
-  echo "device_run: resumed $name from .device-resume/: $(ls "$work/results" | tr '\n' ' ')"
+  bash "$repo/bench/device_resume.sh" unpack "$repo/.device-resume" "$work" "$name" || exit 2
 fi
 # kvpool's vLLM plugin (the kvpool-random loader of a model with drawn weights) is found through the package's
 # entry point: install kvpool itself (editable, offline, no dependencies) into the machine's python.
@@ -54,9 +42,6 @@ timeout -s INT "$budget" python3 -m snakemake --cores 1 -s "$repo/Snakefile" --d
   --configfile "$repo/$config" --rerun-incomplete --rerun-triggers=mtime "$@"
 rc=$?
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
-tar -C "$work" -czf "$OUT/$name.tar.gz" --exclude=results/workload/prompts.jsonl \
-  --exclude="*.safetensors" $(cd "$work" && ls -d results logs benchmarks .snakemake/log 2>/dev/null)
-tar -C "$work" -czf "$OUT/$name.resume.tar.gz" --exclude="*.safetensors" \
-  $(cd "$work" && ls -d results/workload/prompts.jsonl resources 2>/dev/null)
+bash "$repo/bench/device_resume.sh" pack "$work" "$OUT" "$name"
 ls -la "$OUT"
 exit $rc
