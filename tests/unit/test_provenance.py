@@ -27,3 +27,12 @@ def test_a_copied_tree_names_its_commit_instead_of_trusting_a_stale_git(tmp_path
     assert provenance.git_commit(tmp_path) == {"commit": "0123abc", "dirty": None, "source": "KVPOOL_GIT_COMMIT"}
     monkeypatch.setenv("KVPOOL_GIT_DIRTY", "1")  # the sender says its tree had uncommitted changes
     assert provenance.git_commit(tmp_path)["dirty"] is True
+
+
+def test_a_manifest_names_the_commit_of_kvpool_s_own_checkout(monkeypatch):
+    monkeypatch.delenv("KVPOOL_GIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "-C", str(provenance.REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    found = provenance.manifest({"chunk_sizes": [256]}, cell="x")
+    assert found["git"]["commit"] == head and found["config"] == {"chunk_sizes": [256]} and found["cell"] == "x"
+    assert (provenance.REPO / "Snakefile").exists()

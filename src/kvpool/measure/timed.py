@@ -40,9 +40,6 @@ from kvpool.measure.unit_plan import reference_replica
 log = logging.getLogger(__name__)
 
 
-REPO = Path(__file__).resolve().parents[3]
-
-
 def pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
     """The pool's chunks digested: a Redis pool's values from its servers, else the pool's files (an MP
     memory pool has none: its L1 cannot be read from outside)."""

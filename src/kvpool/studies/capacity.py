@@ -59,7 +59,7 @@ from kvpool.measure import legacy, provenance, records
 from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import CapacityRecord, read_records
-from kvpool.measure.timed import REPO, timed_fleet, write_unit
+from kvpool.measure.timed import timed_fleet, write_unit
 from kvpool.measure.unit import UnitPaths, run_unit
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
@@ -326,7 +326,7 @@ def run_capacity_unit(config: dict, cell: Cell, fraction: float, *, model: str, 
         plan, lambda disks: capacity_unit(plan, workload, config, limit, eviction_policy(config, cell), Path(log_dir),
                                           disks, doc_chunks=config["workload"]["doc_tokens"] // cell.chunk),
         paths, f"capacity-{unit_label(fraction)}", pool=unit_pool(config, root, plan),
-        manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, capacity=fraction))
+        manifest=provenance.manifest(provenance_config, cell=cell.name, capacity=fraction))
     frame, meta = unit.frame, unit.meta
     checks = unit_checks(frame, held_kv_bytes(meta["pool"]), limit)
     gate = with_served({"checks": checks, "valid": verdict(checks)}, meta, config["engine"]["max_model_len"],

@@ -29,7 +29,6 @@ from kvpool.measure.checks import NOT_APPLICABLE, check, status, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
 from kvpool.measure.timed import (
-    REPO,
     chain_fleet,
     drop_pool,
     recompute_in_splits,
@@ -191,7 +190,7 @@ def run_context_unit(config: dict, cell: Cell, tokens: int, *, model: str, plan_
         plan, lambda disks: context_unit(plan, workload, study, config, Path(log_dir), disks),
         UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir, plan_out, manifest_out), f"doc-{tokens}",
         pool=unit_pool(config, root, plan),
-        manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, doc_tokens=tokens))
+        manifest=provenance.manifest(provenance_config, cell=cell.name, doc_tokens=tokens))
     frame, meta = unit.frame, unit.meta
     # the chains' answers against pool-less recomputes in their splits, computed now that the fleet stopped
     compared = recompute_in_splits(config, model, studyb.under_test(frame), meta.pop("prompts"),

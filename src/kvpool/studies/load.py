@@ -46,7 +46,6 @@ from kvpool.measure.reuse_checks import (
     restore_pool,
 )
 from kvpool.measure.timed import (
-    REPO,
     drop_pool,
     external_window,
     replica_error,
@@ -207,7 +206,7 @@ def run_load_level(config: dict, cell: Cell, level_name: str, *, plan_path: str,
     level = Level.from_name(level_name)
     plan = checked_ports(read_plan(plan_path))
     if manifest_out:
-        write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name,
+        write_json(manifest_out, provenance.manifest(provenance_config or config, cell=cell.name,
                                                      level=level.name))
     workload = prompts.read_workload(Path(prompts_path))
     prefill = prefill_replicas(populate_csv, workload, cell)

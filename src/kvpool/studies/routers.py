@@ -49,7 +49,6 @@ from kvpool.measure.checks import check, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import RoutedRecord, read_records
 from kvpool.measure.timed import (
-    REPO,
     counter_window,
     drop_pool,
     landed_stores,
@@ -263,7 +262,7 @@ def run_router_unit(config: dict, cell: Cell, router: str, *, model: str, prompt
         plan, lambda disks: router_unit(plan, workload, router, config, Path(log_dir), disks),
         UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir, plan_out, manifest_out), f"router-{router}",
         pool=unit_pool(config, root, plan),
-        manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
+        manifest=provenance.manifest(provenance_config, cell=cell.name, router=router))
     frame, meta = unit.frame, unit.meta
     gate = checks(cell.arm, frame, meta["windows"], meta["drop_before_followups"], meta["loss"],
                   config["workload"]["doc_tokens"], config["min_hit_fraction"], config["max_resident_fraction"],

@@ -27,7 +27,6 @@ from kvpool.measure.files import read_frame_or_empty, read_json, write_json
 from kvpool.measure.records import read_records
 from kvpool.measure.reuse_checks import restore_pool
 from kvpool.measure.timed import (
-    REPO,
     drop_pool,
     phase_summary,
     pool_digests,
@@ -68,7 +67,7 @@ def make_plan(config: dict, cell: Cell, model: str, plan_out: str, manifest_out:
     write_plan(plan, plan_out)
     cores = [r.core for r in plan.replicas if r.core is not None]
     notes = {"oversubscribed_cores": len(cores) != len(set(cores))}
-    write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, cell=cell.name, **notes))
+    write_json(manifest_out, provenance.manifest(provenance_config or config, cell=cell.name, **notes))
 
 
 # random_model: an MP server's L1 is sized from the model's KV bytes per token
@@ -336,10 +335,13 @@ def run_cell(config: dict, cell: Cell, plan_path: str, prompts_path: str, popula
 @reads("engine", "workload", "hash_keys", "chunk_sizes")
 def run_reference(config: dict, model: str, prompts_path: str, csv_out: str, log_dir: str) -> None:
     """Study A's split-matched reference: every follow-up in each split the workload's arithmetic
-    predicts (kvpool.measure.reference.predicted_requests), on one replica with no pool."""
+    predicts (kvpool.measure.reference.predicted_requests), on one replica with no pool. What it ran on goes to
+    ``manifest.json`` beside ``csv_out``: a run carried to another machine (bench/device_resume.sh) holds its cells
+    to a reference measured elsewhere."""
     requests = reference.predicted_requests(prompts.read_workload(Path(prompts_path)), config["chunk_sizes"])
     frame = reference_phase(reference_replica(config, model), requests, config, Path(log_dir))
     frame.to_csv(csv_out, index=False)
+    records.write_meta(provenance.manifest(config, model=model), Path(csv_out).with_name("manifest.json"))
     refuse_failed_reference(frame)
 
 

@@ -35,7 +35,7 @@ from kvpool.measure.files import read_json, write_json
 from kvpool.measure.records import ChainRecord
 from kvpool.measure.reference import payload_sha256
 from kvpool.measure.reuse_checks import outputs_check
-from kvpool.measure.timed import REPO, chain_fleet, recompute_in_splits, recording_sends
+from kvpool.measure.timed import chain_fleet, recompute_in_splits, recording_sends
 from kvpool.measure.unit import with_retrievals
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
@@ -423,7 +423,7 @@ def run_studyb_block(config: dict, study: dict, block: str, *, model: str, workl
     root = studyb_pool_root(config, study)
     plan = checked_ports(new_plan(config, cell, model, Path(plan_out).parent, pool_root=root))
     write_plan(plan, plan_out)
-    write_json(manifest_out, provenance.manifest(provenance_config or config, REPO, block=block, cell=cell.name))
+    write_json(manifest_out, provenance.manifest(provenance_config or config, block=block, cell=cell.name))
     workload = read_json(workload_path)
     with unit_pool(config, root, plan):  # independently restarted: nothing of an earlier block's pool is left
         unit, sent, predicted = studyb_block(plan, block, workload, study, config, Path(log_dir))

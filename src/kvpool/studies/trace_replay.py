@@ -49,7 +49,7 @@ from kvpool.measure import reference as split_reference
 from kvpool.measure.checks import check, not_applicable, not_verified, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import TraceRecord, read_records
-from kvpool.measure.timed import REPO, landed_stores, measured_request, recompute_in_splits, timed_fleet, write_unit
+from kvpool.measure.timed import landed_stores, measured_request, recompute_in_splits, timed_fleet, write_unit
 from kvpool.measure.unit import UnitPaths, run_unit
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
@@ -131,7 +131,7 @@ def trace_file(config: dict) -> Path:
     path = Path(config["trace"]["path"])
     if path.is_absolute() or path.exists():
         return path
-    return REPO / path if (REPO / path).exists() else path
+    return provenance.REPO / path if (provenance.REPO / path).exists() else path
 
 
 def trace_requests(config: dict) -> list[traces.TraceRequest]:
@@ -280,7 +280,7 @@ def run_trace_unit(config: dict, cell: Cell, router: str, *, model: str, plan_ou
         plan, lambda disks: trace_unit(plan, sent, texts, router, config, Path(log_dir), disks),
         UnitPaths(csv_out, json_out, drive_csv, power_csv, log_dir, plan_out, manifest_out), f"trace-{router}",
         pool=unit_pool(config, root, plan),
-        manifest=provenance.manifest(provenance_config, REPO, cell=cell.name, router=router))
+        manifest=provenance.manifest(provenance_config, cell=cell.name, router=router))
     frame, meta = unit.frame, unit.meta
     capped = {**config, "workload": {**config["workload"], "output_tokens": settings["max_output_tokens"]}}
     under_test = frame[frame["sampled"].fillna(False).astype(bool)]
