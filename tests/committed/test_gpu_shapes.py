@@ -28,13 +28,14 @@ DOC_TOKENS = 40960
 
 @dataclass(frozen=True)
 class ShapeRun:
-    """One committed run of the shape: its folder, the commit it ran at, its pool and its follow-ups a cell."""
+    """One committed run of the shape: its folder, the commit it ran at, its pool, documents and follow-ups."""
 
     folder: str
     commit: str
     backend: str
     documents: int
     followups_per_document: int
+    doc_tokens: int = DOC_TOKENS
 
     @property
     def path(self) -> Path:
@@ -79,18 +80,18 @@ def test_each_cell_ran_its_config_at_one_clean_commit_on_the_h100_with_vllm_0_26
     spec, engine, workload = recorded["random_model"], recorded["engine"], recorded["workload"]
     assert (spec["architecture"], spec["weights"], engine["quantization"]) == ("qwen3-moe", "drawn", "fp8")
     assert recorded["backends"] == [run.backend] and recorded["tiers"] == {"ram": "/dev/shm/kvpool"}
-    assert (workload["documents"], workload["doc_tokens"]) == (run.documents, DOC_TOKENS)
+    assert (workload["documents"], workload["doc_tokens"]) == (run.documents, run.doc_tokens)
     assert workload.get("followups_per_document", 1) == run.followups_per_document
 
 
 @pytest.mark.parametrize(("run", "found"), [(MP, MP.path / "check-at-length"), (FS, FS.path), (RELOADS, RELOADS.path)],
                          ids=["h100-shape-a-again", FS.folder, RELOADS.folder])
 def test_the_model_check_at_the_documents_length_found_the_replicas_alike_and_the_answers_dependent_on_them(run, found):
-    """Two replicas of the reference launch gave identical answers to 3 cold prompts with 40,960-token heads of
-    their own, 3 distinct answers of 3 (h100-shape-a's own check probed 512-token heads; check-at-length/ is the
+    """Two replicas of the reference launch gave identical answers to 3 cold prompts with heads of their own as long
+    as a document, 3 distinct answers of 3 (h100-shape-a's own check probed 512-token heads; check-at-length/ is the
     same config's check alone, at commit 033e3bf, 2026-12-07)."""
     recorded = read_json(found / "results" / "model-check.json")
-    assert recorded["head_tokens"] == model_check.head_tokens(run.config()) == DOC_TOKENS
+    assert recorded["head_tokens"] == model_check.head_tokens(run.config()) == run.doc_tokens
     again = model_check.verdict(recorded["answers"], [], recorded["head_tokens"])
     assert again["ok"] and again["identical"] and again["distinct_answers"] == 3
     assert {key: recorded[key] for key in again} == again
@@ -116,8 +117,8 @@ def test_every_shared_follow_up_reloaded_its_document_and_every_isolated_one_rec
         assert (records["local_cache_hit_tokens"] == 0).all()  # nothing from the serving replica's own cache
         assert sorted(records.groupby("doc_id")["followup"].apply(sorted).tolist()) == (
             [list(range(run.followups_per_document))] * run.documents)
-    assert (shared["external_hit_tokens"] == DOC_TOKENS).all() and (shared["local_compute_tokens"] == 256).all()
-    assert (isolated["external_hit_tokens"] == 0).all() and (isolated["local_compute_tokens"] >= DOC_TOKENS).all()
+    assert (shared["external_hit_tokens"] == run.doc_tokens).all() and (shared["local_compute_tokens"] == 256).all()
+    assert (isolated["external_hit_tokens"] == 0).all() and (isolated["local_compute_tokens"] >= run.doc_tokens).all()
     table = run.table()
     for arm, records in zip(ARMS, (shared, isolated), strict=True):
         assert table.loc[arm, "ttft_p50_s"] == pytest.approx(records["ttft_s"].median(), rel=1e-12)
@@ -137,7 +138,7 @@ def test_the_shape_is_qwen3_30b_a3bs_with_96_kib_of_kv_a_token_as_the_pool_serve
     # the MP server's L1 after populate: every document's tokens and the preflight probe's two chunks, at the
     # shape's KV bytes per token to the byte
     gate = read_json(run.cell_dir("shared") / "validity.json")["checks"]
-    assert gate["pool_bytes"]["value"] == (run.documents * DOC_TOKENS + 2 * 256) * per_token
+    assert gate["pool_bytes"]["value"] == (run.documents * run.doc_tokens + 2 * 256) * per_token
 
 
 def test_h100_shape_as_own_model_check_probed_512_token_heads_with_the_launch_checked_again_at_length():
