@@ -26,21 +26,24 @@ unpack)
     exit 2
   fi
   mkdir -p "$work"
+  # unpacked beside WORK first: a tarball that fails or a model that cannot go on leaves WORK as it was
+  staged=$(mktemp -d "$work.unpacking.XXXX")
   for part in "$name.tar.gz" "$name.resume.tar.gz"; do
-    if ! tar -C "$work" -xzf "$from/$part"; then
+    if ! tar -C "$staged" -xzf "$from/$part"; then
       echo "device_resume: cannot unpack $from/$part" >&2
-      rm -rf "$work/results" "$work/resources"
+      rm -rf "$staged"
       exit 2
     fi
   done
-  model=$work/resources/model
+  model=$staged/resources/model
   if grep -q '"weights": "written"' "$model/kvpool-model.json" 2>/dev/null &&
     ! ls "$model"/*.safetensors >/dev/null 2>&1; then
     echo "device_resume: cannot resume $name: its model's weights were written on the last machine and were" \
       "too large to come back (random_model.weights: drawn has none to carry)" >&2
-    rm -rf "$work/results" "$work/resources"
+    rm -rf "$staged"
     exit 2
   fi
+  cp -a "$staged"/. "$work"/ && rm -rf "$staged"
   echo "device_resume: $name goes on from $(cd "$work/results" && ls | tr '\n' ' ')"
   ;;
 *)

@@ -71,7 +71,7 @@ def test_written_weights_too_large_to_come_back_are_refused_not_started_without(
     done = device_resume("unpack", out, work, "shape")
     assert done.returncode == 2
     assert "too large to come back" in done.stderr and "shape" in done.stderr
-    assert not (work / "results").exists() and not (work / "resources").exists()
+    assert list(work.iterdir()) == [] and sorted(path.name for path in tmp_path.iterdir()) == ["device", "next", "out"]
 
 
 def test_unpack_never_overwrites_results_already_there(packed, tmp_path):
@@ -88,3 +88,12 @@ def test_unpack_never_overwrites_results_already_there(packed, tmp_path):
 def test_a_missing_tarball_is_named(tmp_path):
     done = device_resume("unpack", tmp_path, tmp_path / "next", "shape")
     assert done.returncode == 2 and f"{tmp_path}/shape.tar.gz" in done.stderr
+
+
+def test_a_run_whose_second_tarball_did_not_come_back_leaves_nothing_unpacked(packed, tmp_path):
+    out = packed()
+    (out / "shape.resume.tar.gz").unlink()
+    work = tmp_path / "next"
+    done = device_resume("unpack", out, work, "shape")
+    assert done.returncode == 2 and "shape.resume.tar.gz" in done.stderr
+    assert list(work.iterdir()) == [] and not list(tmp_path.glob("next.unpacking.*"))
