@@ -4,16 +4,18 @@ resolves it, a stand-in completions endpoint, and the gate inputs a unit's own f
 import contextlib
 from pathlib import Path
 
+import pandas as pd
+import yaml
+from aiohttp import web
+
+from kvpool.config import resolve_extends, validated
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "tests" / "configs"
 
 
 def shipped(name: str) -> dict:
     """``config/<name>`` over the configs it extends, with the schema's defaults, as the Snakefile resolves it."""
-    import yaml
-
-    from kvpool.config import resolve_extends, validated
-
     found = yaml.safe_load((REPO / "config" / name).read_text())
     resolve_extends(found, REPO)
     validated(found, REPO)
@@ -24,8 +26,6 @@ def shipped(name: str) -> dict:
 async def completions_server(handler, **app_settings):
     """A stand-in OpenAI completions endpoint on a free loopback port: ``handler`` answers
     POST /v1/completions; yields the base URL and stops the server on exit."""
-    from aiohttp import web
-
     app = web.Application(**app_settings)
     app.add_routes([web.post("/v1/completions", handler)])
     runner = web.AppRunner(app)
@@ -41,8 +41,6 @@ async def completions_server(handler, **app_settings):
 def passing_gate_inputs(folder: Path, cell_name: str) -> tuple[str, str]:
     """A run's validity table with ``cell_name`` valid and a KV bytes table with nothing damaged, as
     the run's gate reads them: what a unit's flag alone must fail."""
-    import pandas as pd
-
     validity = folder / "validity.csv"
     pd.DataFrame([{"cell": cell_name, "valid": True, "reasons": ""}]).to_csv(validity, index=False)
     kv_bytes = folder / "kv_bytes.csv"
