@@ -4,7 +4,9 @@ docs/results/h100-shape-a: config/h100-shape-a.yaml, eight documents, an LMCache
 docs/results/h100-shape-a-vllm-fs: config/h100-shape-a-vllm-fs.yaml, six documents, vLLM's own offloading (each
 replica's CPU tier and an fs tier of files in /dev/shm).
 docs/results/h100-shape-a-reloads: config/h100-shape-a-reloads.yaml, eight documents of three follow-ups each (24
-reloads a cell), the MP pool in RAM, the isolated arm's servers emptied before each later follow-up."""
+reloads a cell), the MP pool in RAM, the isolated arm's servers emptied before each later follow-up.
+docs/results/h100-shape-a-99k: config/h100-shape-a-99k.yaml, Study A's 99,072-token documents with the KV in FP8, four
+documents of five follow-ups each (20 reloads a cell), the MP pool in RAM, emptied as in the reloads run."""
 
 import re
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from kvpool.measure import model_check
 from kvpool.measure.files import read_json
 from kvpool.measure.records import read_records
 
-KIB_96 = 96 * 1024
+KIB_96, KIB_48 = 96 * 1024, 48 * 1024
 DOC_TOKENS = 40960
 
 
@@ -36,6 +38,7 @@ class ShapeRun:
     documents: int
     followups_per_document: int
     doc_tokens: int = DOC_TOKENS
+    kv_bytes_per_token: int = KIB_96
 
     @property
     def path(self) -> Path:
@@ -61,7 +64,10 @@ class ShapeRun:
 MP = ShapeRun("h100-shape-a", "dce6f14d6bf8fd86a2603b2ee98456eb853a93d3", "lmcache-mp", 8, 1)
 FS = ShapeRun("h100-shape-a-vllm-fs", "84758299c16f3af96d193b87b6604330a05f0b06", "vllm-fs", 6, 1)
 RELOADS = ShapeRun("h100-shape-a-reloads", "349b70dd78cccb6e32f6ca38c9a5044a35f78032", "lmcache-mp", 8, 3)
-RUNS = [MP, FS, RELOADS]
+A99K = ShapeRun("h100-shape-a-99k", "c5101955f2ca75c018a5e02e5935748c9d8d9f02", "lmcache-mp", 4, 5, doc_tokens=99072,
+                kv_bytes_per_token=KIB_48)
+RUNS = [MP, FS, RELOADS, A99K]
+EMPTIED = pytest.mark.parametrize("run", [RELOADS, A99K], ids=[RELOADS.folder, A99K.folder])
 ARMS = ("shared", "isolated")
 EACH_CELL = pytest.mark.parametrize(("run", "arm"), [(run, arm) for run in RUNS for arm in ARMS],
                                     ids=[f"{run.folder}-{arm}" for run in RUNS for arm in ARMS])
@@ -84,8 +90,9 @@ def test_each_cell_ran_its_config_at_one_clean_commit_on_the_h100_with_vllm_0_26
     assert workload.get("followups_per_document", 1) == run.followups_per_document
 
 
-@pytest.mark.parametrize(("run", "found"), [(MP, MP.path / "check-at-length"), (FS, FS.path), (RELOADS, RELOADS.path)],
-                         ids=["h100-shape-a-again", FS.folder, RELOADS.folder])
+@pytest.mark.parametrize(("run", "found"), [(MP, MP.path / "check-at-length"), (FS, FS.path), (RELOADS, RELOADS.path),
+                                            (A99K, A99K.path)],
+                         ids=["h100-shape-a-again", FS.folder, RELOADS.folder, A99K.folder])
 def test_the_model_check_at_the_documents_length_found_the_replicas_alike_and_the_answers_dependent_on_them(run, found):
     """Two replicas of the reference launch gave identical answers to 3 cold prompts with heads of their own as long
     as a document, 3 distinct answers of 3 (h100-shape-a's own check probed 512-token heads; check-at-length/ is the
@@ -126,15 +133,17 @@ def test_every_shared_follow_up_reloaded_its_document_and_every_isolated_one_rec
     assert table.loc["isolated", "ttft_p50_ci_low_s"] > 4 * table.loc["shared", "ttft_p50_ci_high_s"]
 
 
-@pytest.mark.parametrize("run", [MP, RELOADS], ids=[MP.folder, RELOADS.folder])
-def test_the_shape_is_qwen3_30b_a3bs_with_96_kib_of_kv_a_token_as_the_pool_server_counted_it(run):
+@pytest.mark.parametrize("run", [MP, RELOADS, A99K], ids=[MP.folder, RELOADS.folder, A99K.folder])
+def test_the_shape_is_qwen3_30b_a3bs_with_its_kv_bytes_a_token_as_the_pool_server_counted_it(run):
+    """96 KiB a token with the KV in bfloat16, 48 KiB in FP8 (h100-shape-a-99k)."""
     config = run.config()
     spec = config["random_model"]
     hf = shapes.hf_config(spec, build_tokenizer(spec["vocab_words"]))
     assert (hf.num_hidden_layers, hf.num_experts, hf.num_experts_per_tok, hf.vocab_size) == (48, 128, 8, 151936)
     assert shapes.parameters(hf) == 30_532_122_624  # what the device's model step logged
-    per_token = shapes.kv_bytes_per_token(spec, config["engine"]["dtype"])
-    assert per_token == KIB_96
+    engine = config["engine"]
+    per_token = shapes.kv_bytes_per_token(spec, engine["dtype"], engine.get("kv_cache_dtype", "auto"))
+    assert per_token == run.kv_bytes_per_token
     # the MP server's L1 after populate: every document's tokens and the preflight probe's two chunks, at the
     # shape's KV bytes per token to the byte
     gate = read_json(run.cell_dir("shared") / "validity.json")["checks"]
@@ -171,19 +180,22 @@ def test_vllm_fs_reloaded_slower_than_the_mp_servers_ram_on_the_same_shape_and_d
     assert mp.loc["isolated", "ttft_p50_ci_low_s"] < fs.loc["isolated", "ttft_p50_ci_high_s"]
 
 
-def test_reloads_the_isolated_arm_emptied_both_servers_before_each_later_follow_up_of_a_document():
-    """Before follow-ups 1 and 2 of each document (16 times), both MP servers were emptied to 0 bytes. The first
-    emptying found populate's four documents a server (and the preflight's two chunks) and, in the serving replica's,
-    its recompute of follow-up 0; each later one at most one recompute a server: the document and its 256 new tokens."""
-    clears = read_json(RELOADS.cell_dir("isolated") / "reuse.json")["clears_between_reloads"]
-    assert len(clears) == RELOADS.documents * (RELOADS.followups_per_document - 1) == 16
+@EMPTIED
+def test_the_isolated_arm_emptied_both_servers_before_each_later_follow_up_of_a_document(run):
+    """Before each later follow-up of a document (16 times in both runs), both MP servers were emptied to 0 bytes. The
+    first emptying found populate's documents in each server (half of them a server, and the preflight's two chunks)
+    and, in the serving replica's, its recompute of follow-up 0; each later one at most one recompute a server: the
+    document and its 256 new tokens, at the run's KV bytes a token."""
+    clears = read_json(run.cell_dir("isolated") / "reuse.json")["clears_between_reloads"]
+    assert len(clears) == run.documents * (run.followups_per_document - 1) == 16
     assert all(server["bytes_after"] == 0 for clear in clears for server in clear["servers"])
     assert all(clear["stores_settled"]["settled"] for clear in clears)
-    recompute, populated = (DOC_TOKENS + 256) * KIB_96, (4 * DOC_TOKENS + 2 * 256) * KIB_96
+    recompute = (run.doc_tokens + 256) * run.kv_bytes_per_token
+    populated = (run.documents // 2 * run.doc_tokens + 2 * 256) * run.kv_bytes_per_token
     assert sorted(server["bytes_before"] for server in clears[0]["servers"]) == [populated, populated + recompute]
     held = [server["bytes_before"] for clear in clears[1:] for server in clear["servers"]]
     assert set(held) == {0, recompute}
-    assert read_json(RELOADS.cell_dir("isolated") / "validity.json")["checks"]["isolation"]["value"] == 0
+    assert read_json(run.cell_dir("isolated") / "validity.json")["checks"]["isolation"]["value"] == 0
 
 
 def test_reloads_the_shared_arm_took_longer_than_h100_shape_as_in_its_prefill_step_not_its_load():
@@ -208,18 +220,45 @@ def test_h100_shape_a_99k_keeps_a_99k_document_of_fp8_kv_a_replica_by_the_memory
     activation, memory outside torch), and the second replica's share fits the memory free when it started."""
     config = shipped("h100-shape-a-99k.yaml")
     engine = config["engine"]
-    log = (RELOADS.path / "logs" / "cell" / RELOADS.cell("shared").name / "replicas" / "replica-1.log").read_text()
+    gib, measured_share = replica_memory(RELOADS, 1)
+    share = engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
+    kv = predicted_kv_gib(config, gib)
+    per_token = shapes.kv_bytes_per_token(config["random_model"], engine["dtype"], engine["kv_cache_dtype"])
+    assert per_token == KIB_48
+    assert engine["max_model_len"] * per_token < 0.95 * kv * 2**30
+    # replica-1 started beside replica-0's share: this config's second replica finds that much less free
+    assert share * gib["total"] < gib["free"] - (share - measured_share) * gib["total"]
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_h100_shape_a_99k_replicas_kept_the_kv_the_reloads_run_predicted_for_them(replica):
+    """The 99K run's replicas (its shared cell's) logged the KV memory predicted above from the reloads run, and held
+    more tokens of it than their longest request."""
+    config = A99K.config()
+    engine = config["engine"]
+    gib, share = replica_memory(A99K, replica)
+    assert share == engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
+    assert gib["kv"] == pytest.approx(predicted_kv_gib(config, replica_memory(RELOADS, 1)[0]), abs=0.05)
+    log = (A99K.path / "logs" / "cell" / A99K.cell("shared").name / "replicas" / f"replica-{replica}.log").read_text()
+    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    assert engine["max_model_len"] < tokens
+    assert tokens * A99K.kv_bytes_per_token == pytest.approx(gib["kv"] * 2**30, rel=0.01)
+
+
+def replica_memory(run: ShapeRun, replica: int) -> tuple[dict, float]:
+    """What vLLM logged of a shared-cell replica's GPU memory (GiB) and its share of the GPU, the sum checked."""
+    log = (run.path / "logs" / "cell" / run.cell("shared").name / "replicas" / f"replica-{replica}.log").read_text()
     gib = {name: float(re.search(pattern, log).group(1)) for name, pattern in {
         "free": r"Free memory on device \(([\d.]+)/", "total": r"Free memory on device \([\d.]+/([\d.]+) GiB",
         "weight": r"([\d.]+) GiB for weight", "activation": r"([\d.]+) GiB for peak activation",
         "outside": r"([\d.]+) GiB for non-torch mem", "kv": r"Available KV cache memory: ([\d.]+) GiB"}.items()}
-    measured_share = float(re.search(r"Desired GPU memory utilization is \(([\d.]+),", log).group(1))
-    assert measured_share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"] == pytest.approx(
+    share = float(re.search(r"Desired GPU memory utilization is \(([\d.]+),", log).group(1))
+    assert share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"] == pytest.approx(
         gib["kv"], abs=0.01)
-    share = engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
-    kv = share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"]
-    per_token = shapes.kv_bytes_per_token(config["random_model"], engine["dtype"], engine["kv_cache_dtype"])
-    assert per_token == 48 * 1024
-    assert engine["max_model_len"] * per_token < 0.95 * kv * 2**30
-    # replica-1 started beside replica-0's share: this config's second replica finds that much less free
-    assert share * gib["total"] < gib["free"] - (share - measured_share) * gib["total"]
+    return gib, share
+
+
+def predicted_kv_gib(config: dict, gib: dict) -> float:
+    """The KV memory a replica of ``config`` keeps, from another launch's logged weights, activation and the rest."""
+    share = config["engine"]["gpu_memory_utilization"] / config["engine"]["replicas_per_gpu"]
+    return share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"]
