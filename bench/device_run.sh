@@ -14,7 +14,10 @@
 # in the tree sent> bash bench/device_run.sh ...
 # Longer than one device call: bench/device_chain.sh runs this detached, config after config.
 # Longer than a session's device time: put the two tarballs a run packs (bench/device_resume.sh) in .device-resume/
-# here and carry that folder; the next machine's run goes on from the steps that finished.
+# here and carry that folder; the next machine's run goes on from the steps that finished. A session's checkout
+# keeps no ignored folder: commit the run cut short from its first tarball as docs/results/<config name>/, carry
+# that, and name it, KVPOOL_RESUME_FROM=docs/results/<config name>: the prompts and the model are built again
+# here and held to the digests the last machine wrote.
 set -uo pipefail
 config=$1; budget=$2; shift 2
 repo=$(pwd)
@@ -22,13 +25,23 @@ name=$(basename "$config" .yaml)
 work=/root/work/$name
 export PYTHONPATH=/root/site:$repo/src PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p "$work"
-if [ -f "$repo/.device-resume/$name.tar.gz" ] && [ ! -d "$work/results" ]; then
-  bash "$repo/bench/device_resume.sh" unpack "$repo/.device-resume" "$work" "$name" || exit 2
-fi
 # kvpool's vLLM plugin (the kvpool-random loader of a model with drawn weights) is found through the package's
 # entry point: install kvpool itself (editable, offline, no dependencies) into the machine's python.
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e "$repo" ||
   echo "device_run: kvpool not installed: a model with drawn weights (random_model.weights) cannot load" >&2
+resume_from=${KVPOOL_RESUME_FROM:-}
+if [ -n "$resume_from" ] && [ "$(basename "$resume_from")" != "$name" ]; then
+  echo "device_run: KVPOOL_RESUME_FROM names $resume_from, not a run of $name: $name starts afresh" >&2
+  resume_from=
+fi
+if [ ! -d "$work/results" ]; then
+  if [ -f "$repo/.device-resume/$name.tar.gz" ]; then
+    bash "$repo/bench/device_resume.sh" unpack "$repo/.device-resume" "$work" "$name" || exit 2
+  elif [ -n "$resume_from" ]; then
+    bash "$repo/bench/device_resume.sh" unpack "$repo/$resume_from" "$work" "$name" \
+      python3 -m snakemake --cores 1 -s "$repo/Snakefile" --configfile "$repo/$config" || exit 2
+  fi
+fi
 [ -n "${KVPOOL_GIT_COMMIT:-}" ] || echo "device_run: KVPOOL_GIT_COMMIT is unset; manifests will record this copy's stale .git" >&2
 # A replica (or an LMCache MP server) left by an earlier call of this config that was cut off would
 # hold GPU memory. Only those are stopped: kvpool starts them in the run's working directory.

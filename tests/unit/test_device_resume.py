@@ -1,9 +1,12 @@
 """bench/device_resume.sh: a run carried from one lent machine to the next keeps its finished steps' files and
 times, leaves out what cannot come back, and refuses to unpack where it would overwrite or could not go on."""
 
+import hashlib
 import json
 import os
 import subprocess
+import sys
+import tarfile
 
 import pytest
 from support import REPO
@@ -24,6 +27,7 @@ def finished_run(work, weights="drawn", weight_bytes=0):
         "resources/model/config.json": "{}",
         "resources/model/kvpool-model.json": json.dumps({"weights": weights}, indent=2),
         "logs/reference/reference.log": "fleet of 1 healthy\n",
+        ".snakemake/log/run.snakemake.log": "Finished job 0.\n",
     }
     for name, text in files.items():
         (work / name).parent.mkdir(parents=True, exist_ok=True)
@@ -97,3 +101,117 @@ def test_a_run_whose_second_tarball_did_not_come_back_leaves_nothing_unpacked(pa
     done = device_resume("unpack", out, work, "shape")
     assert done.returncode == 2 and "shape.resume.tar.gz" in done.stderr
     assert list(work.iterdir()) == [] and not list(tmp_path.glob("next.unpacking.*"))
+
+
+# A checkout's clock: a committed run's files get the time git wrote them, never the machine's.
+CHECKOUT = 1_800_000_000
+REBUILT = {"results/workload/prompts.jsonl": '{"id": 0}\n', "resources/model/config.json": "{}",
+           "resources/model/kvpool-model.json": json.dumps({"weights": "drawn"}, indent=2)}
+# What a REBUILD command gets: --directory and the targets; it writes what the workflow's rules would.
+REBUILD_SCRIPT = """
+import json, pathlib, sys
+args = sys.argv[2:]
+directory = pathlib.Path(args[args.index("--directory") + 1])
+targets = args[args.index("--directory") + 2:]
+for name, text in json.loads(sys.argv[1]).items():
+    if name in targets or name.split("/")[0] + "/" + name.split("/")[1] in targets:
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(text)
+print("built", *targets)
+"""
+
+
+def rebuild(files=REBUILT):
+    return [sys.executable, "-c", REBUILD_SCRIPT, json.dumps(files)]
+
+
+@pytest.fixture
+def committed(packed, tmp_path):
+    """The committed tarball as a session commits it (docs/results/<name>/): unpacked, Snakemake's own log under
+    snakemake-log/, every file at the checkout's time."""
+    def commit(**model):
+        out = packed(**model)
+        folder = tmp_path / "committed" / "shape"
+        folder.mkdir(parents=True)
+        with tarfile.open(out / "shape.tar.gz") as tar:
+            tar.extractall(folder, filter="data")
+        (folder / ".snakemake" / "log").rename(folder / "snakemake-log")
+        (folder / ".snakemake").rmdir()
+        for path in folder.rglob("*"):
+            os.utime(path, (CHECKOUT, CHECKOUT))
+        return folder
+    return commit
+
+
+def test_pack_records_every_files_time_and_the_digests_of_what_it_leaves_out_of_the_committed_tarball(packed):
+    out = packed()
+    with tarfile.open(out / "shape.tar.gz") as tar:
+        times = tar.extractfile("resume/times.tsv").read().decode()
+        sums = tar.extractfile("resume/SHA256SUMS").read().decode()
+    recorded = dict(reversed(line.split("\t")) for line in times.splitlines())
+    assert set(recorded) == {"results/reference/outputs.csv", "results/workload/prompts.jsonl",
+                             "resources/model/config.json", "resources/model/kvpool-model.json",
+                             "logs/reference/reference.log", ".snakemake/log/run.snakemake.log"}
+    assert all(float(time) == OLD for time in recorded.values())
+    digested = {line[66:]: line[:64] for line in sums.splitlines()}
+    assert digested == {name: hashlib.sha256(text.encode()).hexdigest() for name, text in REBUILT.items()}
+
+
+def test_a_committed_run_goes_on_with_its_prompts_and_model_rebuilt_and_every_file_at_its_own_time(
+        committed, tmp_path):
+    folder = committed()
+    work = tmp_path / "next"
+    done = device_resume("unpack", folder, work, "shape", *rebuild())
+    assert done.returncode == 0, done.stderr
+    assert "goes on from reference workload" in done.stdout
+    for name in ("results/reference/outputs.csv", "logs/reference/reference.log", ".snakemake/log/run.snakemake.log",
+                 *REBUILT):
+        assert (work / name).stat().st_mtime == OLD, name
+    assert (work / ".snakemake" / "log" / "run.snakemake.log").read_text() == "Finished job 0.\n"
+    assert not (work / "snakemake-log").exists() and not list(tmp_path.glob("next.unpacking*"))
+
+
+def test_a_rebuilt_file_unlike_the_measured_one_stops_the_resume_by_name(committed, tmp_path):
+    folder = committed()
+    work = tmp_path / "next"
+    done = device_resume("unpack", folder, work, "shape", *rebuild({**REBUILT, "resources/model/config.json": "{ }"}))
+    assert done.returncode == 2
+    assert "resources/model/config.json: FAILED" in done.stderr and "prompts.jsonl" not in done.stderr
+    assert list(work.iterdir()) == [] and not list(tmp_path.glob("next.unpacking*"))
+
+
+def test_a_committed_run_without_a_rebuild_command_names_what_it_would_rebuild(committed, tmp_path):
+    done = device_resume("unpack", committed(), tmp_path / "next", "shape")
+    assert done.returncode == 2
+    assert "needs a command to rebuild" in done.stderr and "results/workload/prompts.jsonl" in done.stderr
+
+
+def test_a_committed_run_missing_a_file_it_had_is_refused_by_name(committed, tmp_path):
+    folder = committed()
+    (folder / "logs" / "reference" / "reference.log").unlink()
+    done = device_resume("unpack", folder, tmp_path / "next", "shape", *rebuild())
+    assert done.returncode == 2 and "lacks logs/reference/reference.log" in done.stderr
+    assert list((tmp_path / "next").iterdir()) == []
+
+
+def test_written_weights_small_enough_to_digest_go_on_when_rebuilt_alike_and_stop_when_not(committed, tmp_path):
+    """The model's weights written on the last machine, 1 KiB: their digest came back, so weights built again here
+    are held to it."""
+    folder = committed(weights="written", weight_bytes=1024)
+    alike = {**REBUILT, "resources/model/kvpool-model.json": json.dumps({"weights": "written"}, indent=2),
+             "resources/model/model.safetensors": "\0" * 1024}
+    done = device_resume("unpack", folder, tmp_path / "unlike", "shape",
+                         *rebuild({**alike, "resources/model/model.safetensors": "\1" * 1024}))
+    assert done.returncode == 2 and "resources/model/model.safetensors: FAILED" in done.stderr
+    done = device_resume("unpack", folder, tmp_path / "next", "shape", *rebuild(alike))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "next" / "resources/model/model.safetensors").stat().st_mtime == OLD
+
+
+def test_written_weights_too_large_to_digest_are_refused_when_built_again(committed, tmp_path):
+    folder = committed(weights="written", weight_bytes=65 * 2**20)
+    weights = {**REBUILT, "resources/model/model.safetensors": "weights drawn again"}
+    done = device_resume("unpack", folder, tmp_path / "next", "shape", *rebuild(weights))
+    assert done.returncode == 2
+    assert "no digest of resources/model/model.safetensors" in done.stderr and ".device-resume" in done.stderr
+    assert list((tmp_path / "next").iterdir()) == [] and not list(tmp_path.glob("next.unpacking*"))
