@@ -166,6 +166,9 @@ def test_several_followups_per_document_are_each_a_cold_reload_in_its_own_split(
     meta = json.loads((cell / "reuse.json").read_text())
     assert len(meta["drops_between_reloads"]) == 4
     assert all(drop["resident_fraction"] <= 0.05 for drop in meta["drops_between_reloads"])
+    # each restore waited for the last follow-up's stores to land, then removed them, populate's files kept
+    assert all(drop["stores_settled"]["settled"] and drop["restored"]["removed_files"] >= 1
+               and drop["restored"]["kept_files"] == populated_files(cell) for drop in meta["drops_between_reloads"])
     validity = json.loads((cell / "validity.json").read_text())
     assert validity["valid"], validity["checks"]
     assert validity["checks"]["cold_reads"]["drops"] == 5 and validity["checks"]["own_cache_unused"]["ok"]
@@ -177,6 +180,11 @@ def test_several_followups_per_document_are_each_a_cold_reload_in_its_own_split(
     plan = yaml.safe_load((cell / "plan.yaml").read_text())
     assert all(r["env"]["VLLM_SERVER_DEV_MODE"] == "1" for r in plan["replicas"])  # /reset_prefix_cache
     assert replicas_running_in(tmp_path) == []
+
+
+def populated_files(cell) -> int:
+    """The pool files populate stored (its digests' rows)."""
+    return len(pd.read_csv(cell / "populate-digests.csv"))
 
 
 @pytest.fixture

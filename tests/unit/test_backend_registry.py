@@ -1,12 +1,17 @@
 """Issue 49: the pool backends as a registry (kvpool.engine.backends), and vLLM's own tiered offloading (vllm-fs)
 as one of them. Each backend is one module; nothing else in the package asks which backend a cell has."""
 
+import asyncio
+import contextlib
 import re
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import aiohttp
+import pytest
+from aiohttp import web
 from support import REPO
 
 from kvpool.cells import Backend, Cell
@@ -15,7 +20,7 @@ from kvpool.engine.backends import REGISTRY, pool_backend
 from kvpool.engine.backends.base import BYTE_DIGESTS
 from kvpool.engine.plan import fleet_plan
 from kvpool.matrix import cells, is_memory_pool
-from kvpool.measure.timed import landed_stores, settled_stores
+from kvpool.measure.timed import landed_stores, reset_prefix_cache, settled_stores
 from kvpool.settings import PHASE_SETTINGS, step_settings
 from kvpool.studies import capacity, study_a, studyb
 from kvpool.studies.study_a_phases import StoreWatch
@@ -89,14 +94,58 @@ def test_vllm_fs_on_cpu_is_refused_before_anything_starts_naming_why(config, tmp
     assert not [p for p in problems(gpu(config), tmp_path, check_paths=False) if "vllm-fs" in p]
 
 
-def test_vllm_fs_refuses_a_chunk_that_is_not_whole_gpu_blocks_and_repeated_followups(config, tmp_path):
+def test_vllm_fs_refuses_a_chunk_that_is_not_whole_gpu_blocks_and_takes_repeated_followups(config, tmp_path):
+    """Several follow-ups a document: the reset before each later one empties the serving replica's CPU tier
+    (reset_external), the one backend whose connector keeps a tier of its own."""
     gpu(config).update(backends=["vllm-fs"], chunk_sizes=[200])
     assert any("chunk_sizes [200]" in p and "multiple of vLLM's KV block size" in p
                for p in problems(config, tmp_path, check_paths=False))
     config.update(chunk_sizes=[256])
     config["workload"]["followups_per_document"] = 2
-    refused = [p for p in problems(config, tmp_path, check_paths=False) if "followups_per_document" in p]
-    assert len(refused) == 1 and "CPU tier keeps what a reload brought up" in refused[0]
+    assert problems(config, tmp_path, check_paths=False) == []
+    assert {name for name, backend in REGISTRY.items() if backend.connector_tier} == {"vllm-fs"}
+
+
+@pytest.fixture
+def reset_endpoint():
+    """A stand-in /reset_prefix_cache that answers {"success": false} ``held`` times (blocks still held), then true,
+    recording each request's query."""
+    asked = []
+
+    def serve(held):
+        async def reset(request):
+            asked.append(dict(request.query))
+            return web.json_response({"success": len(asked) > held})
+
+        @contextlib.asynccontextmanager
+        async def running():
+            app = web.Application()
+            app.add_routes([web.post("/reset_prefix_cache", reset)])
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            try:
+                yield SimpleNamespace(index=1, url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+            finally:
+                await runner.cleanup()
+        return running()
+    return serve, asked
+
+
+def test_the_reset_empties_the_connectors_tier_when_asked_and_waits_out_held_blocks(reset_endpoint):
+    serve, asked = reset_endpoint
+
+    async def reset(**kwargs):
+        async with serve(held=2) as replica, aiohttp.ClientSession() as session:
+            return await reset_prefix_cache(session, replica, wait_s=0.01, **kwargs)
+
+    assert asyncio.run(reset(connector=True)) == ""
+    assert asked == [{"reset_external": "true"}] * 3
+    asked.clear()
+    failed = asyncio.run(reset(attempts=2))
+    assert asked == [{}, {}]
+    assert failed == "replica 1: /reset_prefix_cache reported no success 2 times (blocks still held)"
 
 
 def test_vllm_fs_is_a_pool_of_files_that_shares_and_cannot_be_limited(config, tmp_path):

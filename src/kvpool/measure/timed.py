@@ -38,6 +38,9 @@ from kvpool.measure.unit import UnitResult
 from kvpool.measure.unit_plan import reference_replica
 
 log = logging.getLogger(__name__)
+# vLLM's /reset_prefix_cache fails while a block is still held (an offloading store copying the last request's
+# blocks out takes milliseconds to seconds): asked again this many times, this far apart
+RESET_ATTEMPTS, RESET_WAIT_S = 20, 0.5
 
 
 def pool_digests(dirs: list[Path], servers=None, populate: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -216,22 +219,30 @@ def pool_servers(plan: Plan, log_dir: Path, cfg: dict, servers: list[PoolServer]
                 record[str(server.index)]["released"] = server.await_released(settings["release_timeout_s"])
 
 
-async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica) -> str:
+async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica, connector: bool = False,
+                             attempts: int = RESET_ATTEMPTS, wait_s: float = RESET_WAIT_S) -> str:
     """Empty ``replica``'s own prefix cache through vLLM's /reset_prefix_cache (open with
-    VLLM_SERVER_DEV_MODE); an error message, or "" when vLLM reports success. The next request's
-    local-cache-hit counter delta proves it."""
-    try:
-        async with session.post(f"{replica.url}/reset_prefix_cache",
-                                timeout=aiohttp.ClientTimeout(total=60)) as response:
-            body = await response.text()
-            if response.status != 200:
-                return f"replica {replica.index}: /reset_prefix_cache answered HTTP {response.status}: {body[:200]}"
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return replica_error(replica, "/reset_prefix_cache", exc)
-    # vLLM answers {"success": false} while blocks are still held; older versions answer with no body
-    if body.strip().startswith("{") and not json.loads(body).get("success", True):
-        return f"replica {replica.index}: /reset_prefix_cache reported no success (blocks still held)"
-    return ""
+    VLLM_SERVER_DEV_MODE), and with ``connector`` its connector's own tiers too (``reset_external``: vLLM's
+    offloading CPU tier); an error message, or "" when vLLM reports success. vLLM answers {"success": false}
+    while blocks are still held (a store of the last request's blocks still copying them), so that is asked
+    again, ``attempts`` times ``wait_s`` apart. The next request's hit counters prove the reset."""
+    params = {"reset_external": "true"} if connector else {}
+    for attempt in range(attempts):
+        try:
+            async with session.post(f"{replica.url}/reset_prefix_cache", params=params,
+                                    timeout=aiohttp.ClientTimeout(total=60)) as response:
+                body = await response.text()
+                if response.status != 200:
+                    return (f"replica {replica.index}: /reset_prefix_cache answered HTTP {response.status}: "
+                            f"{body[:200]}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return replica_error(replica, "/reset_prefix_cache", exc)
+        # older versions answer with no body
+        if not body.strip().startswith("{") or json.loads(body).get("success", True):
+            return ""
+        if attempt + 1 < attempts:
+            await asyncio.sleep(wait_s)
+    return f"replica {replica.index}: /reset_prefix_cache reported no success {attempts} times (blocks still held)"
 
 
 def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: float = 0.5,

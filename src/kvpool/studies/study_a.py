@@ -48,6 +48,9 @@ from kvpool.settings import (
 from kvpool.studies.study_a_phases import populate_phase, reuse_phase
 
 log = logging.getLogger(__name__)
+# a pool of files restored between a document's follow-ups: its files stopped changing over this long first (a
+# vllm-fs store reaches its file in two asynchronous hops after the answer)
+RESTORE_POLL_S = 1.0
 
 
 def _plan_sections(config: dict, wildcards) -> dict:
@@ -238,9 +241,12 @@ def run_reuse(config: dict, cell: Cell, *, plan_path: str, prompts_path: str, po
 
     def restored_and_dropped() -> str:
         """A pool of files back to what populate stored (the last follow-up's stores removed) and out of
-        the page cache again, so the next follow-up reloads it from the device."""
-        restore_pool(dirs, stored)
-        drops.append(drop_pool(plan, config["drop_caches"]))
+        the page cache again, so the next follow-up reloads it from the device. The stores land after the
+        answer (vllm-fs's in two hops), so the files must stop changing first: a store landing after the
+        restore would be found by the next follow-up (in the isolated arm, its ``isolation`` check fails)."""
+        settled = settled_stores(dirs, None, poll_s=RESTORE_POLL_S)
+        restored = restore_pool(dirs, stored)
+        drops.append({**drop_pool(plan, config["drop_caches"]), "stores_settled": settled, "restored": restored})
         return ""
 
     def servers_emptied() -> str:

@@ -172,7 +172,8 @@ def populate_phase(plan: Plan, workload: list[dict], cfg: dict, probe: tuple[lis
     return result
 
 
-async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) -> tuple[list[dict], float, float]:
+async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None,
+                 connector_tier: bool = False) -> tuple[list[dict], float, float]:
     output_tokens, timeout_s = cfg["workload"]["output_tokens"], cfg["engine"]["request_timeout_s"]
     by_index = {r.index: r for r in replicas}
     rows = []
@@ -184,7 +185,7 @@ async def _reuse(replicas, workload, route, prefill, cfg, between_reloads=None) 
                 for number, prompt in enumerate(followups(item)):
                     reset = ""
                     if number:  # a reload again: nothing of the document left in the serving replica or warm
-                        reset = await reset_prefix_cache(session, serve)
+                        reset = await reset_prefix_cache(session, serve, connector=connector_tier)
                         if between_reloads is not None:  # runs whether or not the reset failed
                             emptied = await asyncio.to_thread(between_reloads)
                             reset = reset or emptied
@@ -203,15 +204,17 @@ def reuse_phase(plan: Plan, workload: list[dict], prefill: dict[int, int], cfg: 
     """Start the fleet on the populated pool (an MP pool on a drive: a fresh server, its L1 empty), or use
     the cell's one fleet (``replicas``), drop the pool from the page cache again, send every follow-up to a
     replica that did not prefill its document, one at a time, and stop what it started. Before each of a
-    document's later follow-ups the serving replica's prefix cache is emptied and ``between_reloads`` runs (a
-    pool of files restored and dropped again, an isolated arm's pool servers emptied): an error message, or ""."""
+    document's later follow-ups the serving replica's prefix cache is emptied (and its connector's own tier, where
+    the backend keeps one) and ``between_reloads`` runs (a pool of files restored and dropped again, an isolated
+    arm's pool servers emptied): an error message, or ""."""
     route = followup_route(prefill, len(plan.replicas))
     with timed_fleet(plan, cfg, log_dir, servers, replicas) as fleet:
         # Starting the fleet may have touched the pool; the drop must hold right before the reads.
         drop = drop_pool(fleet.plan, cfg["drop_caches"])
         with fleet.window("reuse", disks):
-            rows, started, finished = asyncio.run(_reuse(fleet.replicas, workload, route, prefill, cfg,
-                                                         between_reloads))
+            rows, started, finished = asyncio.run(_reuse(
+                fleet.replicas, workload, route, prefill, cfg, between_reloads,
+                connector_tier=pool_backend(Cell.from_name(plan.cell).backend).connector_tier))
     # the wall clock of the follow-ups themselves, from the first request to the last answer
     return fleet.result(records.frame(RequestRecord, rows), drop_before_reuse=drop, wall_s=finished - started,
                         started_at=started, finished_at=finished)

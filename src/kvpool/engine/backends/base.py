@@ -71,6 +71,10 @@ class PoolBackend:
     # whether its stores reach the pool's files only after the answer (no signal): the preflight waits for the
     # probe's chunks, and records how many were there at the answer
     stores_after_answer: bool = False
+    # whether the replica's connector keeps what a reload brought up in a tier of its own (vLLM's offloading CPU
+    # tier), which the reset before a document's later follow-up must empty too (/reset_prefix_cache's
+    # reset_external), or that follow-up would not read the pool
+    connector_tier: bool = False
     # whether Study B's fault injection can corrupt a stored chunk the replicas then read (a file per chunk)
     corruptible: bool = False
     # the LMCache setting that names the pool's folder (kvpool.engine.pool_url), where one does

@@ -44,6 +44,7 @@ class VllmFS(PoolBackend):
                  "from the files")
     sections = ("vllm_fs",)
     stores_after_answer = True
+    connector_tier = True
     caveat = ("vllm-fs cells: vLLM's own offloading, no LMCache; every replica runs with PYTHONHASHSEED=0 whatever "
               "hash_keys says (vLLM seeds its block hashes from it, and the fs tier names files by them).")
     capacity_refusal = ("vLLM's fs tier evicts nothing and how it meets a full filesystem is not measured here: "
@@ -62,10 +63,13 @@ class VllmFS(PoolBackend):
         return {"min_files": workload["documents"] * (workload["doc_tokens"] // cell.chunk),
                 "timeout_s": config["vllm_fs"]["store_timeout_s"], "chunk_suffix": CHUNK_SUFFIX}
 
-    def followup_problem(self, config: dict, cell: Cell) -> str:
-        return (f"{cell.name}: the serving replica's CPU tier keeps what a reload brought up from the files (vLLM's "
-                "/reset_prefix_cache empties its GPU cache, not the offloading tiers), so a later follow-up of the "
-                "document would not read the pool")
+    def followup_problem(self, config: dict, cell: Cell) -> None:
+        """None: before a document's later follow-up the serving replica's CPU tier is emptied with its GPU cache
+        (``/reset_prefix_cache?reset_external=true``: vLLM 0.26's ``TieringOffloadingManager.reset_cache`` empties
+        the primary tier and keeps the fs tier, "persistent stores keep their data across resets"), and the pool's
+        files go back to what populate stored once the last follow-up's stores have landed. The isolated arm proves
+        both: a CPU tier or a file left holding the recomputed document would be hit, and ``isolation`` fails."""
+        return None
 
     def problems(self, config: dict) -> list[str]:
         found = []
