@@ -22,12 +22,18 @@ def shipped(name: str) -> dict:
     return found
 
 
-@contextlib.asynccontextmanager
-async def completions_server(handler, **app_settings):
+def completions_server(handler, **app_settings):
     """A stand-in OpenAI completions endpoint on a free loopback port: ``handler`` answers
     POST /v1/completions; yields the base URL and stops the server on exit."""
+    return stand_in_server({"/v1/completions": handler}, **app_settings)
+
+
+@contextlib.asynccontextmanager
+async def stand_in_server(handlers: dict, **app_settings):
+    """A stand-in HTTP server on a free loopback port, each POST path answered by its handler; yields the base
+    URL and stops the server on exit."""
     app = web.Application(**app_settings)
-    app.add_routes([web.post("/v1/completions", handler)])
+    app.add_routes([web.post(path, handler) for path, handler in handlers.items()])
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

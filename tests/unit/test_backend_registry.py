@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 from aiohttp import web
-from support import REPO
+from support import REPO, stand_in_server
 
 from kvpool.cells import Backend, Cell
 from kvpool.config import problems
@@ -119,16 +119,8 @@ def reset_endpoint():
 
         @contextlib.asynccontextmanager
         async def running():
-            app = web.Application()
-            app.add_routes([web.post("/reset_prefix_cache", reset)])
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            try:
-                yield SimpleNamespace(index=1, url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
-            finally:
-                await runner.cleanup()
+            async with stand_in_server({"/reset_prefix_cache": reset}) as url:
+                yield SimpleNamespace(index=1, url=url)
         return running()
     return serve, asked
 
