@@ -312,8 +312,8 @@ def test_the_probe_head_follows_study_b_sessions_and_stays_within_the_model_leng
 
 def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_a_cold_reload_each(tmp_path):
     """config/h100-shape-a-backends.yaml: Study A's shape as run (h100-shape-a) with vLLM's own offloading beside the
-    MP server, four cells; one follow-up a document, since an isolated arm's second follow-up would find the serving
-    replica's own copy, and the pool large enough for the gate."""
+    MP server, four cells; one follow-up a document as it ran (docs/results/h100-shape-a-vllm-fs), when kvpool still
+    refused more on vllm-fs, and the pool large enough for the gate. Both pools now take several."""
     found, base = shipped("h100-shape-a-backends.yaml"), shipped("h100-shape-a.yaml")
     assert problems(found, tmp_path, check_paths=False) == []
     assert {(cell.backend, cell.arm) for cell in matrix.cells(found)} == {
@@ -324,14 +324,28 @@ def test_the_shapes_backends_config_runs_both_pools_both_arms_on_the_shape_with_
     pool = workload["documents"] * workload["doc_tokens"] * shapes.kv_bytes_per_token(found["random_model"], "bfloat16")
     assert 0.85 * pool < found["min_pool_bytes"] <= 0.9 * pool
     assert found["vllm_fs"]["cpu_gib"] * 2**30 > pool / workload["documents"]  # a document fits a replica's CPU tier
-    refused = problems({**found, "workload": {**workload, "followups_per_document": 5}}, tmp_path, check_paths=False)
-    assert any("followups_per_document" in reason for reason in refused)
+    assert problems({**found, "workload": {**workload, "followups_per_document": 5}}, tmp_path, check_paths=False) == []
     # h100-shape-a-vllm-fs.yaml: the same sitting less the MP server's two cells
     alone = shipped("h100-shape-a-vllm-fs.yaml")
     assert {key: value for key, value in alone.items() if key not in ("backends", "extends")} == \
         {key: value for key, value in found.items() if key not in ("backends", "extends")}
     cells = {(cell.backend, cell.arm) for cell in matrix.cells(alone)}
     assert cells == {("vllm-fs", "shared"), ("vllm-fs", "isolated")}
+
+
+def test_the_99k_vllm_fs_config_is_the_99k_run_on_vllms_own_offloading_with_a_document_in_each_cpu_tier(tmp_path):
+    """config/h100-shape-a-99k-vllm-fs.yaml: docs/results/h100-shape-a-99k's config with vllm-fs as the pool, 20
+    reloads a cell, a replica's CPU tier large enough for a document's FP8 KV, and a cell's pool files, a recompute
+    and both CPU tiers within half the machine's 128 GiB (/dev/shm's default size)."""
+    found, base = shipped("h100-shape-a-99k-vllm-fs.yaml"), shipped("h100-shape-a-99k.yaml")
+    assert problems(found, tmp_path, check_paths=False) == []
+    differs = {key for key in found if found[key] != base.get(key)}
+    assert differs == {"backends", "vllm_fs", "extends"} and found["backends"] == ["vllm-fs"]
+    workload = found["workload"]
+    assert workload["documents"] * workload["followups_per_document"] >= 20
+    document = (workload["doc_tokens"] + 256) * engine_pool_bytes_per_token(found)
+    assert found["vllm_fs"]["cpu_gib"] * 2**30 > document
+    assert workload["documents"] * document + document + 2 * found["vllm_fs"]["cpu_gib"] * 2**30 < 64 * 2**30
 
 
 @pytest.mark.parametrize(("name", "kib_a_token"), [("h200-shape-a.yaml", 96), ("h100-shape-a-reloads.yaml", 96),
