@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -74,6 +75,26 @@ def server_argv(args, port: int) -> list[str]:
             "--enforce-eager", *args.extra]
 
 
+@contextlib.contextmanager
+def healthy_server(argv_at, log: Path, startup_timeout_s: float, env: dict | None = None, pool_dir: str | None = None):
+    """One vLLM server on 127.0.0.1 at a free port, ``argv_at(port)`` its command line, once healthy: kvpool's own
+    replica, its process group stopped whole on exit, its log's tail in the error if it dies or stays silent."""
+    (port,) = free_ports("127.0.0.1", 1)
+    entry = ReplicaPlan(index=0, host="127.0.0.1", port=port, core=None, gpu=None, sequential_start=False,
+                        pool_dir=pool_dir, lmcache_config_file=None, lmcache_config=None,
+                        env={"HF_HUB_OFFLINE": "1", **(env or {})}, argv=argv_at(port))
+    server = Replica(entry, log)
+    server.start()
+    try:
+        try:
+            wait_healthy([server], startup_timeout_s)
+        except FleetError as error:
+            raise SystemExit(str(error)) from None
+        yield server
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="a local model directory (config.json and a tokenizer)")
@@ -107,25 +128,12 @@ def measure(args) -> None:
     draw = random.Random(0)
     tail = [draw.choice(allowed) for _ in range(args.suffix)]
     prompts = [[draw.choice(allowed) for _ in range(args.prefix)] + tail for _ in range(args.prompts)]
-    (port,) = free_ports("127.0.0.1", 1)
-    entry = ReplicaPlan(index=0, host="127.0.0.1", port=port, core=None, gpu=None, sequential_start=False,
-                        pool_dir=None, lmcache_config_file=None, lmcache_config=None,
-                        env={"HF_HUB_OFFLINE": "1"}, argv=server_argv(args, port))
-    with tempfile.TemporaryDirectory(prefix="kvpool-answer-power-") as scratch:
-        # kvpool's own replica: its process group stopped whole, its log's tail in the error if it dies or stays silent
-        server = Replica(entry, args.server_log or Path(scratch) / "server.log")
-        server.start()
-        try:
-            try:
-                wait_healthy([server], args.startup_timeout_s)
-            except FleetError as error:
-                raise SystemExit(str(error)) from None
-            found, errors = asyncio.run(model_check.answers(server.url, prompts + prompts[:1], 300.0,
-                                                            args.output_tokens))
-            if errors:
-                raise SystemExit(f"a request failed: {errors[0]}")
-        finally:
-            server.stop()
+    with tempfile.TemporaryDirectory(prefix="kvpool-answer-power-") as scratch, healthy_server(
+            lambda port: server_argv(args, port), args.server_log or Path(scratch) / "server.log",
+            args.startup_timeout_s) as server:
+        found, errors = asyncio.run(model_check.answers(server.url, prompts + prompts[:1], 300.0, args.output_tokens))
+        if errors:
+            raise SystemExit(f"a request failed: {errors[0]}")
     distinct = len(set(found[:-1]))
     print(json.dumps({"model": args.model, "load_format": args.load_format, "prompts": args.prompts,
                       "distinct_answers": distinct, "repeat_equal": found[-1] == found[0], "answers": found}))

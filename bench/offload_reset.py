@@ -30,17 +30,13 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
-from answer_power import write_shape
+from answer_power import healthy_server, write_shape
 
 from kvpool.engine import random_weights
 from kvpool.engine.backends.vllm_fs import CHUNK_SUFFIX, HASH_SEED, kv_transfer_config
-from kvpool.engine.errors import FleetError
-from kvpool.engine.fleet import wait_healthy
 from kvpool.engine.model import vocabulary
 from kvpool.engine.plan import SERVED_MODEL_NAME
-from kvpool.engine.plan_types import ReplicaPlan
 from kvpool.engine.pool_files import pool_files
-from kvpool.engine.ports import free_ports
 from kvpool.engine.processes import Replica
 from kvpool.measure.timed import measured_request, reset_prefix_cache, settled_stores
 
@@ -97,21 +93,11 @@ def main() -> None:
         pool.mkdir()
         allowed, draw = vocabulary(model), random.Random(0)
         prompt = [draw.choice(allowed) for _ in range(args.prompt_tokens)]
-        (port,) = free_ports("127.0.0.1", 1)
-        entry = ReplicaPlan(index=0, host="127.0.0.1", port=port, core=None, gpu=None, sequential_start=False,
-                            pool_dir=str(pool), lmcache_config_file=None, lmcache_config=None,
-                            env={"HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1"},
-                            argv=server_argv(model, port, pool, args))
-        server = Replica(entry, args.server_log or Path(scratch) / "server.log")
-        server.start()
-        try:
-            try:
-                wait_healthy([server], args.startup_timeout_s)
-            except FleetError as error:
-                raise SystemExit(str(error)) from None
+        with healthy_server(lambda port: server_argv(model, port, pool, args),
+                            args.server_log or Path(scratch) / "server.log", args.startup_timeout_s,
+                            env={"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1"},
+                            pool_dir=str(pool)) as server:
             rows = asyncio.run(sequence(server, prompt, pool, args))
-        finally:
-            server.stop()
     for row in rows:
         print(json.dumps(row))
 
