@@ -67,15 +67,20 @@ async def sequence(replica: Replica, prompt: list[int], pool: Path, args) -> lis
                 "files_after": settled["files"]}
 
     rows = []
+
+    def kept(row: dict) -> None:  # printed as measured: a run cut short keeps its steps so far
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
     async with aiohttp.ClientSession() as session:
-        rows.append(await send("cold", True))
+        kept(await send("cold", True))
         for step, remove_files, external, computes in STEPS:
             if remove_files:
                 for path in pool_files([pool]):
                     path.unlink()
             reset = await reset_prefix_cache(session, replica, connector=external)
-            rows.append({**await send(step, computes), "reset_error": reset, "files_removed": remove_files,
-                         "reset_external": external})
+            kept({**await send(step, computes), "reset_error": reset, "files_removed": remove_files,
+                  "reset_external": external})
     return rows
 
 
@@ -97,9 +102,7 @@ def main() -> None:
                             args.server_log or Path(scratch) / "server.log", args.startup_timeout_s,
                             env={"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1"},
                             pool_dir=str(pool)) as server:
-            rows = asyncio.run(sequence(server, prompt, pool, args))
-    for row in rows:
-        print(json.dumps(row))
+            asyncio.run(sequence(server, prompt, pool, args))
 
 
 if __name__ == "__main__":
