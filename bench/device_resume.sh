@@ -67,6 +67,7 @@ unpack)
     echo "device_resume: $work already holds results; nothing unpacked over them" >&2
     exit 2
   fi
+  [ -d "$from" ] || { echo "device_resume: cannot resume $name: $from is not a folder" >&2; exit 2; }
   mkdir -p "$work"
   # unpacked beside WORK first: a source that fails or a model that cannot go on leaves WORK as it was
   staged=$(mktemp -d "$work.unpacking.XXXX")
@@ -100,6 +101,9 @@ unpack)
     done <"$from/resume/times.tsv"
     # a checkout's files carry the checkout's time: each gets the time it had on the machine that made it
     while IFS=$'\t' read -r time path; do touch -m -d "@$time" "$staged/$path"; done <"$from/resume/times.tsv"
+  elif [ -d "$from/results" ] && [ ! -f "$from/$name.tar.gz" ]; then
+    refuse "cannot resume $name from $from: a committed run without resume/times.tsv (packed before runs kept" \
+      "their files' times and digests) cannot go on; run it afresh"
   else
     for part in "$name.tar.gz" "$name.resume.tar.gz"; do
       tar -C "$staged" -xzf "$from/$part" || refuse "cannot unpack $from/$part"

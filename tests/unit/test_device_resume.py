@@ -92,6 +92,8 @@ def test_unpack_never_overwrites_results_already_there(packed, tmp_path):
 def test_a_missing_tarball_is_named(tmp_path):
     done = device_resume("unpack", tmp_path, tmp_path / "next", "shape")
     assert done.returncode == 2 and f"{tmp_path}/shape.tar.gz" in done.stderr
+    done = device_resume("unpack", tmp_path / "docs" / "shape", tmp_path / "next", "shape")
+    assert done.returncode == 2 and f"{tmp_path}/docs/shape is not a folder" in done.stderr
 
 
 def test_a_run_whose_second_tarball_did_not_come_back_leaves_nothing_unpacked(packed, tmp_path):
@@ -215,3 +217,14 @@ def test_written_weights_too_large_to_digest_are_refused_when_built_again(commit
     assert done.returncode == 2
     assert "no digest of resources/model/model.safetensors" in done.stderr and ".device-resume" in done.stderr
     assert list((tmp_path / "next").iterdir()) == [] and not list(tmp_path.glob("next.unpacking*"))
+
+
+def test_a_committed_run_packed_without_resume_records_is_refused_by_name(tmp_path):
+    """docs/results/h100-shape-a-99k, say: packed before pack wrote resume/, so nothing says its files' times."""
+    folder = tmp_path / "h100-shape-a-99k"
+    (folder / "results").mkdir(parents=True)
+    (folder / "results" / "table1.md").write_text("measured")
+    done = device_resume("unpack", folder, tmp_path / "next", "h100-shape-a-99k", *rebuild())
+    assert done.returncode == 2
+    assert "without resume/times.tsv" in done.stderr and "run it afresh" in done.stderr
+    assert list((tmp_path / "next").iterdir()) == []
