@@ -74,10 +74,10 @@ unpack)
   if [ -f "$from/resume/times.tsv" ] && [ ! -f "$from/$name.tar.gz" ]; then
     sums=$from/resume/SHA256SUMS
     [ -f "$sums" ] || refuse "$from holds resume/times.tsv without resume/SHA256SUMS"
-    [ ${#rebuild[@]} -gt 0 ] || refuse "resuming $name from the committed run $from needs a command to rebuild" \
-      "$(cut -c67- "$sums" | tr '\n' ' ')"
     declare -A rebuilt=()
     while IFS= read -r path; do rebuilt[$path]=1; done < <(cut -c67- "$sums")
+    [ ${#rebuild[@]} -gt 0 ] || refuse "resuming $name from the committed run $from needs a command to rebuild" \
+      "${!rebuilt[*]}"
     targets=$(for path in "${!rebuilt[@]}"; do target_of "$path"; done | sort -u)
     # shellcheck disable=SC2086  # targets are paths without spaces
     "${rebuild[@]}" --directory "$staged" $targets >"$staged.rebuild.log" 2>&1 ||

@@ -57,7 +57,8 @@ def server_argv(model: str, port: int, pool: Path, args) -> list[str]:
             "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer_config(config, args.chunk, pool))]
 
 
-async def sequence(replica: Replica, prompt: list[int], pool: Path, args) -> list[dict]:
+async def sequence(replica: Replica, prompt: list[int], pool: Path, args) -> None:
+    """Each step's row printed as it is measured: a run cut short keeps the steps it finished."""
     async def send(step: str, computes: bool) -> dict:
         result, counts = await measured_request(session, replica, prompt, 4, 300.0)
         whole = args.prompt_tokens // args.chunk if computes else 0
@@ -66,10 +67,7 @@ async def sequence(replica: Replica, prompt: list[int], pool: Path, args) -> lis
                 **{key: counts.get(key) for key in ("external_kv_transfer", "local_compute", "local_cache_hit")},
                 "files_after": settled["files"]}
 
-    rows = []
-
-    def kept(row: dict) -> None:  # printed as measured: a run cut short keeps its steps so far
-        rows.append(row)
+    def kept(row: dict) -> None:
         print(json.dumps(row), flush=True)
 
     async with aiohttp.ClientSession() as session:
@@ -81,7 +79,6 @@ async def sequence(replica: Replica, prompt: list[int], pool: Path, args) -> lis
             reset = await reset_prefix_cache(session, replica, connector=external)
             kept({**await send(step, computes), "reset_error": reset, "files_removed": remove_files,
                   "reset_external": external})
-    return rows
 
 
 def main() -> None:

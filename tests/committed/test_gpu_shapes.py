@@ -57,6 +57,11 @@ class ShapeRun:
     def config(self) -> dict:
         return study_a_config(self.path, self.cell("shared"))
 
+    def replica_log(self, replica: int) -> str:
+        """A replica's vLLM log in the shared cell."""
+        replicas = self.path / "logs" / "cell" / self.cell("shared").name / "replicas"
+        return (replicas / f"replica-{replica}.log").read_text()
+
     def table(self) -> pd.DataFrame:
         return pd.read_csv(self.path / "results" / "cell_table.csv").set_index("arm")
 
@@ -239,15 +244,14 @@ def test_h100_shape_a_99k_replicas_kept_the_kv_the_reloads_run_predicted_for_the
     gib, share = replica_memory(A99K, replica)
     assert share == engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
     assert gib["kv"] == pytest.approx(predicted_kv_gib(config, replica_memory(RELOADS, 1)[0]), abs=0.05)
-    log = (A99K.path / "logs" / "cell" / A99K.cell("shared").name / "replicas" / f"replica-{replica}.log").read_text()
-    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", A99K.replica_log(replica)).group(1).replace(",", ""))
     assert engine["max_model_len"] < tokens
     assert tokens * A99K.kv_bytes_per_token == pytest.approx(gib["kv"] * 2**30, rel=0.01)
 
 
 def replica_memory(run: ShapeRun, replica: int) -> tuple[dict, float]:
     """What vLLM logged of a shared-cell replica's GPU memory (GiB) and its share of the GPU, the sum checked."""
-    log = (run.path / "logs" / "cell" / run.cell("shared").name / "replicas" / f"replica-{replica}.log").read_text()
+    log = run.replica_log(replica)
     gib = {name: float(re.search(pattern, log).group(1)) for name, pattern in {
         "free": r"Free memory on device \(([\d.]+)/", "total": r"Free memory on device \([\d.]+/([\d.]+) GiB",
         "weight": r"([\d.]+) GiB for weight", "activation": r"([\d.]+) GiB for peak activation",
