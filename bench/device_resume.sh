@@ -19,7 +19,7 @@ rebuildable=(results/workload/prompts.jsonl results/studyb/workload.json resourc
 
 refuse() {
   echo "device_resume: $*" >&2
-  [ -n "${staged:-}" ] && rm -rf "$staged"
+  [ -n "${staged:-}" ] && rm -rf "$staged" "$staged.rebuild.log"
   exit 2
 }
 
@@ -71,6 +71,8 @@ unpack)
   mkdir -p "$work"
   # unpacked beside WORK first: a source that fails or a model that cannot go on leaves WORK as it was
   staged=$(mktemp -d "$work.unpacking.XXXX")
+  # interrupted (Ctrl-C while a rebuild runs): nothing half-unpacked stays beside WORK
+  trap 'rm -rf "$staged" "$staged.rebuild.log"; exit 130' INT TERM
   if [ -f "$from/resume/times.tsv" ] && [ ! -f "$from/$name.tar.gz" ]; then
     sums=$from/resume/SHA256SUMS
     [ -f "$sums" ] || refuse "$from holds resume/times.tsv without resume/SHA256SUMS"

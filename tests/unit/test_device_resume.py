@@ -4,9 +4,11 @@ times, leaves out what cannot come back, and refuses to unpack where it would ov
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 from support import REPO
@@ -228,3 +230,17 @@ def test_a_committed_run_packed_without_resume_records_is_refused_by_name(tmp_pa
     assert done.returncode == 2
     assert "without resume/times.tsv" in done.stderr and "run it afresh" in done.stderr
     assert list((tmp_path / "next").iterdir()) == []
+
+
+def test_a_failed_or_interrupted_rebuild_leaves_nothing_beside_the_working_directory(committed, tmp_path):
+    folder = committed()
+    failed = device_resume("unpack", folder, tmp_path / "next", "shape", sys.executable, "-c",
+                           "import sys; print('no model here'); sys.exit(3)")
+    assert failed.returncode == 2 and "rebuilding" in failed.stderr and "no model here" in failed.stderr
+    # Ctrl-C while the rebuild runs: the whole process group gets SIGINT
+    running = subprocess.Popen(["bash", SCRIPT, "unpack", str(folder), str(tmp_path / "next"), "shape",
+                                sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    time.sleep(2)
+    os.killpg(running.pid, signal.SIGINT)
+    assert running.wait(timeout=20) == 130
+    assert list((tmp_path / "next").iterdir()) == [] and not list(tmp_path.glob("next.unpacking*"))
