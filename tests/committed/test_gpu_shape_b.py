@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from support import REPO
-from support.committed import measured_only_rebuild, studyb_tables_again
+from support import REPO, shipped
+from support.committed import (
+    logged_kv_tokens,
+    logged_memory,
+    measured_only_rebuild,
+    predicted_kv_gib,
+    studyb_tables_again,
+)
 
 from kvpool.config import validated
 from kvpool.engine import shapes
@@ -128,3 +134,21 @@ def test_the_cross_step_loaded_the_whole_document_in_on_and_recomputed_it_in_off
 def test_measured_only_rebuilds_the_page_from_the_committed_records(tmp_path):
     work = measured_only_rebuild(RUN, "h100-shape-b.yaml", "results/studyb.md", "results/studyb.md", tmp_path)
     assert (work / "results" / "studyb.md").read_text() == (RUN / "results" / "studyb.md").read_text()
+
+
+def test_h100_shape_b_128k_keeps_a_128k_chain_a_replica_by_the_memory_this_run_measured():
+    """config/h100-shape-b-128k.yaml (this run's shape and launch at Study B's 128K): at its share of the GPU a
+    replica keeps more tokens than its longest request, by the weights, peak activation and memory outside torch
+    this run's replicas logged and the tokens a GiB of their pages held, and the second replica's share fits the
+    memory free beside the first's."""
+    config = shipped("h100-shape-b-128k.yaml")
+    engine = config["engine"]
+    log = (RUN / "logs" / "model" / "model_check" / "replica-0" / "replica-0.log").read_text()
+    gib, measured_share = logged_memory(log)
+    tokens_a_gib = logged_kv_tokens(log) / gib["kv"]
+    share = engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
+    assert engine["max_model_len"] >= config["study_b"]["contexts"][0] == 131200
+    assert predicted_kv_gib(config, gib) * tokens_a_gib > 1.1 * engine["max_model_len"]
+    assert predicted_kv_gib(run_config(), gib) == pytest.approx(gib["kv"], abs=0.01)  # the prediction, on this run
+    assert share * gib["total"] < gib["free"] - share * gib["total"] - 1.0  # beside the first, a GiB to spare
+    assert measured_share < share

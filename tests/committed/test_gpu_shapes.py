@@ -8,14 +8,21 @@ reloads a cell), the MP pool in RAM, the isolated arm's servers emptied before e
 docs/results/h100-shape-a-99k: config/h100-shape-a-99k.yaml, Study A's 99,072-token documents with the KV in FP8, four
 documents of five follow-ups each (20 reloads a cell), the MP pool in RAM, emptied as in the reloads run."""
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from support import REPO, shipped
-from support.committed import assert_same_gate, study_a_cell_dir, study_a_config, study_a_gate_again
+from support.committed import (
+    assert_same_gate,
+    logged_kv_tokens,
+    logged_memory,
+    predicted_kv_gib,
+    study_a_cell_dir,
+    study_a_config,
+    study_a_gate_again,
+)
 
 from kvpool.cells import Cell
 from kvpool.engine import shapes
@@ -244,25 +251,11 @@ def test_h100_shape_a_99k_replicas_kept_the_kv_the_reloads_run_predicted_for_the
     gib, share = replica_memory(A99K, replica)
     assert share == engine["gpu_memory_utilization"] / engine["replicas_per_gpu"]
     assert gib["kv"] == pytest.approx(predicted_kv_gib(config, replica_memory(RELOADS, 1)[0]), abs=0.05)
-    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", A99K.replica_log(replica)).group(1).replace(",", ""))
+    tokens = logged_kv_tokens(A99K.replica_log(replica))
     assert engine["max_model_len"] < tokens
     assert tokens * A99K.kv_bytes_per_token == pytest.approx(gib["kv"] * 2**30, rel=0.01)
 
 
 def replica_memory(run: ShapeRun, replica: int) -> tuple[dict, float]:
     """What vLLM logged of a shared-cell replica's GPU memory (GiB) and its share of the GPU, the sum checked."""
-    log = run.replica_log(replica)
-    gib = {name: float(re.search(pattern, log).group(1)) for name, pattern in {
-        "free": r"Free memory on device \(([\d.]+)/", "total": r"Free memory on device \([\d.]+/([\d.]+) GiB",
-        "weight": r"([\d.]+) GiB for weight", "activation": r"([\d.]+) GiB for peak activation",
-        "outside": r"([\d.]+) GiB for non-torch mem", "kv": r"Available KV cache memory: ([\d.]+) GiB"}.items()}
-    share = float(re.search(r"Desired GPU memory utilization is \(([\d.]+),", log).group(1))
-    assert share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"] == pytest.approx(
-        gib["kv"], abs=0.01)
-    return gib, share
-
-
-def predicted_kv_gib(config: dict, gib: dict) -> float:
-    """The KV memory a replica of ``config`` keeps, from another launch's logged weights, activation and the rest."""
-    share = config["engine"]["gpu_memory_utilization"] / config["engine"]["replicas_per_gpu"]
-    return share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"]
+    return logged_memory(run.replica_log(replica))

@@ -2,12 +2,14 @@
 gate again from its records, a router unit's gate again from its records, the routers and peer tables rebuilt
 from the units, and the pipeline's measured_only rebuild of a page in a copy of the run."""
 
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from snakemake.utils import validate
 
 from kvpool.cells import Cell
@@ -138,3 +140,26 @@ def studyb_tables_again(blocks_dir: Path, names: list[str], out: Path) -> tuple[
                                     validity_out=str(out / "validity.json"), md_out=str(out / "studyb.md"),
                                     figures_dir=str(out / "studyb" / "figures"))
     return read_json(out / "validity.json"), (out / "studyb.md").read_text()
+
+
+def logged_memory(log: str) -> tuple[dict, float]:
+    """What a replica's vLLM log says of its GPU memory (GiB) and its share of the GPU, the sum checked."""
+    gib = {name: float(re.search(pattern, log).group(1)) for name, pattern in {
+        "free": r"Free memory on device \(([\d.]+)/", "total": r"Free memory on device \([\d.]+/([\d.]+) GiB",
+        "weight": r"([\d.]+) GiB for weight", "activation": r"([\d.]+) GiB for peak activation",
+        "outside": r"([\d.]+) GiB for non-torch mem", "kv": r"Available KV cache memory: ([\d.]+) GiB"}.items()}
+    share = float(re.search(r"Desired GPU memory utilization is \(([\d.]+),", log).group(1))
+    assert share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"] == pytest.approx(
+        gib["kv"], abs=0.01)
+    return gib, share
+
+
+def logged_kv_tokens(log: str) -> int:
+    """The tokens of KV a replica's vLLM log says it keeps."""
+    return int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+
+
+def predicted_kv_gib(config: dict, gib: dict) -> float:
+    """The KV memory a replica of ``config`` keeps, from another launch's logged weights, activation and the rest."""
+    share = config["engine"]["gpu_memory_utilization"] / config["engine"]["replicas_per_gpu"]
+    return share * gib["total"] - gib["weight"] - gib["activation"] - gib["outside"]

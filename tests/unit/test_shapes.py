@@ -286,7 +286,8 @@ def test_the_model_check_needs_replicas_alike_and_answers_that_depend_on_their_h
 
 @pytest.mark.parametrize(("name", "head"), [("config.yaml", 6000), ("h100-shape-a.yaml", 40960),
                                             ("h200-shape-a.yaml", 99072),
-                                            ("h100-shape-b.yaml", 32000), ("h200-shape-b.yaml", 131200),
+                                            ("h100-shape-b.yaml", 32000), ("h100-shape-b-128k.yaml", 131200),
+                                            ("h200-shape-b.yaml", 131200),
                                             ("h200-shape-b-256k.yaml", 260800),
                                             ("h200-mp-studyb.yaml", 131072), ("contexts.yaml", 12288)])
 def test_the_model_check_probes_at_the_runs_longest_document(name, head):
