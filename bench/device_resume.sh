@@ -70,9 +70,10 @@ unpack)
   [ -d "$from" ] || { echo "device_resume: cannot resume $name: $from is not a folder" >&2; exit 2; }
   mkdir -p "$work"
   # unpacked beside WORK first: a source that fails or a model that cannot go on leaves WORK as it was
+  # interrupted (Ctrl-C while a rebuild runs, or before): nothing half-unpacked stays beside WORK
+  staged=
+  trap 'rm -rf ${staged:+"$staged" "$staged.rebuild.log"}; exit 130' INT TERM
   staged=$(mktemp -d "$work.unpacking.XXXX")
-  # interrupted (Ctrl-C while a rebuild runs): nothing half-unpacked stays beside WORK
-  trap 'rm -rf "$staged" "$staged.rebuild.log"; exit 130' INT TERM
   if [ -f "$from/resume/times.tsv" ] && [ ! -f "$from/$name.tar.gz" ]; then
     sums=$from/resume/SHA256SUMS
     [ -f "$sums" ] || refuse "$from holds resume/times.tsv without resume/SHA256SUMS"

@@ -238,9 +238,14 @@ def test_a_failed_or_interrupted_rebuild_leaves_nothing_beside_the_working_direc
                            "import sys; print('no model here'); sys.exit(3)")
     assert failed.returncode == 2 and "rebuilding" in failed.stderr and "no model here" in failed.stderr
     # Ctrl-C while the rebuild runs: the whole process group gets SIGINT
+    started = tmp_path / "rebuild-started"
     running = subprocess.Popen(["bash", SCRIPT, "unpack", str(folder), str(tmp_path / "next"), "shape",
-                                sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
-    time.sleep(2)
+                                sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); "
+                                "time.sleep(30)"], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not started.exists() and time.monotonic() < deadline:  # a loaded machine: signal the rebuild, not the start
+        time.sleep(0.1)
+    assert started.exists()
     os.killpg(running.pid, signal.SIGINT)
     assert running.wait(timeout=20) == 130
     assert list((tmp_path / "next").iterdir()) == [] and not list(tmp_path.glob("next.unpacking*"))
