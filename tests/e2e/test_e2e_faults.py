@@ -12,7 +12,7 @@ import pandas as pd
 import psutil
 import pytest
 import yaml
-from support import CONFIGS
+from support import CONFIGS, as_in_a_terminal
 from support.e2e import CELL, replicas_running_in, snakemake_argv, wait_for_line
 
 
@@ -65,19 +65,12 @@ def test_a_replica_killed_during_reuse_leaves_its_rows_and_no_process(tmp_path):
     assert populate["stores_settled"]["files"] >= 4 * 2048 // 256
 
 
-def _as_in_a_terminal():
-    """Ctrl-C's default action in the child: a shell without job control starts background commands
-    with SIGINT ignored, and pytest run that way would pass that on to snakemake. A run someone can
-    press Ctrl-C on has the default, which is what these tests stand for."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _interrupt_at(workdir, target, configs, phase, send, line="fleet of 2 healthy"):
     """Start snakemake on ``target``; once the log of the rule ``phase`` has ``line``, ``send`` it a signal;
     wait."""
     proc = subprocess.Popen(snakemake_argv(workdir, target, *configs), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=_as_in_a_terminal)
+                            preexec_fn=as_in_a_terminal)
     cell_name = CELL.format(backend="lmcache-fs", arm="shared").removeprefix("results/cells/")
     wait_for_line(proc, workdir / "logs" / phase / f"{cell_name}.log", phase, line)
     send(proc)

@@ -1,7 +1,9 @@
 """What the tests share that is not a fixture: the repository's paths, a shipped config as the Snakefile
-resolves it, a stand-in completions endpoint, and the gate inputs a unit's own flag must fail against."""
+resolves it, a stand-in completions endpoint, the gate inputs a unit's own flag must fail against, and a
+child's Ctrl-C as in a terminal."""
 
 import contextlib
+import signal
 from pathlib import Path
 
 import pandas as pd
@@ -52,3 +54,11 @@ def passing_gate_inputs(folder: Path, cell_name: str) -> tuple[str, str]:
     kv_bytes = folder / "kv_bytes.csv"
     kv_bytes.write_text("backend,chunk,tier,comparison,keys,equal,differ,bit_exact_expected,example_key,meaning\n")
     return str(validity), str(kv_bytes)
+
+
+def as_in_a_terminal():
+    """A child process's ``preexec_fn``: Ctrl-C's default action. A shell without job control starts background
+    commands with SIGINT ignored, pytest run that way passes that on, and an ignored signal stays ignored in a
+    child (bash cannot even trap it). A run someone can press Ctrl-C on has the default, which is what the tests
+    that send SIGINT stand for."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

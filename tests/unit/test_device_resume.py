@@ -11,7 +11,7 @@ import tarfile
 import time
 
 import pytest
-from support import REPO
+from support import REPO, as_in_a_terminal
 
 SCRIPT = str(REPO / "bench" / "device_resume.sh")
 OLD = 1_700_000_000  # a finished step's time, which the next machine must see unchanged
@@ -241,7 +241,8 @@ def test_a_failed_or_interrupted_rebuild_leaves_nothing_beside_the_working_direc
     started = tmp_path / "rebuild-started"
     running = subprocess.Popen(["bash", SCRIPT, "unpack", str(folder), str(tmp_path / "next"), "shape",
                                 sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); "
-                                "time.sleep(30)"], start_new_session=True)
+                                "time.sleep(30)"], start_new_session=True,
+                               preexec_fn=as_in_a_terminal)
     deadline = time.monotonic() + 20
     while not started.exists() and time.monotonic() < deadline:  # a loaded machine: signal the rebuild, not the start
         time.sleep(0.1)
@@ -249,3 +250,4 @@ def test_a_failed_or_interrupted_rebuild_leaves_nothing_beside_the_working_direc
     os.killpg(running.pid, signal.SIGINT)
     assert running.wait(timeout=20) == 130
     assert list((tmp_path / "next").iterdir()) == [] and not list(tmp_path.glob("next.unpacking*"))
+
