@@ -22,7 +22,7 @@ from kvpool.engine.plan import fleet_plan
 from kvpool.matrix import cells, is_memory_pool
 from kvpool.measure.timed import landed_stores, reset_prefix_cache, settled_stores
 from kvpool.settings import PHASE_SETTINGS, step_settings
-from kvpool.studies import capacity, study_a, studyb
+from kvpool.studies import capacity, chain_stores, study_a, studyb
 from kvpool.studies.study_a_phases import StoreWatch
 
 SRC = REPO / "src" / "kvpool"
@@ -225,6 +225,32 @@ def test_a_chain_or_router_waits_for_vllm_fs_stores_and_for_no_other_backend(con
     assert landed_stores(plan, config)["min_files"] == 0  # one request's stores: stable, no temp file
     lmcache = fleet_plan(config, Cell("lmcache-fs", "shared", 256, "ram"), "/m", tmp_path, [1, 2], "config")
     assert landed_stores(lmcache, config) is None
+
+
+def test_study_bs_requests_wait_for_a_file_of_every_whole_chunk_sent_then_for_stillness_once_one_wait_timed_out(
+        config, tmp_path):
+    """Study B and the length units on vllm-fs: before a request, a file for every whole chunk of the prompts
+    sent so far (here two prompts sharing their first chunk: three chunks), so a cross-replica step finds the
+    cold step's stores; a wait that times out leaves the later ones to stillness, so it costs its timeout once."""
+    gpu(config)
+    config["vllm_fs"]["store_timeout_s"] = 20
+    config["tiers"]["ram"] = str(tmp_path / "ram")
+    plan = fleet_plan(config, Cell("vllm-fs", "shared", 256, "ram"), "/m", tmp_path, [1, 2], "config")
+    folder = Path(plan.replicas[0].pool_dir)
+    folder.mkdir(parents=True)
+    prompts = {"one": list(range(600)), "two": list(range(256)) + list(range(1000, 1300))}
+    wait = chain_stores.stores_landed(plan, config, prompts, 256)
+    writer = threading.Thread(target=_land, args=(folder, ["a", "b", "c"], 0.4))
+    writer.start()
+    waited = asyncio.run(wait())
+    writer.join()
+    assert waited > 1.0 and len(list(folder.glob("*.bin"))) == 3
+    config["vllm_fs"]["store_timeout_s"] = 0.3
+    prompts["three"] = list(range(2000, 2256))  # a fourth chunk that never lands
+    assert asyncio.run(wait()) >= 0.3
+    assert asyncio.run(wait()) < 0.3 + 1.0  # stillness alone: two reads apart that agree
+    lmcache = fleet_plan(config, Cell("lmcache-fs", "shared", 256, "ram"), "/m", tmp_path, [1, 2], "config")
+    assert chain_stores.stores_landed(lmcache, config, prompts, 256) is None  # no wait at all
 
 
 def test_a_cells_steps_read_its_own_backends_section_and_cells_measured_before_keep_their_settings(config):

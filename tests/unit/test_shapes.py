@@ -286,7 +286,8 @@ def test_the_model_check_needs_replicas_alike_and_answers_that_depend_on_their_h
 
 @pytest.mark.parametrize(("name", "head"), [("config.yaml", 6000), ("h100-shape-a.yaml", 40960),
                                             ("h200-shape-a.yaml", 99072),
-                                            ("h100-shape-b.yaml", 32000), ("h100-shape-b-128k.yaml", 131200),
+                                            ("h100-shape-b.yaml", 32000), ("h100-shape-b-vllm-fs.yaml", 32000),
+                                            ("h100-shape-b-128k.yaml", 131200),
                                             ("h200-shape-b.yaml", 131200),
                                             ("h200-shape-b-256k.yaml", 260800),
                                             ("h200-mp-studyb.yaml", 131072), ("contexts.yaml", 12288)])
@@ -347,6 +348,25 @@ def test_the_99k_vllm_fs_config_is_the_99k_run_on_vllms_own_offloading_with_a_do
     document = (workload["doc_tokens"] + 256) * engine_pool_bytes_per_token(found)
     assert found["vllm_fs"]["cpu_gib"] * 2**30 > document
     assert workload["documents"] * document + document + 2 * found["vllm_fs"]["cpu_gib"] * 2**30 < 64 * 2**30
+
+
+def test_the_hybrid_vllm_fs_config_is_h100_shape_b_with_vllms_offloading_as_on_and_room_for_what_a_block_stores(
+        tmp_path):
+    """config/h100-shape-b-vllm-fs.yaml: docs/results/h100-shape-b's config with vllm-fs as ON's pool, its offload
+    blocks the hybrid's 1,600-token blocks, each CPU tier above the longest request's every-layer pages, and an ON
+    block's pool files and both CPU tiers within half the machine's 128 GiB (/dev/shm's default size)."""
+    found, base = shipped("h100-shape-b-vllm-fs.yaml"), shipped("h100-shape-b.yaml")
+    assert problems(found, tmp_path, check_paths=False) == []
+    assert {key for key in found if found[key] != base.get(key)} == {"backends", "vllm_fs", "extends"}
+    study = resolved(found)
+    args = found["engine"]["extra_args"]
+    assert study["backend"] == "vllm-fs" and study["chunk"] == int(args[args.index("--block-size") + 1])
+    assert study["chunk"] % found["vllm_fs"]["gpu_block_size"] == 0
+    per_token = engine_pool_bytes_per_token(found)  # every layer's page: 128 KiB a token
+    longest = found["engine"]["max_model_len"] * per_token
+    assert found["vllm_fs"]["cpu_gib"] * 2**30 > longest
+    pool = studyb_pool.pool_chunks(study, found) * study["chunk"] * per_token
+    assert pool + 2 * found["vllm_fs"]["cpu_gib"] * 2**30 < 64 * 2**30
 
 
 @pytest.mark.parametrize(("name", "kib_a_token"), [("h200-shape-a.yaml", 96), ("h100-shape-a-reloads.yaml", 96),

@@ -16,7 +16,7 @@ from kvpool.measure import records, reference
 from kvpool.measure.checks import verdict
 from kvpool.measure.records import ChainRecord
 from kvpool.report import studyb as studyb_report
-from kvpool.studies import studyb, studyb_pool, studyb_tables
+from kvpool.studies import chain_stores, studyb, studyb_pool, studyb_tables
 
 VOCAB = list(range(1000, 3000))
 
@@ -113,6 +113,45 @@ def test_a_block_sends_warmups_chains_then_sessions_that_grow_by_answer_and_new_
     assert list(session["prompt_tokens"]) == [256 + t * (4 + 32) for t in range(4)]  # + answer + new tokens
     fixed = rows[(rows["kind"] == "session") & (rows["placement"] == "fixed")]
     assert fixed.groupby("session")["replica"].nunique().eq(1).all()
+
+
+def test_a_pool_that_stores_after_the_answer_is_waited_for_before_each_step_and_turn_outside_the_session_wall(study):
+    """vllm-fs: kvpool waits for the stores before every chain step (before the fault injection or page-cache
+    drop) and session turn, records each wait on the request after it, and takes the waits between a session's
+    turns out of its wall time; warm-ups and windows are not waited for."""
+    workload = studyb.make_workload(VOCAB, study, replicas=2)
+    fleet, events = StandIn(study["chunk"], pooled=True), []
+
+    async def send(replica, prompt):
+        events.append("send")
+        return await fleet.send(replica, prompt)
+
+    async def landed():
+        events.append("wait")
+        await asyncio.sleep(0.05)
+        return 0.05
+
+    rows = records.frame(ChainRecord, asyncio.run(studyb.run_block(
+        send, "2-on", workload, study, 2, lambda step: events.append(step), wait_for_stores=landed)))
+    waited = rows.groupby("kind", sort=False)["stores_waited_s"].agg(lambda s: sorted(set(s.fillna(-1))))
+    assert waited.to_dict() == {"warmup": [-1], "chain": [0.05], "session": [0.05], "window": [-1]}
+    first_chain = events.index("cold")
+    assert events[first_chain - 1:first_chain + 2] == ["wait", "cold", "send"]
+    walls = studyb_tables.session_walls(rows).set_index(["placement", "session"])
+    sessions = rows[rows["kind"] == "session"].groupby(["placement", "session"])
+    raw = sessions["finished_at"].max() - sessions["started_at"].min()
+    turns = study["turns"]
+    assert walls["stores_waited_s"].tolist() == pytest.approx([0.05 * (turns - 1)] * len(walls))
+    assert walls["wall_s"].tolist() == pytest.approx((raw - 0.05 * (turns - 1)).reindex(walls.index).tolist())
+    assert (raw > 0.05 * (turns - 1)).all()  # the waits were inside the raw wall
+
+
+def test_a_pools_chunks_are_named_by_their_prefix_and_a_partial_chunk_by_none():
+    first = list(range(10))
+    assert len(chain_stores.chunk_keys([first], 4)) == 2  # two whole chunks of 4; the last 2 tokens stay in the GPU
+    assert len(chain_stores.chunk_keys([first, list(range(8)) + [99, 98]], 4)) == 2  # the same two chunks again
+    assert len(chain_stores.chunk_keys([first, [0, 1, 2, 3, 9, 9, 9, 9]], 4)) == 3  # one shared, one its own
+    assert len(chain_stores.chunk_keys([first, [4, 5, 6, 7, 0, 1, 2, 3]], 4)) == 4  # the same tokens after other ones
 
 
 def recompute(rows: pd.DataFrame) -> pd.DataFrame:

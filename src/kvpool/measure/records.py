@@ -113,6 +113,9 @@ class ChainRecord(RequestTimes):
     output_text: str | None
     planted_recalled: bool | None
     error: str | None
+    # how long kvpool waited, before sending it, for the pool's stores of the requests before it to land in its
+    # files (a pool that stores after the answer: vllm-fs); empty for every other pool
+    stores_waited_s: float | None = None
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -283,19 +283,24 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
             "bytes": sum(files.values()), "server_pool_bytes": list(held), "min_files": min_files}
 
 
-def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False) -> dict | None:
+def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False, min_files: int = 0) -> dict | None:
     """Where the plan's backend stores to its pool's files only after the answer (vllm-fs), wait until they are
-    whole and stop changing (``whole_workload``: until every document's whole chunks are files, as populate's
-    end does); None for every other backend, whose stores kvpool's phases already wait for."""
-    dirs = plan_pool_dirs(plan)
-    if plan.external or not dirs:  # no pool of kvpool's to wait for (a reference replica, an external fleet)
+    whole and stop changing, and at least ``min_files`` chunk files (``whole_workload``: until every document's
+    whole chunks are files, as populate's end does); None for every other backend, whose stores kvpool's phases
+    already wait for."""
+    if not stores_after_answer(plan):
         return None
     cell = Cell.from_name(plan.cell)
-    backend = pool_backend(cell.backend)
-    if not backend.stores_after_answer:
-        return None
-    settle = backend.populate_settle(cfg, cell)
-    return settled_stores(dirs, None, **(settle if whole_workload else {**settle, "min_files": 0}))
+    settle = pool_backend(cell.backend).populate_settle(cfg, cell)
+    return settled_stores(plan_pool_dirs(plan), None,
+                          **(settle if whole_workload else {**settle, "min_files": min_files}))
+
+
+def stores_after_answer(plan: Plan) -> bool:
+    """Whether the plan's replicas store to a pool of kvpool's files only after the answer (vllm-fs); not a
+    reference replica or an external fleet, which have no pool of kvpool's to wait for."""
+    return bool(not plan.external and plan_pool_dirs(plan)
+                and pool_backend(Cell.from_name(plan.cell).backend).stores_after_answer)
 
 
 def drop_pool(plan: Plan, use_proc_drop_caches: bool) -> dict:

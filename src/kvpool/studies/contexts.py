@@ -40,6 +40,7 @@ from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import cold_reads, with_served
 from kvpool.settings import PHASE_SETTINGS, reads
 from kvpool.studies import crossover, studyb
+from kvpool.studies.chain_stores import stores_landed
 from kvpool.studies.studyb import run_block
 
 BLOCK = "contexts-on"  # the rows' block name: kvpool.studies.studyb's ON arm, the only one a unit runs
@@ -222,7 +223,8 @@ def context_unit(plan: Plan, workload: dict, study: dict, cfg: dict, log_dir: Pa
             if step == "cross":
                 drops.append(drop_pool(plan, cfg["drop_caches"]))
 
-        return await run_block(send, BLOCK, workload, study, len(replicas), before)
+        return await run_block(send, BLOCK, workload, study, len(replicas), before,
+                               wait_for_stores=stores_landed(plan, cfg, prompts, study["chunk"]))
 
     unit = chain_fleet(plan, cfg, log_dir, body, sampled=("contexts", disks))
     unit.meta = {"drops_before_cross": drops, "prompts": prompts, **unit.meta}

@@ -40,6 +40,7 @@ from kvpool.measure.unit import with_retrievals
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
 from kvpool.settings import PHASE_SETTINGS, pool_sections, reads
+from kvpool.studies.chain_stores import StoresLanded, stores_landed
 from kvpool.studies.studyb_reference import PREDICTED, known_answers, predicted_pool_splits
 
 
@@ -239,11 +240,13 @@ def _row(block: str, result, counts: dict, replica: int, prompt: list[int], **wh
 
 
 async def run_block(send: Send, block: str, workload: dict, study: dict, replicas: int,
-                    before_step: Callable[[str], None] | None = None, send_together: Send | None = None) -> list[dict]:
+                    before_step: Callable[[str], None] | None = None, send_together: Send | None = None,
+                    wait_for_stores: StoresLanded | None = None) -> list[dict]:
     """The block's requests: warm-ups (the same on every replica), the chains and the sessions one at a
     time, then the concurrency windows through ``send_together`` (a send whose counts come from the
-    response, not /metrics deltas; ``send`` when not given). ``before_step`` (fault injection) runs
-    before each chain step, with the step's name."""
+    response, not /metrics deltas; ``send`` when not given). ``wait_for_stores`` (a pool that stores after
+    the answer) is awaited before each chain step and session turn, then ``before_step`` (fault injection,
+    the page-cache drop) runs before each chain step, with the step's name."""
     rows = []
     for replica in range(replicas):
         for prompt in workload["warmups"]:
@@ -251,21 +254,23 @@ async def run_block(send: Send, block: str, workload: dict, study: dict, replica
             rows.append(_row(block, result, counts, replica, prompt, kind="warmup"))
     for item in workload["chains"]:
         for step, role in CHAIN:
+            waited = await wait_for_stores() if wait_for_stores else None
             if before_step is not None:
                 before_step(step)
             replica = item["replicas"][role]
             result, counts = await send(replica, item["prompt"])
             rows.append(_row(block, result, counts, replica, item["prompt"], kind="chain", context=item["context"],
-                             chain=item["chain"], step=step,
+                             chain=item["chain"], step=step, stores_waited_s=waited,
                              planted_recalled=recalled(result.output_text, item["planted"]) if "planted" in item
                              else None))
     for item in workload["sessions"]:
         prompt = item["first"]
         for turn in range(study["turns"]):
+            waited = await wait_for_stores() if wait_for_stores else None
             replica = session_replica(item["placement"], item["session"], turn, replicas)
             result, counts = await send(replica, prompt)
             rows.append(_row(block, result, counts, replica, prompt, kind="session", placement=item["placement"],
-                             session=item["session"], turn=turn, context=len(prompt)))
+                             session=item["session"], turn=turn, context=len(prompt), stores_waited_s=waited))
             if result.error:
                 break  # the next turn's prompt needs this answer
             if turn + 1 < study["turns"]:
@@ -471,7 +476,7 @@ def studyb_block(plan: Plan, block: str, workload: dict, study: dict, cfg: dict,
                     log.warning("fault injection: corrupted %s", injected[-1]["file"])
 
         return await run_block(send, block, workload, study, len(replicas), corrupt_first_chunk if fault else None,
-                               send_together)
+                               send_together, stores_landed(plan, cfg, prompts, study["chunk"]))
 
     predicted = []
 

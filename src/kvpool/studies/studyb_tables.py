@@ -86,12 +86,17 @@ def locality_table(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataF
 
 
 def session_walls(rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per block and session: its wall time, first request sent to last answer complete."""
+    """One row per block and session: its wall time, first request sent to last answer complete, less kvpool's
+    waits between its turns for the pool's stores to land (a pool that stores after the answer: vllm-fs)."""
     sessions = rows[rows["kind"] == "session"]
-    grouped = sessions.groupby(["block", "arm", "placement", "session"], sort=False)
+    # the wait before the first turn comes before the session starts
+    between = sessions.get("stores_waited_s", pd.Series(0.0, index=sessions.index)).fillna(0.0).where(
+        sessions["turn"] > 0, 0.0)
+    grouped = sessions.assign(between=between).groupby(["block", "arm", "placement", "session"], sort=False)
     walls = grouped.agg(started=("started_at", "min"), finished=("finished_at", "max"), turns=("turn", "count"),
-                        ttft_total_s=("ttft_s", "sum"), errors=("error", "count")).reset_index()
-    walls["wall_s"] = walls["finished"] - walls["started"]
+                        ttft_total_s=("ttft_s", "sum"), errors=("error", "count"),
+                        stores_waited_s=("between", "sum")).reset_index()
+    walls["wall_s"] = walls["finished"] - walls["started"] - walls["stores_waited_s"]
     return walls.drop(columns=["started", "finished"])
 
 
