@@ -253,6 +253,28 @@ def test_study_bs_requests_wait_for_a_file_of_every_whole_chunk_sent_then_for_st
     assert chain_stores.stores_landed(lmcache, config, prompts, 256) is None  # no wait at all
 
 
+def test_a_cancelled_wait_for_stores_ends_its_thread_at_once_rather_than_at_its_timeout(config, tmp_path):
+    """Ctrl-C during a wait for stores that never land: the run cancels the wait, and its thread stops at the next
+    read instead of holding the process for vllm_fs.store_timeout_s (asyncio.run waits for the thread)."""
+    gpu(config)
+    config["vllm_fs"]["store_timeout_s"] = 30
+    config["tiers"]["ram"] = str(tmp_path / "ram")
+    plan = fleet_plan(config, Cell("vllm-fs", "shared", 256, "ram"), "/m", tmp_path, [1, 2], "config")
+    Path(plan.replicas[0].pool_dir).mkdir(parents=True)
+    wait = chain_stores.stores_landed(plan, config, {"one": list(range(512))}, 256)  # two chunks, never stored
+
+    async def cancelled():
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    started = time.monotonic()
+    asyncio.run(cancelled())  # returns once the executor's thread has ended
+    assert time.monotonic() - started < 3
+
+
 def test_a_cells_steps_read_its_own_backends_section_and_cells_measured_before_keep_their_settings(config):
     """Adding vllm-fs's section to every timed phase would change the settings of every cell measured before it,
     and Snakemake would re-run them all: the section goes to vllm-fs's own cells alone."""

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import subprocess
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -246,14 +247,17 @@ async def reset_prefix_cache(session: aiohttp.ClientSession, replica: Replica, c
 
 
 def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: float = 0.5,
-                   timeout_s: float = 60.0, min_files: int = 0, chunk_suffix: str = "") -> dict:
+                   timeout_s: float = 60.0, min_files: int = 0, chunk_suffix: str = "",
+                   stop: threading.Event | None = None) -> dict:
     """Wait for the pool to stop changing: LMCache stores a request's chunks after its answer (its remote
     backend puts them asynchronously), so on a fleet that keeps running after populate the last stores may
     still be on their way. Settled is two reads ``poll_s`` apart that agree, with no temp file among the
     pool's files (the chunk files' names and sizes, and each server's pool bytes) and at least ``min_files``
     whole chunk files, named ``*chunk_suffix`` (a backend whose stores go on in the engine in two asynchronous
     hops, vllm-fs, gives the files every document's whole chunks make); at ``timeout_s`` the last read stands,
-    and the gate's checks of what populate stored judge it. Returns what was waited for."""
+    and the gate's checks of what populate stored judge it. ``stop`` (set by a caller that was cancelled, a
+    run's Ctrl-C) ends the wait at the next read, so no thread outlives its run by the timeout. Returns what
+    was waited for."""
     def server_bytes(server: PoolServer) -> float | None:
         try:
             return server.metrics().get(server.pool_bytes_metric)
@@ -269,7 +273,7 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
 
     started, settled = time.monotonic(), False
     last = read()
-    while not settled and time.monotonic() - started < timeout_s:
+    while not settled and time.monotonic() - started < timeout_s and not (stop and stop.is_set()):
         time.sleep(poll_s)
         now = read()
         whole = [name for name in now[0] if not name.endswith(TEMP_SUFFIX)]
@@ -283,7 +287,8 @@ def settled_stores(dirs: list[Path], servers: list[PoolServer] | None, poll_s: f
             "bytes": sum(files.values()), "server_pool_bytes": list(held), "min_files": min_files}
 
 
-def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False, min_files: int = 0) -> dict | None:
+def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False, min_files: int = 0,
+                  stop: threading.Event | None = None) -> dict | None:
     """Where the plan's backend stores to its pool's files only after the answer (vllm-fs), wait until they are
     whole and stop changing, and at least ``min_files`` chunk files (``whole_workload``: until every document's
     whole chunks are files, as populate's end does); None for every other backend, whose stores kvpool's phases
@@ -292,7 +297,7 @@ def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False, min_files
         return None
     cell = Cell.from_name(plan.cell)
     settle = pool_backend(cell.backend).populate_settle(cfg, cell)
-    return settled_stores(plan_pool_dirs(plan), None,
+    return settled_stores(plan_pool_dirs(plan), None, stop=stop,
                           **(settle if whole_workload else {**settle, "min_files": min_files}))
 
 

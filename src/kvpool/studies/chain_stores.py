@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -24,7 +25,8 @@ def stores_landed(plan: Plan, cfg: dict, prompts: dict[str, list[int]], chunk: i
     what the requests before it stored, as a later user would; the seconds waited. None, no wait, for every
     other pool (kvpool.measure.timed.stores_after_answer). A wait that times out (a chunk its pool never stores)
     leaves the later ones to the files' standing still, so a store that never lands costs its timeout once
-    and the gate's own checks judge what the requests found."""
+    and the gate's own checks judge what the requests found; a cancelled wait (the run's Ctrl-C) ends its
+    thread at the next read."""
     if not stores_after_answer(plan):
         return None
     timed_out = False
@@ -32,7 +34,12 @@ def stores_landed(plan: Plan, cfg: dict, prompts: dict[str, list[int]], chunk: i
     async def wait() -> float:
         nonlocal timed_out
         expected = 0 if timed_out else len(chunk_keys(prompts.values(), chunk))
-        landed = await asyncio.to_thread(landed_stores, plan, cfg, min_files=expected)
+        stop = threading.Event()
+        try:
+            landed = await asyncio.to_thread(landed_stores, plan, cfg, min_files=expected, stop=stop)
+        except asyncio.CancelledError:  # Ctrl-C or SIGTERM: the thread reads once more and ends
+            stop.set()
+            raise
         timed_out = timed_out or not landed["settled"]
         return landed["waited_s"]
 
