@@ -301,6 +301,17 @@ def landed_stores(plan: Plan, cfg: dict, whole_workload: bool = False, min_files
                           **(settle if whole_workload else {**settle, "min_files": min_files}))
 
 
+async def stores_landing(plan: Plan, cfg: dict, min_files: int = 0) -> dict | None:
+    """``landed_stores`` awaited from a running unit, in a thread: cancelled (the run's Ctrl-C or SIGTERM), the
+    thread reads once more and ends rather than holding the process for the backend's store timeout."""
+    stop = threading.Event()
+    try:
+        return await asyncio.to_thread(landed_stores, plan, cfg, min_files=min_files, stop=stop)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
+
+
 def stores_after_answer(plan: Plan) -> bool:
     """Whether the plan's replicas store to a pool of kvpool's files only after the answer (vllm-fs); not a
     reference replica or an external fleet, which have no pool of kvpool's to wait for."""
@@ -446,7 +457,7 @@ def chain_fleet(plan: Plan, cfg: dict, log_dir: Path, body, sampled: tuple[str, 
                     sent = await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
                                                   token_ids=True)
                     # one request at a time: the next one (another step, the next turn) finds what this stored
-                    await asyncio.to_thread(landed_stores, fleet.plan, cfg)
+                    await stores_landing(fleet.plan, cfg)
                     return sent
 
                 async def send_together(replica: int, prompt: list[int]):

@@ -4,15 +4,13 @@ another replica finds them only once they land."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import threading
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from kvpool.engine.plan_types import Plan
-from kvpool.measure.timed import landed_stores, stores_after_answer
+from kvpool.measure.timed import stores_after_answer, stores_landing
 
 # before a chain step or a session turn: wait for the pool's stores of the requests before it; the seconds waited
 StoresLanded = Callable[[], Awaitable[float | None]]
@@ -26,20 +24,19 @@ def stores_landed(plan: Plan, cfg: dict, prompts: dict[str, list[int]], chunk: i
     other pool (kvpool.measure.timed.stores_after_answer). A wait that times out (a chunk its pool never stores)
     leaves the later ones to the files' standing still, so a store that never lands costs its timeout once
     and the gate's own checks judge what the requests found; a cancelled wait (the run's Ctrl-C) ends its
-    thread at the next read."""
+    thread at the next read (kvpool.measure.timed.stores_landing)."""
     if not stores_after_answer(plan):
         return None
     timed_out = False
+    known: dict[str, set[bytes]] = {}  # each prompt's chunks, by its payload's digest: hashed once
 
     async def wait() -> float:
         nonlocal timed_out
-        expected = 0 if timed_out else len(chunk_keys(prompts.values(), chunk))
-        stop = threading.Event()
-        try:
-            landed = await asyncio.to_thread(landed_stores, plan, cfg, min_files=expected, stop=stop)
-        except asyncio.CancelledError:  # Ctrl-C or SIGTERM: the thread reads once more and ends
-            stop.set()
-            raise
+        for payload, prompt in prompts.items():
+            if payload not in known:
+                known[payload] = chunk_keys([prompt], chunk)
+        expected = 0 if timed_out else len(set().union(*known.values()))
+        landed = await stores_landing(plan, cfg, min_files=expected)
         timed_out = timed_out or not landed["settled"]
         return landed["waited_s"]
 

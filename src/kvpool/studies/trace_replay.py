@@ -49,7 +49,7 @@ from kvpool.measure import reference as split_reference
 from kvpool.measure.checks import check, not_applicable, not_verified, verdict
 from kvpool.measure.files import read_json
 from kvpool.measure.records import TraceRecord, read_records
-from kvpool.measure.timed import landed_stores, measured_request, recompute_in_splits, timed_fleet, write_unit
+from kvpool.measure.timed import measured_request, recompute_in_splits, stores_landing, timed_fleet, write_unit
 from kvpool.measure.unit import UnitPaths, run_unit
 from kvpool.measure.unit_plan import checked_ports, new_plan, unit_pool
 from kvpool.measure.validity import with_served
@@ -315,7 +315,7 @@ async def _replay(by_index: dict[int, Replica], router: Router, sent: list[trace
             result, counts = await measured_request(session, by_index[index], texts[key], request.output_tokens,
                                                     timeout_s)
             # vllm-fs stores after the answer: the next request finds what this one stored (None elsewhere)
-            landed = await asyncio.to_thread(landed_stores, plan, cfg)
+            landed = await stores_landing(plan, cfg)
             rows.append(records.row(
                 TraceRecord, router=router.name, seq=seq, key=key, trace_index=request.index,
                 group="-".join(map(str, traces.group_key(request, settings["group_blocks"]))),
