@@ -93,6 +93,10 @@ unpack)
       "$(echo $unchecked) (over 64 MiB: weights written there), so what is built here cannot be held to it" \
       "(carry .device-resume/ instead)"
     differ=$(cd "$staged" && sha256sum -c "$sums" 2>/dev/null | grep -v ': OK$')
+    # a model's config.json names the transformers that wrote it: the usual cause is other software here
+    wrote=$(grep -o '"transformers_version": "[^"]*"' "$staged/resources/model/config.json" 2>/dev/null | cut -d'"' -f4)
+    case $differ in *resources/model/config.json:*) [ -n "$wrote" ] && differ="$differ (rebuilt by transformers\
+ $wrote here; config.json records the version that writes it: resume with the last machine's software)" ;; esac
     [ -z "$differ" ] || refuse "cannot resume $name: rebuilt here, these differ from what the last machine" \
       "measured with: $differ"
     mkdir -p "$staged/resume" && cp -p "$from"/resume/* "$staged/resume/"

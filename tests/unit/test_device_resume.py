@@ -184,6 +184,16 @@ def test_a_rebuilt_file_unlike_the_measured_one_stops_the_resume_by_name(committ
     assert list(work.iterdir()) == [] and not list(tmp_path.glob("next.unpacking*"))
 
 
+def test_a_model_config_written_by_other_transformers_is_named_as_the_cause(committed, tmp_path):
+    """A model's config.json records the transformers version that wrote it: a resume on a machine with another
+    version fails its digest, and the refusal says which version rebuilt it (measured: 5.19.0 here, 5.17.0 on the
+    device tool's machine)."""
+    other = {**REBUILT, "resources/model/config.json": '{"transformers_version": "9.9.9"}'}
+    done = device_resume("unpack", committed(), tmp_path / "next", "shape", *rebuild(other))
+    assert done.returncode == 2
+    assert "config.json: FAILED (rebuilt by transformers 9.9.9 here" in done.stderr
+
+
 def test_a_committed_run_without_a_rebuild_command_names_what_it_would_rebuild(committed, tmp_path):
     done = device_resume("unpack", committed(), tmp_path / "next", "shape")
     assert done.returncode == 2
