@@ -344,11 +344,21 @@ def test_the_windows_table_pairs_throughput_across_blocks():
     # 8 answered turns x 4 tokens over each window's wall time
     assert (row.off_tokens_per_s_median, row.on_tokens_per_s_median) == (pytest.approx(12.0), pytest.approx(32.0))
     assert row.mean_paired_change_pct == pytest.approx((100 + 300) / 2) and row.block_pairs == 2
-    page = studyb_report.markdown({"backend": "b", "chunk": 256, "tier": "ram", "warmups": 1, "window_turns": 4},
-                           ["1-off", "2-on"], {"valid": True, "blocks": {}, "checks": {}}, pd.DataFrame(),
-                           pd.DataFrame(), [], table)
+    study = {"backend": "lmcache-mp", "chunk": 256, "tier": "ram", "warmups": 1, "window_turns": 4}
+    gate = {"valid": True, "blocks": {}, "checks": {}}
+    page = studyb_report.markdown(study, ["1-off", "2-on"], gate, pd.DataFrame(), pd.DataFrame(), [], table)
     assert "## Short concurrency windows" in page and "| 2 | alternating | 12 tok/s | 32 tok/s | 200% |" in page
+    assert "stores after the answer" not in page  # LMCache's MP server stores before it answers
     assert studyb_tables.windows_table(rows[rows["kind"] != "window"], [], 4).empty  # a run without windows
+    # vllm-fs stores after the answer: the page says the chains and sessions waited, and how long, and the
+    # windows did not
+    on_vllm_fs = studyb_report.markdown({**study, "backend": "vllm-fs"}, ["1-off", "2-on"], gate, pd.DataFrame(),
+                                        pd.DataFrame(), [], table, waited_s=12.34)
+    assert "waited for the stores of the requests before it (12.3 s in all" in on_vllm_fs
+    assert "The windows' turns did not wait" in on_vllm_fs
+    without_windows = studyb_report.markdown({**study, "backend": "vllm-fs"}, ["1-off", "2-on"], gate,
+                                             pd.DataFrame(), pd.DataFrame(), [], pd.DataFrame(), waited_s=0.0)
+    assert "(0.0 s in all" in without_windows and "windows' turns" not in without_windows
 
 
 def test_studyb_md_builds_study_b_when_all_leaves_it_out_and_says_why_where_it_cannot(config, tmp_path):

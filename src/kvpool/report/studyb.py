@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvpool.engine.backends import pool_backend
 from kvpool.measure.files import write_json
 from kvpool.report import figures
 from kvpool.report.format import change_cells, fmt_value, markdown_table, pct
@@ -30,17 +31,32 @@ def _agreement_lines(gate: dict) -> list[str]:
             "block's gate compares its answers with a pool-less recompute in their own split).", ""]
 
 
+def _waits_lines(study: dict, waited_s: float, windows: bool) -> list[str]:
+    """What the page says of a pool that stores after the answer (vllm-fs): its chain steps and session turns
+    waited for the stores before them, its windows did not."""
+    if not pool_backend(study["backend"]).stores_after_answer:
+        return []
+    line = (f"{study['backend']} stores after the answer: each chain step and session turn first waited for the "
+            f"stores of the requests before it ({waited_s:.1f} s in all, `stores_waited_s`, left out of the "
+            "sessions' wall times).")
+    if windows:
+        line += " The windows' turns did not wait, as a user's would not: a turn may find less of its session stored."
+    return [line, ""]
+
+
 def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
-             figures: list[str], windows: pd.DataFrame | None = None) -> str:
-    """Study B's page: the design as run, the gate, Table 3 (locality) and Table 4 (sessions)."""
+             figures: list[str], windows: pd.DataFrame | None = None, waited_s: float = 0.0) -> str:
+    """Study B's page: the design as run, the gate, Table 3 (locality) and Table 4 (sessions); ``waited_s``,
+    the seconds a pool that stores after the answer was waited for."""
     verdict = "VALID" if gate["valid"] else "INVALID: " + "; ".join(gate_failures(gate))
+    has_windows = windows is not None and not windows.empty
     lines = [f"# Study B's design: {study['backend']} (chunk {study['chunk']}, tier {study['tier']}), ON against OFF",
              "", f"Blocks in run order: {', '.join(names)}. Each block restarts the fleet (and empties the ON pool); "
              f"{study['warmups']} warm-ups per replica are recorded and left out. ON and OFF requests pair by "
              "payload SHA-256 and replica; the change is 100 x (ON / OFF - 1), its interval a bootstrap across "
              "block pairs (three pairs or more); a change is called higher or lower only where its interval "
              "excludes 0.",
-             "", f"**Gate: {verdict}.**", "", *_agreement_lines(gate),
+             "", f"**Gate: {verdict}.**", "", *_agreement_lines(gate), *_waits_lines(study, waited_s, has_windows),
              "## Locality chains (Study B's Table 3)", ""]
     lines += markdown_table(
         ["context", "step", "OFF median", "ON median", "ON external hit tokens", "mean paired change", "95% CI",
@@ -57,7 +73,7 @@ def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, 
           *change_cells(row), pct(row.turn_ttft_change_pct), pct(row.decode_change_pct),
           f"{row.turns_matched} ({row.outputs_equal})"]
          for row in sessions.itertuples()))
-    if windows is not None and not windows.empty:
+    if has_windows:
         lines += ["", "## Short concurrency windows", "",
                   f"Per window, W sessions of {study['window_turns']} turns sent at once; output tokens per second "
                   "over the window's wall time. Hits from each response's cached tokens; answers not paired.", ""]
@@ -102,7 +118,8 @@ def run_studyb_tables(config: dict, study: dict, blocks: dict, *, locality_csv: 
     drawn = [figures.save(figures.locality(found.rows), folder, "locality"),
              figures.save(figures.sessions(found.walls), folder, "sessions")]
     links = [os.path.relpath(d["png"], Path(md_out).parent) for d in drawn]
+    waited = found.rows.get("stores_waited_s", pd.Series(dtype=float)).fillna(0.0).sum()
     Path(md_out).write_text(markdown(study, found.names, found.gate, found.locality, found.sessions, links,
-                                     found.windows))
+                                     found.windows, float(waited)))
     if not found.gate["valid"]:
         log.error("Study B is INVALID: %s", gate_failures(found.gate))
