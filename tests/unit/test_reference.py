@@ -4,6 +4,7 @@ matched, what a unit computes after its fleet stops, and the requests as a stand
 import asyncio
 import json
 import re
+import warnings
 
 import pandas as pd
 import pytest
@@ -151,3 +152,16 @@ def test_with_no_reference_at_all_the_answers_are_not_verified_and_say_why():
     check = reference.output_check(measured([768], ["pool"]), None)
     assert check["status"] == "not_verified" and check["ok"] is None
     assert "no recompute reference" in check["reason"] and "results/reference/outputs.csv" in check["reason"]
+
+
+def test_a_reference_read_back_from_csv_without_errors_or_answers_compares_as_written(tmp_path):
+    """A reference.csv whose error column is all empty reads back as float (pandas): it compares like the frame
+    that was written, with no warning that a later pandas turns into an error."""
+    ROWS.to_csv(tmp_path / "reference.csv", index=False)
+    read_back = pd.read_csv(tmp_path / "reference.csv")
+    assert read_back["error"].dtype == float
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check = reference.output_check(measured([768, 0], ["pool", "cold"]), read_back)
+    assert check["status"] == "passed" and check["value"]["compared"] == 2
+    assert reference.normalized(read_back)["error"].tolist() == ["", "", ""]

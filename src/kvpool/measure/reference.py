@@ -135,8 +135,8 @@ def normalized(reference: pd.DataFrame | None) -> pd.DataFrame:
     for column in COLUMNS:
         if column not in frame:
             frame[column] = np.nan
-    frame["error"] = frame["error"].fillna("")
-    frame["output_text"] = frame["output_text"].fillna("")
+    for column in ("error", "output_text"):  # text, though a column read back with no value at all is float
+        frame[column] = frame[column].astype(object).fillna("")
     return frame[COLUMNS]
 
 
