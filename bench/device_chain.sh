@@ -9,19 +9,30 @@
 # SECONDS while the chain runs, prints its log's tail and copies what /root/keep holds into this call's $OUT.
 # Name the commit as for device_run.sh: KVPOOL_GIT_COMMIT=<git rev-parse HEAD> KVPOOL_GIT_DIRTY=<0 or 1>.
 # Measured on the device tool's H100 (2026-12-06): a setsid process outlives the call that started it.
+# Triton's cache (compiled kernels and autotuning: the hybrid's first replica took 255-347 s on a fresh machine,
+# later ones about 60 s) goes from one machine to the next: `wait` packs ~/.triton/cache, once the chain is done,
+# into $OUT/triton-cache.tar.gz (where it is under the trip back's 16 MiB), and `start` unpacks a carried
+# .gpu-bundle/triton-cache.tar.gz before the first config. Triton keys each kernel by its source, GPU and version,
+# so a cache from another machine is used only where it matches.
 set -uo pipefail
-keep=/root/keep
+root=${DEVICE_CHAIN_ROOT:-/root}  # the device machine's; a test's own folder
+keep=$root/keep
+triton=.gpu-bundle/triton-cache.tar.gz
 case ${1:-} in
 start)
   deadline=$2; cap=$3; shift 3
-  mkdir -p /root/repo "$keep"
-  tar -C "$(pwd)" --exclude=./.gpu-bundle -cf - . | tar -C /root/repo -xf -
-  setsid nohup bash /root/repo/bench/device_chain.sh run "$deadline" "$cap" "$@" >"$keep/chain.log" 2>&1 </dev/null &
+  mkdir -p "$root/repo" "$keep"
+  if [ -f "$triton" ]; then
+    mkdir -p "$HOME/.triton" && tar -C "$HOME/.triton" -xzf "$triton" &&
+      echo "device_chain: Triton's cache from an earlier machine, $(find "$HOME/.triton/cache" -type f | wc -l) files"
+  fi
+  tar -C "$(pwd)" --exclude=./.gpu-bundle -cf - . | tar -C "$root/repo" -xf -
+  setsid nohup bash "$root/repo/bench/device_chain.sh" run "$deadline" "$cap" "$@" >"$keep/chain.log" 2>&1 </dev/null &
   echo "device_chain: started, log $keep/chain.log"
   ;;
 run)
   deadline=$2; cap=$3; shift 3
-  cd /root/repo || exit 1
+  cd "$root/repo" || exit 1
   export OUT=$keep
   for item in "$@"; do
     left=$((deadline - $(date +%s)))
@@ -39,6 +50,12 @@ wait)
   while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^device_chain: done" "$keep/chain.log" 2>/dev/null; do sleep 5; done
   tail -n 20 "$keep/chain.log"
   cp "$keep"/*.tar.gz "$keep/chain.log" "$OUT"/ 2>/dev/null
+  if grep -q "^device_chain: done" "$keep/chain.log" 2>/dev/null && [ -d "$HOME/.triton/cache" ]; then
+    tar -C "$HOME/.triton" -czf "$root/triton-cache.tar.gz" cache
+    size=$(stat -c %s "$root/triton-cache.tar.gz")
+    echo "device_chain: Triton's cache packed, $size bytes"
+    [ "$size" -lt $((16 * 1024 * 1024)) ] && cp "$root/triton-cache.tar.gz" "$OUT"/
+  fi
   ls -la "$OUT"
   ;;
 *)
