@@ -348,10 +348,10 @@ def test_the_windows_table_pairs_throughput_across_blocks():
     gate = {"valid": True, "blocks": {}, "checks": {}}
     page = studyb_report.markdown(study, ["1-off", "2-on"], gate, pd.DataFrame(), pd.DataFrame(), [], table)
     assert "## Short concurrency windows" in page and "| 2 | alternating | 12 tok/s | 32 tok/s | 200% |" in page
-    assert "stores after the answer" not in page  # LMCache's MP server stores before it answers
+    assert "stores after the answer" not in page  # no request waited: LMCache's MP server stores before it answers
     assert studyb_tables.windows_table(rows[rows["kind"] != "window"], [], 4).empty  # a run without windows
-    # vllm-fs stores after the answer: the page says the chains and sessions waited, and how long, and the
-    # windows did not
+    # vllm-fs stores after the answer: where the records hold waits the page says the chains and sessions waited,
+    # and how long, and the windows did not
     on_vllm_fs = studyb_report.markdown({**study, "backend": "vllm-fs"}, ["1-off", "2-on"], gate, pd.DataFrame(),
                                         pd.DataFrame(), [], table, waited_s=12.34)
     assert "waited for the stores of the requests before it (12.3 s in all" in on_vllm_fs

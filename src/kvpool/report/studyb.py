@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvpool.engine.backends import pool_backend
 from kvpool.measure.files import write_json
 from kvpool.report import figures
 from kvpool.report.format import change_cells, fmt_value, markdown_table, pct
@@ -31,10 +30,10 @@ def _agreement_lines(gate: dict) -> list[str]:
             "block's gate compares its answers with a pool-less recompute in their own split).", ""]
 
 
-def _waits_lines(study: dict, waited_s: float, windows: bool) -> list[str]:
-    """What the page says of a pool that stores after the answer (vllm-fs): its chain steps and session turns
-    waited for the stores before them, its windows did not."""
-    if not pool_backend(study["backend"]).stores_after_answer:
+def _waits_lines(study: dict, waited_s: float | None, windows: bool) -> list[str]:
+    """What the page says where the records hold waits for a pool that stores after the answer (vllm-fs): its
+    chain steps and session turns waited for the stores before them, its windows did not."""
+    if waited_s is None:
         return []
     line = (f"{study['backend']} stores after the answer: each chain step and session turn first waited for the "
             f"stores of the requests before it ({waited_s:.1f} s in all, `stores_waited_s`, left out of the "
@@ -45,9 +44,9 @@ def _waits_lines(study: dict, waited_s: float, windows: bool) -> list[str]:
 
 
 def markdown(study: dict, names: list[str], gate: dict, locality: pd.DataFrame, sessions: pd.DataFrame,
-             figures: list[str], windows: pd.DataFrame | None = None, waited_s: float = 0.0) -> str:
+             figures: list[str], windows: pd.DataFrame | None = None, waited_s: float | None = None) -> str:
     """Study B's page: the design as run, the gate, Table 3 (locality) and Table 4 (sessions); ``waited_s``,
-    the seconds a pool that stores after the answer was waited for."""
+    the seconds a pool that stores after the answer was waited for (None: no request waited)."""
     verdict = "VALID" if gate["valid"] else "INVALID: " + "; ".join(gate_failures(gate))
     has_windows = windows is not None and not windows.empty
     lines = [f"# Study B's design: {study['backend']} (chunk {study['chunk']}, tier {study['tier']}), ON against OFF",
@@ -118,8 +117,8 @@ def run_studyb_tables(config: dict, study: dict, blocks: dict, *, locality_csv: 
     drawn = [figures.save(figures.locality(found.rows), folder, "locality"),
              figures.save(figures.sessions(found.walls), folder, "sessions")]
     links = [os.path.relpath(d["png"], Path(md_out).parent) for d in drawn]
-    waited = found.rows.get("stores_waited_s", pd.Series(dtype=float)).fillna(0.0).sum()
+    waits = found.rows.get("stores_waited_s", pd.Series(dtype=float)).dropna()
     Path(md_out).write_text(markdown(study, found.names, found.gate, found.locality, found.sessions, links,
-                                     found.windows, float(waited)))
+                                     found.windows, float(waits.sum()) if len(waits) else None))
     if not found.gate["valid"]:
         log.error("Study B is INVALID: %s", gate_failures(found.gate))
