@@ -129,14 +129,19 @@ def test_an_endpoint_describes_its_version_models_and_cache():
     page = ('# TYPE vllm:cache_config_info gauge\n'
             'vllm:cache_config_info{block_size="16",enable_prefix_caching="True"} 1.0\n')
 
+    async def version(_):
+        return web.json_response({"version": "0.32.0"})
+
+    async def models(_):
+        return web.json_response(
+            {"data": [{"id": "kvpool-model", "root": "/models/m", "max_model_len": 4096, "object": "model"}]})
+
+    async def metrics(_):
+        return web.Response(text=page)
+
     async def serve_and_describe():
         app = web.Application()
-        app.add_routes([
-            web.get("/version", lambda r: web.json_response({"version": "0.32.0"})),
-            web.get("/v1/models", lambda r: web.json_response(
-                {"data": [{"id": "kvpool-model", "root": "/models/m", "max_model_len": 4096, "object": "model"}]})),
-            web.get("/metrics", lambda r: web.Response(text=page)),
-        ])
+        app.add_routes([web.get("/version", version), web.get("/v1/models", models), web.get("/metrics", metrics)])
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
