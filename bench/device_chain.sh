@@ -22,9 +22,15 @@ case ${1:-} in
 start)
   deadline=$2; cap=$3; shift 3
   mkdir -p "$root/repo" "$keep"
-  if [ -f "$triton" ]; then
-    mkdir -p "$HOME/.triton" && tar -C "$HOME/.triton" -xzf "$triton" &&
-      echo "device_chain: Triton's cache from an earlier machine, $(find "$HOME/.triton/cache" -type f | wc -l) files"
+  if [ -f "$triton" ]; then  # unpacked aside and moved in whole: a damaged tarball leaves no half-written kernel
+    aside=$(mktemp -d)
+    if tar -C "$aside" -xzf "$triton" && [ -d "$aside/cache" ]; then
+      mkdir -p "$HOME/.triton/cache" && cp -a "$aside/cache/." "$HOME/.triton/cache/" &&
+        echo "device_chain: Triton's cache from an earlier machine, $(find "$aside/cache" -type f | wc -l) files"
+    else
+      echo "device_chain: $triton is not a Triton cache this script packed; kernels compile afresh" >&2
+    fi
+    rm -rf "$aside"
   fi
   tar -C "$(pwd)" --exclude=./.gpu-bundle -cf - . | tar -C "$root/repo" -xf -
   setsid nohup bash "$root/repo/bench/device_chain.sh" run "$deadline" "$cap" "$@" >"$keep/chain.log" 2>&1 </dev/null &

@@ -53,3 +53,21 @@ def test_a_chain_still_running_brings_back_no_cache(tmp_path):
     waited = chain("wait", 1, tree=REPO, home=home, root=root, out=out)
     assert waited.returncode == 0 and "Triton's cache" not in waited.stdout
     assert not (out / "triton-cache.tar.gz").exists()
+
+
+def test_a_damaged_carried_cache_is_named_and_leaves_nothing_in_tritons_folder(tmp_path):
+    tree, home, root, out = (tmp_path / name for name in ("tree", "home", "root", "out"))
+    (tree / "bench").mkdir(parents=True)
+    shutil.copy(SCRIPT, tree / "bench")
+    (tree / ".gpu-bundle").mkdir()
+    whole = tmp_path / "whole.tar.gz"
+    kernel = tmp_path / "cache" / "abc123" / "kernel.cubin"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(bytes(range(256)) * 4096)
+    with tarfile.open(whole, "w:gz") as tar:
+        tar.add(tmp_path / "cache", arcname="cache")
+    (tree / ".gpu-bundle" / "triton-cache.tar.gz").write_bytes(whole.read_bytes()[:2000])  # cut short on its way
+    started = chain("start", 0, 0, tree=tree, home=home, root=root, out=out)
+    assert started.returncode == 0
+    assert "is not a Triton cache this script packed; kernels compile afresh" in started.stderr
+    assert not (home / ".triton").exists()
