@@ -454,11 +454,10 @@ def chain_fleet(plan: Plan, cfg: dict, log_dir: Path, body, sampled: tuple[str, 
         async def requests():
             async with new_session() as session:
                 async def send(replica: int, prompt: list[int]):
-                    sent = await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
+                    # a pool that stores after the answer is waited for by the body, before each step and turn,
+                    # and recorded there (kvpool.studies.chain_stores)
+                    return await measured_request(session, by_index[replica], prompt, output_tokens, timeout_s,
                                                   token_ids=True)
-                    # one request at a time: the next one (another step, the next turn) finds what this stored
-                    await stores_landing(fleet.plan, cfg)
-                    return sent
 
                 async def send_together(replica: int, prompt: list[int]):
                     result = await complete(session, by_index[replica].url, prompt, output_tokens, timeout_s,
